@@ -1,0 +1,117 @@
+"""Test helpers: leftover-state probes, a host-sync counter, transcript parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_module = torch.nn.modules.module
+
+
+def leftover_state():
+    """Everything capture could leave behind in torch, as comparable values."""
+    return (
+        len(_module._global_forward_pre_hooks),
+        len(_module._global_forward_hooks),
+        len(_module._global_forward_hooks_always_called),
+        len(_module._global_backward_hooks),
+        len(torch.overrides._get_current_function_mode_stack()),
+        torch._C._len_torch_dispatch_stack(),
+    )
+
+
+def module_hook_counts(model):
+    return [
+        (name, len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        for name, m in model.named_modules()
+    ]
+
+
+_SYNC_FUNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "__array__"}
+_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+_COPY_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+
+class _FunctionCounter(TorchFunctionMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _SYNC_FUNCS:
+            self.counts.append(("function", name))
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchCounter(TorchDispatchMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_OPS:
+            self.counts.append(("dispatch", str(func)))
+        elif func in _COPY_OPS:
+            out = func(*args, **kwargs)
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst = args[0] if func is torch.ops.aten.copy_.default else out
+            if isinstance(src, torch.Tensor) and src.device.type not in ("cpu", "meta") and dst.device.type == "cpu":
+                self.counts.append(("dispatch", "device-to-host copy"))
+            return out
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Count host syncs made inside the block: scalar reads (`item`, `tolist`, `bool(t)`,
+    `aten._local_scalar_dense`) and device-to-host copies. Yields the list of what was seen.
+
+    Enter it *before* the capture under test, so the capture's own calls pass through it.
+    """
+    counts = []
+    with _DispatchCounter(counts), _FunctionCounter(counts):
+        yield counts
+
+
+OP_LINE = re.compile(r"^(?P<indent> *)#(?P<ordinal>\d+)\s+(?P<op>\S+)\s+(?P<rest>.*)$")
+ENTER_LINE = re.compile(r"^(?P<indent> *)> (?P<path>\S+) \((?P<type>\w+)\)$")
+EXIT_LINE = re.compile(r"^(?P<indent> *)< (?P<path>\S+)")
+
+
+def op_lines(text: str):
+    return [line for line in text.splitlines() if line.lstrip().startswith("#")]
+
+
+def ordinals(text: str):
+    return [int(OP_LINE.match(line).group("ordinal")) for line in op_lines(text)]
+
+
+def check_nesting(text: str):
+    """Assert that `>`/`<` lines balance and that indentation follows module depth. Returns the
+    maximum depth seen."""
+    stack = []
+    deepest = 0
+    for line in text.splitlines():
+        if m := ENTER_LINE.match(line):
+            depth = m.group("path").count(".") + 1
+            assert len(m.group("indent")) == 2 * (depth - 1), line
+            stack.append(m.group("path"))
+            deepest = max(deepest, depth)
+        elif m := EXIT_LINE.match(line):
+            assert stack and stack[-1] == m.group("path"), f"unbalanced exit: {line!r} with open {stack}"
+            assert len(m.group("indent")) == 2 * (m.group("path").count(".")), line
+            stack.pop()
+        elif m := OP_LINE.match(line):
+            at = re.search(r"  @(\S+)", line)
+            depth = at.group(1).count(".") + 1 if at else 0
+            assert len(m.group("indent")) == 2 * depth, line
+            if stack:
+                assert at and (at.group(1) == stack[-1]), f"op {line!r} outside its module {stack[-1]}"
+    assert not stack, f"modules never closed: {stack}"
+    return deepest

@@ -1,0 +1,117 @@
+"""What capture must never do: leave state behind, sync the device, or disturb the user's error."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import torchlens as tl
+from helpers import count_host_syncs, leftover_state, module_hook_counts
+from models import Tiny, conv_net, images, tiny_gpt, tokens
+
+
+class Interrupting(torch.nn.Module):
+    def __init__(self, error):
+        super().__init__()
+        self.inner = Tiny()
+        self.error = error
+
+    def forward(self, x):
+        x = self.inner(x)
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "interrupt"])
+@pytest.mark.parametrize("entry", ["record", "trace", "recorder"])
+def test_no_hook_or_mode_is_left_after_a_failed_run(entry, error, tmp_path):
+    model = Interrupting(error)
+    hooks_before, state_before = module_hook_counts(model), leftover_state()
+    with pytest.raises(type(error)):
+        if entry == "recorder":
+            with tl.recording.Recorder(model, narrate=tmp_path / "r.log"):
+                model(torch.randn(1, 2))
+        else:
+            getattr(tl, entry)(model, torch.randn(1, 2), narrate=tmp_path / "r.log")
+    assert module_hook_counts(model) == hooks_before
+    assert leftover_state() == state_before
+    # and torch still runs normally afterwards
+    assert torch.equal(Tiny().eval()(torch.zeros(1, 2)).shape and torch.zeros(1), torch.zeros(1))
+
+
+def test_no_hook_or_mode_is_left_after_success():
+    model = tiny_gpt()
+    hooks_before = module_hook_counts(model)
+    tl.record(model, tokens(), narrate=lambda line: None)
+    with tl.recording.Recorder(model):
+        model(tokens())
+    assert module_hook_counts(model) == hooks_before
+
+
+@pytest.mark.parametrize("make,inputs", [(tiny_gpt, tokens), (conv_net, images)])
+def test_metadata_narration_makes_no_host_sync(make, inputs, tmp_path):
+    model, x = make(), inputs()
+    with count_host_syncs() as counted:
+        tl.record(model, x, narrate=tl.options.NarrationOptions(sink=tmp_path / "n.log", sites=True))
+    assert counted == []
+
+
+def test_the_sync_counter_sees_syncs_made_under_capture():
+    """The counter must catch a sync issued inside a captured forward, or the zero above means nothing."""
+
+    class Syncing(torch.nn.Module):
+        def forward(self, x):
+            return x * x.sum().item()
+
+    with count_host_syncs() as counted:
+        tl.record(Syncing(), torch.ones(3), narrate=lambda line: None)
+    assert ("function", "item") in counted and any(kind == "dispatch" for kind, _ in counted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_metadata_narration_passes_cuda_sync_debug_mode():
+    model, x = tiny_gpt().cuda(), tokens().cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tl.record(model, x, narrate=lambda line: None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _user_frames(exc):
+    return [
+        (f.filename, f.lineno, f.name)
+        for f in traceback.extract_tb(exc.__traceback__)
+        if "/torchlens/" not in f.filename and "/torch/" not in f.filename
+    ]
+
+
+def test_the_users_exception_keeps_its_type_message_and_frames():
+    model, bad = tiny_gpt(), tokens(1, 40)  # longer than the position table: an IndexError
+    try:
+        model(bad)
+    except Exception as exc:
+        plain = exc
+    with pytest.raises(type(plain)) as info:
+        tl.record(model, bad, narrate=lambda line: None)
+    assert str(info.value) == str(plain)
+    frames = _user_frames(info.value)
+    assert frames[-len(_user_frames(plain)) + 1:] == _user_frames(plain)[1:]
+    files = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+    first_model_frame = next(i for i, name in enumerate(files) if "/torch/" in name)
+    assert not any("/torchlens/" in name for name in files[first_model_frame:]), \
+        "below the entry call, the traceback holds only the user's and torch's frames"
+
+
+def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch):
+    from torchlens import session
+
+    def broken(self, *a, **k):
+        raise ZeroDivisionError("torchlens bug")
+
+    monkeypatch.setattr(session.Session, "add_op", broken)
+    model, x = tiny_gpt(), tokens()
+    with pytest.warns(tl.errors.NarrationWarning, match="torchlens bug"):
+        rec = tl.record(model, x, narrate=lambda line: None)
+    assert torch.equal(rec.output, model(x))

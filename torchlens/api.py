@@ -1,0 +1,70 @@
+"""The capture entry points: `tl.record` and `tl.trace`."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from .errors import OptionTypeError, suggest
+from .options import make_settings
+from .records import Recording, Trace
+from .eager.runner import run_eager
+from .eager.structure import check_model, forward_signature
+from .eager.values import DEFAULT_MAX_BYTES
+
+_RECORD_KEYWORDS = ("narrate", "value_stats", "on_nonfinite")
+_TRACE_KEYWORDS = _RECORD_KEYWORDS + ("keep_on_cpu", "max_bytes")
+
+
+def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None, **kwargs) -> Recording:
+    """Run `model(*args, **kwargs)` once and record every op; narrate it live if asked.
+
+    `narrate=` takes True (stderr), a path, a text stream, a callable taking one line, a Logger, a
+    selector such as `tl.in_module("encoder.layer.3")`, or `tl.options.NarrationOptions(...)`.
+    `value_stats=` is "off", "reuse", "sampled" or "exact"; `on_nonfinite=` None, "track" or
+    "raise". Other keyword arguments go to the model's forward.
+
+    If the forward raises, the exception propagates unchanged, with `exc.partial_trace` attached.
+    """
+    check_model(model, "tl.record")
+    _check_forward_kwargs(model, kwargs, _RECORD_KEYWORDS, "tl.record")
+    settings = make_settings(narrate, value_stats, on_nonfinite)
+    return run_eager(model, args, kwargs, settings)
+
+
+def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None,
+          keep_on_cpu: bool = False, max_bytes=DEFAULT_MAX_BYTES, **kwargs) -> Trace:
+    """Like `record`, and also keep a detached copy of every op's output (`trace.values`).
+
+    `keep_on_cpu=True` copies values to host memory; `max_bytes` (default 2 GiB, None for no
+    limit) bounds what is kept: exceeding it stops the forward with `TraceBudgetError`.
+    """
+    check_model(model, "tl.trace")
+    _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS, "tl.trace")
+    if not isinstance(keep_on_cpu, bool):
+        raise OptionTypeError(f"tl.trace(keep_on_cpu=...) takes True or False, got {keep_on_cpu!r}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise OptionTypeError(f"tl.trace(max_bytes=...) takes a byte count >= 0 or None (no limit), got {max_bytes!r}")
+    settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
+                             max_bytes=max_bytes)
+    return run_eager(model, args, kwargs, settings)
+
+
+def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) -> None:
+    """A keyword the forward cannot take is most likely a misspelt option: say so, with both lists."""
+    if not kwargs:
+        return
+    try:
+        parameters = forward_signature(model).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for name in kwargs:
+        if name not in parameters:
+            raise OptionTypeError(
+                f"{entry} got {name!r}, which is neither a torchlens option{suggest(name, keywords)} "
+                f"({', '.join(keywords)}) nor a parameter of {type(model).__name__}.forward "
+                f"({', '.join(parameters) or 'none'})"
+            )

@@ -1,0 +1,1 @@
+"""The eager substrate: capture by `TorchFunctionMode` plus module hooks."""

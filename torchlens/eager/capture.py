@@ -1,0 +1,205 @@
+"""Eager capture: a `TorchFunctionMode` for ops and global module hooks for module context.
+
+The mode sees every torch-level call (the granularity of a dynamo graph: `linear`, not
+`t`/`addmm`); the hooks report module enter/exit. Both only ever read metadata (shape, dtype,
+device) unless value statistics or kept values were asked for, so metadata narration reads no
+tensor payload and makes no device sync by construction.
+
+Two rules keep this safe around `torch.compile`:
+
+- The mode and the hooks return at once when `torch.compiler.is_compiling()`: when dynamo traces
+  through them it sees only the original call, so compiled graphs are unchanged.
+- Their code objects are excluded from dynamo's frame evaluation (`skip_code`): otherwise dynamo
+  would compile them as frames of their own, where `is_compiling()` is true, and they would go
+  silent in code that runs eagerly between compiled graphs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..events import TensorMeta
+from ..session import Session, internal_error
+from ..sites import find_user_site
+from .naming import op_name
+from .structure import ScopeTable
+
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def unwinding() -> bool:
+    """Called from a forward hook: is the module's forward propagating an exception?
+
+    `Module._call_impl` runs `always_call` hooks from its `except` block only when the forward
+    raised; on success they run from its inner helper. So the hook's caller tells which it is.
+    """
+    return sys._getframe(2).f_code is _CALL_IMPL
+
+
+class CaptureMode(TorchFunctionMode):
+    """Reports each torch-level call that returns tensors to the active capture."""
+
+    def __init__(self, capture: "EagerCapture"):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if _is_compiling():
+            return func(*args, **kwargs)
+        capture = self.capture
+        if capture.paused:
+            return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            capture.op_raised(func, args, kwargs, exc)
+            raise
+        capture.op_done(func, args, kwargs, out)
+        return out
+
+
+def _metas(out):
+    """TensorMeta of each tensor an op returned, or None when it returned no tensor."""
+    if type(out) is _Tensor or isinstance(out, _Tensor):
+        return (TensorMeta(out.shape, out.dtype, out.device),)
+    if type(out) is tuple or type(out) is list:
+        metas = tuple(TensorMeta(t.shape, t.dtype, t.device) for t in out if isinstance(t, _Tensor))
+        return metas or None
+    return None
+
+
+def _input_metas(args, kwargs):
+    """TensorMeta of the tensor arguments of a call (one level into lists and tuples)."""
+    metas = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _Tensor):
+            metas.append(TensorMeta.of(value))
+        elif isinstance(value, (list, tuple)):
+            metas.extend(TensorMeta.of(v) for v in value if isinstance(v, _Tensor))
+    return tuple(metas)
+
+
+class EagerCapture:
+    """Installs the mode and module hooks for one forward and reports to its `Session`."""
+
+    def __init__(self, session: Session, scopes: ScopeTable, observers=()):
+        self.session = session
+        self.scopes = scopes
+        self.sites = session.settings.sites
+        self.observers = tuple(observers)  # called as observer(event, tensors) after each op
+        self.paused = False
+        self.thread = threading.get_ident()
+        self._mode = CaptureMode(self)
+        self._handles = []
+        self._active = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+        self._mode.__enter__()
+        self._active = True
+
+    def stop(self) -> None:
+        """Remove the hooks and the mode. Safe to call twice, and after a failed start."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._active:
+            self._active = False
+            remove_mode(self._mode)
+
+    # -- what the mode reports ------------------------------------------------------------------
+
+    def op_done(self, func, args, kwargs, out) -> None:
+        metas = _metas(out)
+        if metas is None:
+            return
+        try:
+            site = find_user_site(sys._getframe(2)) if self.sites else None
+            event = self.session.add_op(op_name(func), metas, site)
+            for observe in self.observers:
+                observe(event, out)
+        except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise  # a deliberate stop (on_nonfinite="raise", a trace budget): the run ends here
+            self.paused = True
+            internal_error("recording an op", exc)
+
+    def op_raised(self, func, args, kwargs, exc) -> None:
+        try:
+            site = find_user_site(sys._getframe(2)) if self.sites else None
+            self.session.op_failed(op_name(func), _input_metas(args, kwargs), site, exc)
+        except Exception as inner:
+            internal_error("describing the failed op", inner)
+
+    # -- module hooks ---------------------------------------------------------------------------
+
+    def _pre_hook(self, module, args):
+        if _is_compiling() or self.paused or threading.get_ident() != self.thread:
+            return None
+        try:
+            session = self.session
+            scope = self.scopes.scope_of(module, session.scope)
+            if scope.parent is not None:
+                session.enter(scope)
+        except Exception as exc:
+            self.paused = True
+            internal_error("recording a module enter", exc)
+        return None
+
+    def _post_hook(self, module, args, output):
+        if _is_compiling() or self.paused or threading.get_ident() != self.thread:
+            return None
+        try:
+            session = self.session
+            scope = self.scopes.scope_of(module, session.scope)
+            if scope.parent is not None:
+                session.exit(scope, output is None and unwinding())
+        except Exception as exc:
+            self.paused = True
+            internal_error("recording a module exit", exc)
+        return None
+
+
+def remove_mode(mode: TorchFunctionMode) -> None:
+    """Pop `mode` from the torch function mode stack, keeping any modes above it in place."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode not in stack:
+        return
+    above = []
+    while True:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+def _exclude_from_dynamo() -> None:
+    skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    if skip is None:
+        return
+    for fn in (
+        CaptureMode.__torch_function__,
+        EagerCapture.op_done,
+        EagerCapture.op_raised,
+        EagerCapture._pre_hook,
+        EagerCapture._post_hook,
+    ):
+        skip(fn.__code__)
+
+
+_exclude_from_dynamo()

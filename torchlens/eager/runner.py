@@ -1,0 +1,99 @@
+"""One eager forward under capture, from inputs to `Recording` (or to the partial trace of a failure)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from torch import nn
+
+from ..events import TensorMeta
+from ..narrator import Narrator
+from ..records import Recording
+from ..options import Settings
+from ..session import Session
+from .capture import EagerCapture
+from .structure import ScopeTable, check_selection, named_inputs, named_outputs
+from .values import ValueKeeper
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class EagerPass:
+    """Session + capture for one forward: `begin(args, kwargs)`, then `end(output)` or `abort(exc)`.
+
+    `close()` always runs afterwards (it is idempotent) and leaves no hook or mode behind.
+    """
+
+    def __init__(self, model: nn.Module, settings: Settings, narrator: Optional[Narrator], header=None,
+                 observers=()):
+        self.model = model
+        self.scopes = ScopeTable(model)
+        check_selection(settings, self.scopes.paths)
+        self.session = Session(settings, self.scopes.root, narrator, header)
+        observers = list(observers)
+        if settings.keep_values:
+            observers.append(ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes))
+        self.observers = observers
+        self.capture = EagerCapture(self.session, self.scopes, observers)
+
+    def begin(self, args: tuple, kwargs: dict) -> None:
+        for label, tensor in named_inputs(self.model, args, kwargs):
+            event = self.session.add_input(label, (TensorMeta.of(tensor),))
+            for observe in self.observers:
+                observe(event, tensor)
+        self.capture.start()
+
+    def end(self, output) -> Recording:
+        self.capture.stop()
+        for label, tensor in named_outputs(output):
+            self.session.add_output(label, (TensorMeta.of(tensor),))
+        return self.session.finish(output)
+
+    def abort(self, exc: BaseException):
+        self.capture.stop()
+        partial = self.session.fail(exc)
+        strip_own_frames(exc)
+        return partial
+
+    def close(self) -> None:
+        self.capture.stop()
+
+
+def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings, header=None) -> Recording:
+    """Run `model(*args, **kwargs)` once under capture and return its recording."""
+    narrator = Narrator(settings.narration) if settings.narration is not None else None
+    try:
+        run = EagerPass(model, settings, narrator, header)
+        try:
+            run.begin(args, kwargs)
+            output = model(*args, **kwargs)
+        except BaseException as exc:
+            run.abort(exc)
+            raise
+        finally:
+            run.close()
+        return run.end(output)
+    finally:
+        if narrator is not None:
+            narrator.close()
+
+
+def strip_own_frames(exc: BaseException) -> None:
+    """Unlink torchlens's frames from the traceback, so the user sees their code and torch's.
+
+    The first entry is kept: it is the frame currently handling the exception, and Python will
+    keep adding the frames it propagates through above it.
+    """
+    tb = exc.__traceback__
+    if tb is None:
+        return
+    keep = tb
+    node = tb.tb_next
+    while node is not None:
+        if node.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            node = node.tb_next
+            keep.tb_next = node
+        else:
+            keep = node
+            node = node.tb_next

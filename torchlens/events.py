@@ -1,0 +1,176 @@
+"""The one event model both substrates produce.
+
+A forward pass becomes a sequence of `Event`s: the forward's tensor inputs ("input source"), each
+torch-level operation that produced a tensor, module enter/exit transitions, and the forward's tensor
+outputs. Everything downstream (selection, the line grammar, sinks, crash tails, compare) reads only
+these records, so the eager substrate and the compiled one are narrated by the same code.
+
+Records are plain slotted classes rather than dataclasses: the eager substrate builds one per
+captured op, and construction cost is on the hot path.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Tuple
+
+
+class EventKind(str, enum.Enum):
+    INPUT = "input"
+    OP = "op"
+    ENTER = "enter"
+    EXIT = "exit"
+    OUTPUT = "output"
+
+
+INPUT = EventKind.INPUT
+OP = EventKind.OP
+ENTER = EventKind.ENTER
+EXIT = EventKind.EXIT
+OUTPUT = EventKind.OUTPUT
+
+
+class Scope:
+    """A module's place in the hierarchy: its dotted path, class name, depth and parent.
+
+    The root module has path "" and depth 0; its direct children have depth 1. Scopes are interned
+    per capture, so two events in the same module share one `Scope` object.
+    """
+
+    __slots__ = ("path", "type_name", "depth", "parent")
+
+    def __init__(self, path: str, type_name: str, parent: Optional["Scope"]):
+        self.path = path
+        self.type_name = type_name
+        self.parent = parent
+        self.depth = 0 if parent is None else parent.depth + 1
+
+    def chain(self) -> Tuple["Scope", ...]:
+        """The scopes from the root's first child down to this one (the root itself excluded)."""
+        out = []
+        scope: Optional[Scope] = self
+        while scope is not None and scope.parent is not None:
+            out.append(scope)
+            scope = scope.parent
+        return tuple(reversed(out))
+
+    def contains(self, other: "Scope") -> bool:
+        """True when `other` is this scope or nested inside it."""
+        scope: Optional[Scope] = other
+        while scope is not None:
+            if scope is self or scope.path == self.path:
+                return True
+            scope = scope.parent
+        return False
+
+    def __repr__(self) -> str:
+        return f"Scope({self.path!r}, {self.type_name})"
+
+
+class TensorMeta:
+    """What narration shows of a tensor without reading its payload: shape, dtype, device.
+
+    `shape` holds ints, or strings for symbolic sizes when a compiled graph is narrated with
+    `symbolic_shapes=True`. `dtype` and `device` are the torch objects themselves; the grammar
+    abbreviates them.
+    """
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, shape, dtype, device):
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def of(cls, tensor) -> "TensorMeta":
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TensorMeta)
+            and tuple(self.shape) == tuple(other.shape)
+            and self.dtype == other.dtype
+            and self.device == other.device
+        )
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.shape), self.dtype, str(self.device)))
+
+    def __repr__(self) -> str:
+        return f"TensorMeta({list(self.shape)}, {self.dtype}, {self.device})"
+
+
+class Event:
+    """One captured moment of a forward pass.
+
+    - `kind`: one of `EventKind`.
+    - `ordinal`: for input sources and ops, the 1-based position in the forward (the `#N` of the
+      line); module and output events carry the ordinal of the last op before them.
+    - `op`: the operation's name (`linear`, `relu`, `add`, ...); "input" / "output" for sources and
+      results; the module's class name for enter/exit.
+    - `scope`: the module the op ran in (for enter/exit, the module entered or left).
+    - `outputs`: `TensorMeta` of each tensor the op produced.
+    - `site`: the user's `file:line` that issued the op, when sites were asked for.
+    - `stats`: value statistics (see `torchlens.stats`), when asked for.
+    - `label`: the argument name of an input source or the position of an output (`x`, `out[0]`).
+    """
+
+    __slots__ = ("kind", "ordinal", "op", "scope", "outputs", "site", "stats", "label")
+
+    def __init__(self, kind, ordinal, op, scope, outputs=(), site=None, stats=None, label=None):
+        self.kind = kind
+        self.ordinal = ordinal
+        self.op = op
+        self.scope = scope
+        self.outputs = outputs
+        self.site = site
+        self.stats = stats
+        self.label = label
+
+    @property
+    def module(self) -> str:
+        """Dotted path of the module the event belongs to ("" for the root)."""
+        return self.scope.path
+
+    @property
+    def depth(self) -> int:
+        """Module depth: 0 for the root, 1 for its children, ..."""
+        return self.scope.depth
+
+    @property
+    def is_op(self) -> bool:
+        """True for events narrated as `#` lines (input sources and ops)."""
+        return self.kind is OP or self.kind is INPUT
+
+    def __repr__(self) -> str:
+        where = f" @{self.scope.path}" if self.scope.path else ""
+        return f"Event({self.kind.value} #{self.ordinal} {self.op}{where})"
+
+
+class Attempt:
+    """The call that was in flight when a forward failed: it raised, so it has no outputs.
+
+    `inputs` describes its tensor arguments; `ordinal` is the number it would have had.
+    `op` is None when no torch call was in flight (the error came from Python code between ops).
+    """
+
+    __slots__ = ("op", "ordinal", "scope", "site", "inputs")
+
+    def __init__(self, op, ordinal, scope, site, inputs):
+        self.op = op
+        self.ordinal = ordinal
+        self.scope = scope
+        self.site = site
+        self.inputs = inputs
+
+    @property
+    def module(self) -> str:
+        return self.scope.path
+
+    @property
+    def on_cuda(self) -> bool:
+        return any(meta.device.type == "cuda" for meta in self.inputs)
+
+    def __repr__(self) -> str:
+        return f"Attempt({self.op} #{self.ordinal} @{self.scope.path})"

@@ -1,0 +1,187 @@
+"""The one line grammar: how an `Event` (and the notes around it) becomes a line of text.
+
+Rules every renderer here keeps:
+
+- Op lines (input sources and ops) start with `#N` after their indentation; module lines start with
+  `>` (enter) and `<` (exit); result lines with `=>`; notes and the footer with `--`; failure lines
+  with `!!`. Only op lines start with `#`, so counting them counts ops.
+- Indentation is two spaces per *module* depth: an op inside a depth-d module is indented 2*d; the
+  enter/exit lines of a depth-d module are indented 2*(d-1), so they sit one level out from the ops
+  they enclose.
+- Byte-stable: nothing on a line depends on addresses, ids, time or dictionary order. With
+  `normalize=True` what still differs between machines (directories in sites, device indices) is
+  removed too.
+
+Column layout of an op line::
+
+    {indent}{#N:<6}{op:<14}{shapes dtype device}  {@module | input name}  {site}  | {stats}
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, TensorMeta
+
+TAG_WIDTH = 6
+OP_WIDTH = 14
+MAX_OUTPUTS_SHOWN = 4
+
+_DTYPE_NAMES = {}
+_DEVICE_NAMES = {}
+_META_TEXTS = {}
+_OP_COLUMNS = {}
+_INDENTS = ["  " * d for d in range(64)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short dtype names in the usual shorthand: f32, bf16, f8_e4m3fn, i64, c64, bool."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        full = str(dtype).replace("torch.", "")
+        for long, short in (("bfloat", "bf"), ("float", "f"), ("complex", "c"), ("uint", "u"), ("int", "i")):
+            if full.startswith(long):
+                full = short + full[len(long):]
+                break
+        name = _DTYPE_NAMES[dtype] = full
+    return name
+
+
+def device_name(device, normalize: bool = False) -> str:
+    """`cpu`, `cuda:0`, `meta`; with `normalize` the index is dropped (`cuda`)."""
+    key = (device, normalize)
+    name = _DEVICE_NAMES.get(key)
+    if name is None:
+        name = _DEVICE_NAMES[key] = device.type if normalize else str(device)
+    return name
+
+
+def shape_text(shape) -> str:
+    return "[" + ",".join([str(size) for size in shape]) + "]"
+
+
+def meta_text(meta: TensorMeta, normalize: bool = False) -> str:
+    """`[1,2] f32 cpu` (memoised: a forward repeats a few shapes many times)."""
+    key = (meta.shape, meta.dtype, meta.device, normalize)
+    try:
+        return _META_TEXTS[key]
+    except KeyError:
+        text = shape_text(meta.shape) + " " + dtype_name(meta.dtype) + " " + device_name(meta.device, normalize)
+        if len(_META_TEXTS) < 65536:
+            _META_TEXTS[key] = text
+        return text
+    except TypeError:  # an unhashable size (a symbolic one): format it every time
+        return shape_text(meta.shape) + " " + dtype_name(meta.dtype) + " " + device_name(meta.device, normalize)
+
+
+def metas_text(metas, normalize: bool = False) -> str:
+    """All outputs of an op, comma-separated; long tuples are cut after a few with a count."""
+    if len(metas) == 1:
+        return meta_text(metas[0], normalize)
+    if not metas:
+        return "(no tensors)"
+    shown = [meta_text(m, normalize) for m in metas[:MAX_OUTPUTS_SHOWN]]
+    if len(metas) > MAX_OUTPUTS_SHOWN:
+        shown.append(f"... (+{len(metas) - MAX_OUTPUTS_SHOWN} more)")
+    return ", ".join(shown)
+
+
+def site_text(site: Optional[str], normalize: bool) -> str:
+    """A call site as `path:line`; `normalize` keeps only the file's base name."""
+    if not site:
+        return ""
+    if normalize:
+        return site.rsplit("/", 1)[-1].rsplit("\\", 1)[-1]
+    return site
+
+
+def _tag(tag: str) -> str:
+    return tag.ljust(TAG_WIDTH - 1) + " "
+
+
+def _op_column(op: str) -> str:
+    column = _OP_COLUMNS.get(op)
+    if column is None:
+        column = _OP_COLUMNS[op] = op.ljust(OP_WIDTH - 1) + " "
+    return column
+
+
+def render_event(event: Event, sites: bool = False, normalize: bool = False, folded: int = 0) -> str:
+    """One event as one line (without prefix or newline)."""
+    kind = event.kind
+    if kind is OP or kind is INPUT:
+        return render_op(event, sites, normalize)
+    scope = event.scope
+    indent = _INDENTS[scope.depth - 1] if scope.depth > 0 else ""
+    if kind is ENTER:
+        return f"{indent}> {scope.path} ({scope.type_name})"
+    if kind is EXIT:
+        line = f"{indent}< {scope.path}"
+        if folded:
+            line += f"  [{folded} op{'s' if folded != 1 else ''} folded]"
+        return line
+    if kind is OUTPUT:
+        return _tag("=>") + _op_column("output") + metas_text(event.outputs, normalize) + "  " + event.label
+    raise ValueError(f"unknown event kind {kind!r}")
+
+
+def render_op(event: Event, sites: bool, normalize: bool) -> str:
+    depth = event.scope.depth
+    line = _INDENTS[depth] + _tag("#" + str(event.ordinal)) + _op_column(event.op) + metas_text(event.outputs, normalize)
+    if event.kind is INPUT:
+        line += "  " + event.label
+    elif depth:
+        line += "  @" + event.scope.path
+    if sites and event.site:
+        line += "  " + site_text(event.site, normalize)
+    if event.stats is not None:
+        line += "  | " + event.stats.render()
+    return line
+
+
+def render_note(text: str) -> str:
+    return "-- " + text
+
+
+def render_failure(text: str) -> str:
+    return "!! " + text
+
+
+def render_attempt(attempt: Attempt, sites: bool, normalize: bool) -> list:
+    """The attempted-op marker: the call that raised (so produced nothing), never over-claimed.
+
+    A second line follows when CUDA tensors were involved, because a CUDA kernel error is reported
+    at a later synchronisation point and the named call may only be where it surfaced.
+    """
+    if attempt.op is None:
+        where = f" in @{attempt.scope.path}" if attempt.scope.path else ""
+        line = f"attempted: no torch call was in flight; the error came from Python code{where} after #{attempt.ordinal - 1}"
+        if attempt.site:
+            line += "  " + site_text(attempt.site, normalize)
+        return [render_failure(line)]
+    inputs = ", ".join(meta_text(m, normalize) for m in attempt.inputs) or "no tensor inputs"
+    line = f"attempted #{attempt.ordinal} {attempt.op}"
+    if attempt.scope.path:
+        line += f" @{attempt.scope.path}"
+    if attempt.site:
+        line += "  " + site_text(attempt.site, normalize)
+    line += f"  inputs: {inputs}  (not proven culprit)"
+    lines = [render_failure(line)]
+    if attempt.on_cuda:
+        lines.append(
+            render_failure(
+                "CUDA errors are asynchronous: the failing kernel may have been launched by an earlier op; "
+                "rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous"
+            )
+        )
+    return lines
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def render_footer(parts: Iterable[str]) -> str:
+    return render_note("end: " + "; ".join(parts))

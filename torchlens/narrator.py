@@ -1,0 +1,213 @@
+"""A narration: events in, lines out, through selection, depth folding and `max_lines`.
+
+The narrator is a pure function of the event sequence and the options. Live narration feeds it
+events as the forward runs; a recording renders its transcript after the fact by feeding the same
+events to a fresh narrator with an in-memory sink. That is why the two are byte-identical.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence
+
+from . import grammar
+from .errors import NarrationWarning
+from .events import ENTER, EXIT, INPUT, OP, Attempt, Event
+from .options import NarrationOptions
+from .sinks import ListSink, Sink, open_sink
+
+
+class Narrator:
+    """Writes the lines of one or more forward passes to one sink."""
+
+    def __init__(self, options: NarrationOptions, sink: Optional[Sink] = None):
+        self.options = options
+        self.sink = sink if sink is not None else open_sink(options.sink)
+        self._prefix = options.prefix
+        self._select = options.select
+        self._depth = options.depth
+        self._max_lines = options.max_lines
+        self._sites = options.sites
+        self._normalize = options.normalize
+        self._quiet = options.on_error_only
+        self._disabled = False
+        self.begin_pass()
+
+    # -- per pass -------------------------------------------------------------------------------
+
+    def begin_pass(self, header: Optional[str] = None) -> None:
+        """Reset the counters the footer reports; optionally print a pass header note."""
+        self.lines_written = 0
+        self.lines_suppressed = 0
+        self.ops = 0
+        self.inputs = 0
+        self.module_calls = 0
+        self.unselected = 0
+        self.folded_total = 0
+        self._folded = {}
+        self._limit_noted = False
+        self._nonfinite_noted = False
+        if header is not None:
+            self._write(grammar.render_note(header))
+
+    def feed(self, event: Event) -> None:
+        """Narrate one event (or count why it is not narrated)."""
+        kind = event.kind
+        if kind is OP:
+            self.ops += 1
+        elif kind is INPUT:
+            self.inputs += 1
+        elif kind is ENTER:
+            self.module_calls += 1
+        if self._quiet:
+            return
+        if self._select is not None and not self._select(event):
+            if kind is OP or kind is INPUT:
+                self.unselected += 1
+            return
+        folded = 0
+        if self._depth is not None:
+            depth = event.scope.depth
+            if kind is OP and depth > self._depth:
+                self._fold(event)
+                return
+            if kind is ENTER and depth > self._depth:
+                return
+            if kind is EXIT:
+                if depth > self._depth:
+                    return
+                if depth == self._depth:
+                    folded = self._folded.pop(event.scope.path, 0)
+        self._emit(grammar.render_event(event, self._sites, self._normalize, folded))
+        if event.stats is not None and event.stats.nonfinite and not self._nonfinite_noted:
+            self._nonfinite_noted = True
+            self._emit(grammar.render_failure(first_nonfinite_text(event)))
+
+    def _fold(self, event: Event) -> None:
+        self.folded_total += 1
+        scope = event.scope
+        while scope.depth > self._depth:
+            scope = scope.parent
+        if scope.depth > 0:
+            self._folded[scope.path] = self._folded.get(scope.path, 0) + 1
+
+    def end_pass(self, extra: Sequence[str] = ()) -> None:
+        """Print the footer that closes a pass."""
+        if self._quiet:
+            return
+        self._write(grammar.render_footer(self.footer_parts(extra)))
+
+    def footer_parts(self, extra: Sequence[str] = ()) -> List[str]:
+        parts = [
+            grammar.plural(self.inputs, "input") + ", " + grammar.plural(self.ops, "op") + ", "
+            + grammar.plural(self.module_calls, "module call")
+        ]
+        if self.unselected:
+            parts.append(f"{self.unselected} not selected")
+        if self.folded_total:
+            parts.append(f"{self.folded_total} folded (depth={self._depth})")
+        if self.lines_suppressed:
+            parts.append(f"{self.lines_suppressed} lines not printed (max_lines={self._max_lines})")
+        parts.extend(extra)
+        return parts
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def fail(self, events: Sequence[Event], attempt: Optional[Attempt], error: str) -> None:
+        """Print the failure block: what failed, the last lines with their module context, the marker."""
+        for line in failure_block(events, attempt, error, self.options, self.options.tail_on_error):
+            self._write(line)
+
+    def note(self, text: str) -> None:
+        if not self._quiet:
+            self._emit(grammar.render_note(text))
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def _emit(self, line: str) -> None:
+        """A narrated line: counted against `max_lines`."""
+        if self._max_lines is not None and self.lines_written >= self._max_lines:
+            self.lines_suppressed += 1
+            if not self._limit_noted:
+                self._limit_noted = True
+                self._write(grammar.render_note(f"max_lines={self._max_lines} reached: narration stops here; the run goes on"))
+            return
+        self.lines_written += 1
+        self._write(line)
+
+    def _write(self, line: str) -> None:
+        if self._disabled:
+            return
+        try:
+            self.sink.write(self._prefix + line if self._prefix else line)
+        except Exception as exc:  # a broken sink must not break the user's forward
+            self._disabled = True
+            warnings.warn(
+                f"torchlens narration turned off: the sink raised {type(exc).__name__}: {exc}",
+                NarrationWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def disabled(self) -> bool:
+        return self._disabled
+
+    def close(self) -> None:
+        try:
+            self.sink.close()
+        except Exception as exc:
+            warnings.warn(f"torchlens could not close its sink: {exc}", NarrationWarning, stacklevel=2)
+
+
+def first_nonfinite_text(event: Event) -> str:
+    where = f" @{event.scope.path}" if event.scope.path else ""
+    return f"first non-finite output: #{event.ordinal} {event.op}{where}  {event.stats.counts_text()}"
+
+
+def render_lines(events: Sequence[Event], options: NarrationOptions, header=None, footer_extra=None) -> List[str]:
+    """Render events to lines exactly as a live narration with these options would have."""
+    sink = ListSink()
+    narrator = Narrator(options, sink)
+    narrator.begin_pass(header)
+    for event in events:
+        narrator.feed(event)
+    if footer_extra is not None:
+        narrator.end_pass(footer_extra)
+    return sink.lines
+
+
+def failure_block(events, attempt, error: str, options: NarrationOptions, last: Optional[int]) -> List[str]:
+    """`!! forward failed`, the last lines (with the enter lines of still-open modules), the marker.
+
+    The window ignores selection, depth folding and `max_lines`: after a failure what matters is
+    what ran last, wherever it was.
+    """
+    plain = options.replace(select=None, depth=None, max_lines=None, on_error_only=False, prefix="")
+    sink = ListSink()
+    narrator = Narrator(plain, sink)
+    rendered = []  # (line, event that produced it)
+    for event in events:
+        narrator.feed(event)
+        rendered.extend((line, event) for line in sink.lines)
+        sink.lines.clear()
+    start = 0 if last is None else max(0, len(rendered) - last)
+    out = [grammar.render_failure(f"forward failed: {error}")]
+    if start:
+        out.extend(_open_enter_lines(rendered[:start]))
+        out.append(grammar.render_note(f"... {start} earlier line{'s' if start != 1 else ''}"))
+    out.extend(line for line, _ in rendered[start:])
+    if attempt is not None:
+        out.extend(grammar.render_attempt(attempt, options.sites, options.normalize))
+    return out
+
+
+def _open_enter_lines(rendered) -> List[str]:
+    """Enter lines of the modules still open at the end of `rendered`, outermost first."""
+    stack = []
+    for line, event in rendered:
+        if event.kind is ENTER:
+            stack.append(line)
+        elif event.kind is EXIT and stack:
+            stack.pop()
+    return stack
+

@@ -1,0 +1,194 @@
+"""Narration options and the validation of every capture keyword.
+
+`narrate=` accepts several spellings; `resolve_narrate` turns any of them into one
+`NarrationOptions` (or None for "off"), so the rest of the code sees a single shape. Nothing here
+reads the environment: narration is only ever turned on by code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
+from .selectors import Selector, as_selector
+from .sinks import is_sink_target
+
+VALUE_STATS = ("off", "reuse", "sampled", "exact")
+ON_NONFINITE = (None, "track", "raise")
+
+_FIELDS = (
+    "sink",
+    "sites",
+    "select",
+    "max_lines",
+    "prefix",
+    "depth",
+    "normalize",
+    "tail_on_error",
+    "on_error_only",
+    "symbolic_shapes",
+)
+
+
+class NarrationOptions:
+    """How a run is narrated.
+
+    - `sink`: where lines go: None/True (stderr), a path (appended, flushed per line), a text
+      stream (flushed per line, not closed), a callable taking one line, or a `logging.Logger`.
+    - `sites`: add the user's `file:line` that issued each op.
+    - `select`: a selector (`tl.in_module(...)`) or a predicate over events; others are not printed.
+    - `max_lines`: stop after this many lines, with one note; the footer counts the rest.
+    - `prefix`: put this string at the start of every line (for grepping mixed logs).
+    - `depth`: narrate modules down to this depth; ops of deeper modules are folded into the
+      exit line of their depth-`depth` ancestor as a count.
+    - `normalize`: strip what differs between machines (directories of sites, device indices).
+    - `tail_on_error`: on a failure, print this many of the last lines again, then the attempted
+      op. 0 prints just the failure and the attempted op.
+    - `on_error_only`: narrate nothing unless the forward fails; then print the tail.
+    - `symbolic_shapes`: in compiled graphs with dynamic shapes, show sizes symbolically (`[s0,16]`).
+    """
+
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        *,
+        sink=None,
+        sites: bool = False,
+        select=None,
+        max_lines=None,
+        prefix: str = "",
+        depth=None,
+        normalize: bool = False,
+        tail_on_error: int = 20,
+        on_error_only: bool = False,
+        symbolic_shapes: bool = False,
+        **unknown,
+    ):
+        if unknown:
+            name = next(iter(unknown))
+            raise OptionTypeError(
+                f"NarrationOptions got an unknown option {name!r}{suggest(name, _FIELDS)}; "
+                f"accepted: {', '.join(_FIELDS)}"
+            )
+        if not is_sink_target(sink):
+            raise OptionTypeError(
+                f"NarrationOptions(sink=...) takes a path, a text stream, a callable taking one line, "
+                f"a logging.Logger, or None for stderr; got {type(sink).__name__}"
+            )
+        self.sink = sink
+        self.sites = _check_bool("sites", sites)
+        self.select = None if select is None else as_selector(select)
+        self.max_lines = _check_count("max_lines", max_lines, allow_none=True)
+        if not isinstance(prefix, str):
+            raise OptionTypeError(f"NarrationOptions(prefix=...) takes a string, got {type(prefix).__name__}")
+        if "\n" in prefix:
+            raise OptionValueError("NarrationOptions(prefix=...) must not contain a newline")
+        self.prefix = prefix
+        self.depth = _check_count("depth", depth, allow_none=True)
+        self.normalize = _check_bool("normalize", normalize)
+        self.tail_on_error = _check_count("tail_on_error", tail_on_error, allow_none=False)
+        self.on_error_only = _check_bool("on_error_only", on_error_only)
+        self.symbolic_shapes = _check_bool("symbolic_shapes", symbolic_shapes)
+
+    def replace(self, **changes) -> "NarrationOptions":
+        """A copy with some options changed."""
+        values = {name: getattr(self, name) for name in _FIELDS}
+        values.update(changes)
+        return NarrationOptions(**values)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NarrationOptions) and all(getattr(self, f) == getattr(other, f) for f in _FIELDS)
+
+    def __repr__(self) -> str:
+        defaults = NarrationOptions()
+        changed = [f"{f}={getattr(self, f)!r}" for f in _FIELDS if getattr(self, f) != getattr(defaults, f)]
+        return "NarrationOptions(" + ", ".join(changed) + ")"
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise OptionTypeError(f"NarrationOptions({name}=...) takes True or False, got {value!r}")
+    return value
+
+
+def _check_count(name: str, value, allow_none: bool):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        accepted = "a whole number >= 0" + (" or None" if allow_none else "")
+        raise OptionTypeError(f"NarrationOptions({name}=...) takes {accepted}, got {value!r}")
+    if value < 0:
+        raise OptionValueError(f"NarrationOptions({name}={value}): must be >= 0")
+    return value
+
+
+NARRATE_ACCEPTS = (
+    "narrate= takes True (stderr), False/None (off), a file path, a text stream, a callable taking "
+    "one line, a logging.Logger, a selector such as tl.in_module('...'), or tl.options.NarrationOptions(...)"
+)
+
+
+def resolve_narrate(narrate):
+    """Turn any accepted spelling of `narrate=` into `NarrationOptions`, or None when off."""
+    if narrate is None or narrate is False:
+        return None
+    if narrate is True:
+        return NarrationOptions()
+    if isinstance(narrate, NarrationOptions):
+        return narrate
+    if isinstance(narrate, Selector):
+        return NarrationOptions(select=narrate)
+    if isinstance(narrate, (str, os.PathLike, logging.Logger)) or callable(getattr(narrate, "write", None)):
+        return NarrationOptions(sink=narrate)
+    if callable(narrate):
+        return NarrationOptions(sink=narrate)
+    raise OptionTypeError(f"{NARRATE_ACCEPTS}; got {narrate!r} ({type(narrate).__name__})")
+
+
+def check_value_stats(value) -> str:
+    if value not in VALUE_STATS or not isinstance(value, str):
+        hint = suggest(value, VALUE_STATS) if isinstance(value, str) else ""
+        raise OptionValueError(f"value_stats={value!r}{hint}: accepted are {describe_choices(VALUE_STATS)}")
+    return value
+
+
+def check_on_nonfinite(value):
+    if value is not None and (not isinstance(value, str) or value not in ON_NONFINITE):
+        hint = suggest(value, ("track", "raise")) if isinstance(value, str) else ""
+        raise OptionValueError(f"on_nonfinite={value!r}{hint}: accepted are {describe_choices(ON_NONFINITE)}")
+    return value
+
+
+class Settings:
+    """What the caller asked for, validated: the capture keywords shared by every entry point."""
+
+    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes")
+
+    def __init__(self, narration: Optional[NarrationOptions], value_stats="off", on_nonfinite=None,
+                 keep_values=False, keep_on_cpu=False, max_bytes=None):
+        self.narration = narration
+        self.value_stats = value_stats
+        self.on_nonfinite = on_nonfinite
+        self.keep_values = keep_values
+        self.keep_on_cpu = keep_on_cpu
+        self.max_bytes = max_bytes
+
+    @property
+    def sites(self) -> bool:
+        return self.narration is not None and self.narration.sites
+
+
+def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=False, keep_on_cpu=False,
+                  max_bytes=None) -> Settings:
+    """Validate the capture keywords every entry point shares and bundle them."""
+    return Settings(
+        resolve_narrate(narrate),
+        check_value_stats(value_stats),
+        check_on_nonfinite(on_nonfinite),
+        keep_values=keep_values,
+        keep_on_cpu=keep_on_cpu,
+        max_bytes=max_bytes,
+    )

@@ -1,0 +1,148 @@
+"""What a capture returns: `Recording`, `Trace` (a recording that kept values) and `PartialTrace`.
+
+All three render their transcript after the fact through the same narrator the live run used, so
+`recording.narrate()` is byte-identical to what live narration printed.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import grammar
+from .events import INPUT, OP, Attempt, Event
+from .narrator import failure_block, render_lines
+from .options import NarrationOptions
+from .selectors import as_selector
+
+
+class Transcript(str):
+    """Narration text. A `str`, whose repr is the text itself so it reads well at a prompt."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @property
+    def lines(self) -> List[str]:
+        return self.splitlines()
+
+
+def _transcript(lines: Sequence[str], prefix: str) -> Transcript:
+    if prefix:
+        lines = [prefix + line for line in lines]
+    return Transcript("".join(line + "\n" for line in lines))
+
+
+class Recording:
+    """The events of one forward pass, its output, and the settings it ran with.
+
+    - `events`: every `Event` in order (input sources, ops, module enter/exit, outputs).
+    - `ops`: just the `#` events (input sources and ops).
+    - `output`: what the forward returned.
+    - `first_nonfinite`: with `on_nonfinite="track"`, the first op whose output held NaN or Inf.
+    - `narrate(...)`: the transcript.
+    """
+
+    def __init__(self, events: List[Event], output, settings, header: Optional[str] = None,
+                 footer_extra: Sequence[str] = (), values: Optional[Dict[int, Tuple]] = None):
+        self.events = events
+        self.output = output
+        self.settings = settings
+        self.header = header
+        self.footer_extra = list(footer_extra)
+        self._values = values
+
+    @property
+    def ops(self) -> List[Event]:
+        return [e for e in self.events if e.kind is OP or e.kind is INPUT]
+
+    @property
+    def value_stats(self) -> str:
+        return self.settings.value_stats
+
+    @property
+    def first_nonfinite(self) -> Optional[Event]:
+        for event in self.events:
+            if event.stats is not None and event.stats.nonfinite:
+                return event
+        return None
+
+    def _options(self, select=None, **overrides) -> NarrationOptions:
+        options = self.settings.narration or NarrationOptions()
+        changes = {"on_error_only": False}
+        if select is not None:
+            changes["select"] = as_selector(select)
+        changes.update({k: v for k, v in overrides.items() if v is not None})
+        return options.replace(**changes)
+
+    def narrate(self, last: Optional[int] = None, select=None, *, normalize: Optional[bool] = None,
+                prefix: Optional[str] = None) -> Transcript:
+        """The transcript, as live narration printed it (or would have, had it been on).
+
+        `last=N` keeps the last N lines; `select=` narrows it (a selector or predicate);
+        `normalize=` and `prefix=` override the run's options.
+        """
+        options = self._options(select, normalize=normalize, prefix=prefix)
+        lines = render_lines(self.events, options.replace(prefix=""), self.header, self.footer_extra)
+        if last is not None:
+            lines = lines[-last:] if last else []
+        return _transcript(lines, options.prefix)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        ops = sum(1 for e in self.events if e.kind is OP)
+        return f"<{type(self).__name__}: {ops} ops, {len(self.events)} events>"
+
+
+class Trace(Recording):
+    """A recording that also kept each op's output value (detached copies).
+
+    `values[ordinal]` is the tuple of tensors the op (or input source) with that ordinal produced.
+    """
+
+    @property
+    def values(self) -> Dict[int, Tuple]:
+        return self._values
+
+    def value(self, ordinal: int):
+        """The output of op `#ordinal` (the tensor itself for single-output ops)."""
+        kept = self._values[ordinal]
+        return kept[0] if len(kept) == 1 else kept
+
+
+class PartialTrace(Recording):
+    """What a failed forward recorded up to the failure, plus the call that was in flight.
+
+    Attached to the user's exception as `exc.partial_trace`; `narrate(last=20)` renders the tail:
+    the failure, the last lines with the enter lines of the modules still open, and the
+    attempted-op marker.
+    """
+
+    def __init__(self, *args, attempt: Optional[Attempt] = None, error: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.attempt = attempt
+        self.error = error
+
+    @property
+    def values(self) -> Optional[Dict[int, Tuple]]:
+        return self._values
+
+    def narrate(self, last: Optional[int] = None, select=None, *, normalize: Optional[bool] = None,
+                prefix: Optional[str] = None) -> Transcript:
+        """The tail (`last=N` lines), or with no `last` exactly what live narration printed."""
+        options = self._options(select, normalize=normalize, prefix=prefix)
+        if last is None:
+            live = self.settings.narration
+            lines = [] if live is not None and live.on_error_only else render_lines(
+                self.events, options.replace(prefix=""), self.header)
+            lines += failure_block(self.events, self.attempt, self.error, options, options.tail_on_error)
+        else:
+            lines = failure_block(self.events, self.attempt, self.error, options, last)
+        return _transcript(lines, options.prefix)
+
+    def short_note(self) -> str:
+        """One or two lines for the exception's notes (shown under the traceback)."""
+        lines = grammar.render_attempt(self.attempt, sites=True, normalize=False) if self.attempt else []
+        text = "torchlens: " + " | ".join(line[3:] for line in lines)
+        return text + "\ntorchlens: exc.partial_trace.narrate(last=20) shows the last lines before the failure"

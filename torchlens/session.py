@@ -1,0 +1,232 @@
+"""One forward pass being recorded: the seam between a substrate and everything downstream.
+
+A substrate (eager hooks, or a compiled graph's plan) reports what happens — inputs, ops, module
+enters and exits, outputs, a failure — and the session numbers the ops, keeps module nesting
+balanced, stores the events, hands each one to the live narrator, and at the end produces a
+`Recording` (or, on failure, a `PartialTrace` attached to the user's exception).
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from typing import List, Optional
+
+from .errors import NarrationWarning
+from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
+from .narrator import Narrator
+from .options import Settings
+from .records import PartialTrace, Recording, Trace
+from .sites import display_path, is_internal_file
+
+
+class Session:
+    """Collects one forward's events and narrates them live.
+
+    `narrator` may be shared by several sessions (a `Recorder` narrates every pass to one sink).
+    """
+
+    def __init__(self, settings: Settings, root: Scope, narrator: Optional[Narrator] = None,
+                 header: Optional[str] = None):
+        self.settings = settings
+        self.root = root
+        self.narrator = narrator
+        self.header = header
+        self.events: List[Event] = []
+        self.values = {} if settings.keep_values else None
+        self.ordinal = 0
+        self.scope = root
+        self.failed_call = None  # (op, scope, site, input metas, exception) of a torch call that raised
+        self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
+        self.footer_extra: List[str] = []
+        if narrator is not None:
+            narrator.begin_pass(header)
+
+    # -- what substrates report -----------------------------------------------------------------
+
+    def record(self, event: Event) -> Event:
+        if self._unwound:
+            self._recover()
+        self.events.append(event)
+        narrator = self.narrator
+        if narrator is not None:
+            narrator.feed(event)
+        return event
+
+    def add_input(self, label: str, metas, site=None) -> Event:
+        self.ordinal += 1
+        return self.record(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label))
+
+    def add_op(self, op: str, metas, site=None, stats=None) -> Event:
+        self.ordinal += 1
+        self.failed_call = None
+        return self.record(Event(OP, self.ordinal, op, self.scope, metas, site, stats, None))
+
+    def add_output(self, label: str, metas) -> Event:
+        self.move_to(self.root)
+        return self.record(Event(OUTPUT, self.ordinal, "output", self.root, metas, None, None, label))
+
+    def enter(self, scope: Scope) -> None:
+        self.record(Event(ENTER, self.ordinal, scope.type_name, scope))
+        self.scope = scope
+
+    def exit(self, scope: Scope, unwinding: bool = False) -> None:
+        """Leave `scope`; exits of inner modules that were skipped are recorded first.
+
+        While an exception propagates (`unwinding`) exits are held back: if the forward fails they
+        are dropped, so a crash tail ends where the failure happened, inside its modules; if the
+        exception is caught inside the forward and the run goes on, they are recorded then.
+        """
+        current = self.scope
+        if not scope.contains(current):
+            return  # not open (a module called outside the model's nesting): nothing to close
+        if unwinding:
+            while current is not None and current is not scope and current.parent is not None:
+                self._unwound.append(current)
+                current = current.parent
+            self._unwound.append(scope)
+            self.scope = scope.parent
+            return
+        if self._unwound:
+            self._recover()
+        while self.scope is not scope and self.scope.parent is not None:
+            self._record_exit(self.scope)
+        self._record_exit(scope)
+
+    def _record_exit(self, scope: Scope) -> None:
+        self.events.append(event := Event(EXIT, self.ordinal, scope.type_name, scope))
+        if self.narrator is not None:
+            self.narrator.feed(event)
+        self.scope = scope.parent
+
+    def _recover(self) -> None:
+        """An exception was caught inside the forward: record the exits it unwound through."""
+        unwound, self._unwound = self._unwound, []
+        self.failed_call = None
+        for scope in unwound:
+            event = Event(EXIT, self.ordinal, scope.type_name, scope)
+            self.events.append(event)
+            if self.narrator is not None:
+                self.narrator.feed(event)
+
+    def move_to(self, target: Scope) -> None:
+        """Record the exits and enters that take the open module stack to `target`.
+
+        The compiled substrate knows each op's module stack but not when modules were entered, so
+        it derives module lines from transitions; eager capture reports enters and exits directly.
+        """
+        if target is self.scope:
+            return
+        wanted = target.chain()
+        opened = self.scope.chain()
+        common = 0
+        while common < len(wanted) and common < len(opened) and wanted[common].path == opened[common].path:
+            common += 1
+        for scope in reversed(opened[common:]):
+            self._record_exit(scope)
+        if common:
+            self.scope = opened[common - 1]
+        for scope in wanted[common:]:
+            self.enter(scope)
+        self.scope = target
+
+    def op_failed(self, op: str, metas, site, exc: BaseException) -> None:
+        """A torch call raised: remember it as the attempted op in case the forward fails."""
+        self.failed_call = (op, self.scope, site, metas, exc)
+
+    # -- ending the pass ------------------------------------------------------------------------
+
+    def finish(self, output) -> Recording:
+        self.move_to(self.root)
+        if self.narrator is not None:
+            self.narrator.end_pass(self.footer_extra)
+        cls = Trace if self.values is not None else Recording
+        return cls(
+            events=self.events,
+            output=output,
+            settings=self.settings,
+            header=self.header,
+            footer_extra=list(self.footer_extra),
+            values=self.values,
+        )
+
+    def fail(self, exc: BaseException) -> PartialTrace:
+        """Build the partial trace for `exc`, narrate the tail, and attach both to the exception.
+
+        Never raises: a problem here is reported as a warning and the user's exception goes on.
+        """
+        attempt = self.attempt_for(exc)
+        error = error_summary(exc)
+        partial = PartialTrace(
+            events=self.events,
+            output=None,
+            settings=self.settings,
+            header=self.header,
+            footer_extra=[],
+            values=self.values,
+            attempt=attempt,
+            error=error,
+        )
+        if self.narrator is not None:
+            self.narrator.fail(self.events, attempt, error)
+        attach(exc, partial)
+        return partial
+
+    def attempt_for(self, exc: BaseException) -> Attempt:
+        failed = self.failed_call
+        if failed is not None and _in_chain(failed[4], exc):
+            op, scope, site, metas, _ = failed
+            return Attempt(op, self.ordinal + 1, scope, site, metas)
+        scope = self._unwound[0] if self._unwound else self.scope
+        return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
+
+
+def _in_chain(target: BaseException, exc: BaseException) -> bool:
+    """Whether `target` is `exc` or one of the exceptions it was raised from or during."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if exc is target:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def error_summary(exc: BaseException) -> str:
+    message = str(exc).strip().splitlines()
+    first = message[0] if message else ""
+    if len(first) > 240:
+        first = first[:237] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def user_site_of(exc: BaseException) -> Optional[str]:
+    """The innermost traceback frame outside torch and torchlens, as a site string."""
+    site = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if not is_internal_file(filename):
+            site = f"{display_path(filename)}:{lineno}"
+    return site
+
+
+def attach(exc: BaseException, partial: PartialTrace) -> None:
+    """Give the exception `exc.partial_trace` and a PEP 678 note with the short form of the tail."""
+    try:
+        exc.partial_trace = partial
+    except Exception:  # an exception type that refuses attributes: the note still helps
+        pass
+    try:
+        exc.add_note(partial.short_note())
+    except Exception:
+        pass
+
+
+def internal_error(what: str, exc: BaseException) -> None:
+    """Report a failure inside torchlens without disturbing the user's run."""
+    warnings.warn(
+        f"torchlens: {what} failed ({type(exc).__name__}: {exc}); narration is incomplete for this run",
+        NarrationWarning,
+        stacklevel=3,
+    )
+
