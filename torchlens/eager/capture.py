@@ -139,7 +139,7 @@ class EagerCapture:
 
     def op_raised(self, func, args, kwargs, exc) -> None:
         try:
-            site = find_user_site(sys._getframe(2)) if self.sites else None
+            site = find_user_site(sys._getframe(2))  # a failure is rare: always worth its site
             self.session.op_failed(op_name(func), _input_metas(args, kwargs), site, exc)
         except Exception as inner:
             internal_error("describing the failed op", inner)
