@@ -129,3 +129,36 @@ def tokens(batch: int = 1, length: int = 8, vocab: int = 64, seed: int = 1) -> t
 def images(batch: int = 1, size: int = 16, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, size, size, generator=generator)
+
+
+class Breaking(nn.Module):
+    """A forward dynamo cannot capture whole: a print and a data-dependent branch break the graph."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        print("embedded", tuple(x.shape))
+        if x.mean().item() > -100:
+            x = torch.tanh(self.body(x))
+        return self.head(x)
+
+
+class LoopBreak(nn.Module):
+    """A graph break inside a loop: dynamo runs this forward eagerly and compiles each block alone."""
+
+    def __init__(self, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim, 4) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x) * 0.5
+            if i == 0:
+                print("after block 0")
+        return self.norm(x)

@@ -6,8 +6,9 @@
 See the README and docs/ for the guide.
 """
 
-from . import errors, options, recording
-from .api import record, trace
+from . import errors, fx_backend, options, recording
+from .fx_backend import registration as _registration  # noqa: F401  (loads fx_backend.registration)
+from .api import compile, record, trace
 from .events import Event, EventKind, TensorMeta
 from .recording import PartialTrace, Recording, Trace
 from .selectors import in_module
@@ -15,6 +16,7 @@ from .selectors import in_module
 __all__ = [
     "record",
     "trace",
+    "compile",
     "in_module",
     "options",
     "recording",
@@ -27,3 +29,5 @@ __all__ = [
     "TensorMeta",
 ]
 __version__ = "0.1.0"
+
+fx_backend.registration.register_without_entry_point()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
 
-from .errors import OptionTypeError, suggest
+from .errors import ModelTypeError, OptionTypeError, suggest
 from .options import make_settings
 from .records import Recording, Trace
 from .eager.runner import run_eager
@@ -49,6 +50,32 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
                              max_bytes=max_bytes)
     return run_eager(model, args, kwargs, settings)
+
+
+def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None, live: bool = False,
+            compiler="inductor", **torch_compile_kwargs):
+    """`torch.compile(model, backend="torchlens")` with the options as keywords and absolute module names.
+
+    `live=True` writes each op's line as it completes (the graph runs op by op); `compiler=` is what
+    compiles the graph underneath ("inductor", "eager", another backend's name, or a callable).
+    Other keywords (`dynamic=`, `fullgraph=`, `mode=`) go to `torch.compile`. The returned object
+    is what `torch.compile` returns; `compiled.torchlens.last_recording` is the latest forward's
+    recording.
+    """
+    from .fx_backend.config import make_config
+    from .fx_backend.registration import Backend, install
+    from .fx_backend.runtime import CompiledRuntime, module_of
+
+    if "backend" in torch_compile_kwargs:
+        raise OptionTypeError("tl.compile chooses the backend itself; name the compiler underneath with compiler=")
+    if not callable(model):
+        raise ModelTypeError(f"tl.compile takes an nn.Module or a function, got {type(model).__name__}")
+    config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler)
+    runtime = CompiledRuntime(config, model if isinstance(model, nn.Module) else module_of(model))
+    compiled = torch.compile(model, backend=Backend(runtime), **torch_compile_kwargs)
+    install(compiled, runtime)
+    compiled.torchlens = runtime
+    return compiled
 
 
 def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) -> None:

@@ -33,17 +33,23 @@ OUTPUT = EventKind.OUTPUT
 class Scope:
     """A module's place in the hierarchy: its dotted path, class name, depth and parent.
 
-    The root module has path "" and depth 0; its direct children have depth 1. Scopes are interned
-    per capture, so two events in the same module share one `Scope` object.
+    The root module has path "" and depth 0; `blocks.0.attn` has depth 3, whether or not the
+    container `blocks` was itself called. Scopes are interned per capture, so two events in the same
+    module share one `Scope` object.
+
+    `key` tells module *calls* apart: it is the path, with `@N` added for the N-th re-entry of a
+    module within one compiled graph (`proj(proj(x))`), so two consecutive calls of the same module
+    are narrated as two enter/exit pairs.
     """
 
-    __slots__ = ("path", "type_name", "depth", "parent")
+    __slots__ = ("path", "type_name", "depth", "parent", "key")
 
-    def __init__(self, path: str, type_name: str, parent: Optional["Scope"]):
+    def __init__(self, path: str, type_name: str, parent: Optional["Scope"], key: Optional[str] = None):
         self.path = path
         self.type_name = type_name
-        self.parent = parent
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.parent = parent  # the enclosing module that was *called* (a ModuleList never is)
+        self.depth = path.count(".") + 1 if path else 0
+        self.key = path if key is None else key
 
     def chain(self) -> Tuple["Scope", ...]:
         """The scopes from the root's first child down to this one (the root itself excluded)."""
@@ -53,15 +59,6 @@ class Scope:
             out.append(scope)
             scope = scope.parent
         return tuple(reversed(out))
-
-    def contains(self, other: "Scope") -> bool:
-        """True when `other` is this scope or nested inside it."""
-        scope: Optional[Scope] = other
-        while scope is not None:
-            if scope is self or scope.path == self.path:
-                return True
-            scope = scope.parent
-        return False
 
     def __repr__(self) -> str:
         return f"Scope({self.path!r}, {self.type_name})"

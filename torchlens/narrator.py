@@ -76,20 +76,20 @@ class Narrator:
             if kind is EXIT:
                 if depth > self._depth:
                     return
-                if depth == self._depth:
-                    folded = self._folded.pop(event.scope.path, 0)
+                folded = self._folded.pop(event.scope.key, 0)
         self._emit(grammar.render_event(event, self._sites, self._normalize, folded))
         if event.stats is not None and event.stats.nonfinite and not self._nonfinite_noted:
             self._nonfinite_noted = True
             self._emit(grammar.render_failure(first_nonfinite_text(event)))
 
     def _fold(self, event: Event) -> None:
+        """Count an op too deep to show against the innermost shown module call around it."""
         self.folded_total += 1
         scope = event.scope
         while scope.depth > self._depth:
             scope = scope.parent
-        if scope.depth > 0:
-            self._folded[scope.path] = self._folded.get(scope.path, 0) + 1
+        if scope.parent is not None:
+            self._folded[scope.key] = self._folded.get(scope.key, 0) + 1
 
     def end_pass(self, extra: Sequence[str] = ()) -> None:
         """Print the footer that closes a pass."""

@@ -70,6 +70,15 @@ class Session:
         self.record(Event(ENTER, self.ordinal, scope.type_name, scope))
         self.scope = scope
 
+    def open_scope(self, path: Optional[str]) -> Optional[Scope]:
+        """The innermost open module call with this path (None for the root or a closed module)."""
+        scope = self.scope
+        while scope is not None and scope.parent is not None:
+            if scope.path == path:
+                return scope
+            scope = scope.parent
+        return None
+
     def exit(self, scope: Scope, unwinding: bool = False) -> None:
         """Leave `scope`; exits of inner modules that were skipped are recorded first.
 
@@ -78,8 +87,6 @@ class Session:
         exception is caught inside the forward and the run goes on, they are recorded then.
         """
         current = self.scope
-        if not scope.contains(current):
-            return  # not open (a module called outside the model's nesting): nothing to close
         if unwinding:
             while current is not None and current is not scope and current.parent is not None:
                 self._unwound.append(current)
@@ -120,7 +127,7 @@ class Session:
         wanted = target.chain()
         opened = self.scope.chain()
         common = 0
-        while common < len(wanted) and common < len(opened) and wanted[common].path == opened[common].path:
+        while common < len(wanted) and common < len(opened) and wanted[common].key == opened[common].key:
             common += 1
         for scope in reversed(opened[common:]):
             self._record_exit(scope)

@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from ..events import TensorMeta
 from ..session import Session, internal_error
 from ..sites import find_user_site
-from .naming import op_name
-from .structure import ScopeTable
+from ..naming import op_name
+from ..scopes import ScopeTable
 
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -66,7 +66,7 @@ class CaptureMode(TorchFunctionMode):
         return out
 
 
-def _metas(out):
+def output_metas(out):
     """TensorMeta of each tensor an op returned, or None when it returned no tensor."""
     if type(out) is _Tensor or isinstance(out, _Tensor):
         return (TensorMeta(out.shape, out.dtype, out.device),)
@@ -76,7 +76,7 @@ def _metas(out):
     return None
 
 
-def _input_metas(args, kwargs):
+def input_metas(args, kwargs):
     """TensorMeta of the tensor arguments of a call (one level into lists and tuples)."""
     metas = []
     for value in (*args, *kwargs.values()):
@@ -123,7 +123,7 @@ class EagerCapture:
     # -- what the mode reports ------------------------------------------------------------------
 
     def op_done(self, func, args, kwargs, out) -> None:
-        metas = _metas(out)
+        metas = output_metas(out)
         if metas is None:
             return
         try:
@@ -140,7 +140,7 @@ class EagerCapture:
     def op_raised(self, func, args, kwargs, exc) -> None:
         try:
             site = find_user_site(sys._getframe(2))  # a failure is rare: always worth its site
-            self.session.op_failed(op_name(func), _input_metas(args, kwargs), site, exc)
+            self.session.op_failed(op_name(func), input_metas(args, kwargs), site, exc)
         except Exception as inner:
             internal_error("describing the failed op", inner)
 
@@ -151,7 +151,7 @@ class EagerCapture:
             return None
         try:
             session = self.session
-            scope = self.scopes.scope_of(module, session.scope)
+            scope = self.scopes.module_scope(module, session.scope)
             if scope.parent is not None:
                 session.enter(scope)
         except Exception as exc:
@@ -164,8 +164,8 @@ class EagerCapture:
             return None
         try:
             session = self.session
-            scope = self.scopes.scope_of(module, session.scope)
-            if scope.parent is not None:
+            scope = session.open_scope(self.scopes.path_of(module))
+            if scope is not None:
                 session.exit(scope, output is None and unwinding())
         except Exception as exc:
             self.paused = True
@@ -188,18 +188,25 @@ def remove_mode(mode: TorchFunctionMode) -> None:
         torch._C._push_on_torch_function_stack(other)
 
 
-def _exclude_from_dynamo() -> None:
-    skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
-    if skip is None:
-        return
-    for fn in (
-        CaptureMode.__torch_function__,
-        EagerCapture.op_done,
-        EagerCapture.op_raised,
-        EagerCapture._pre_hook,
-        EagerCapture._post_hook,
-    ):
-        skip(fn.__code__)
+def exclude_from_dynamo(*functions) -> None:
+    """Never let dynamo compile these functions, nor anything they call.
+
+    They run inside compiled regions (between graphs, or around a compiled submodule) and must run
+    as plain Python; compiled as frames of their own they would see `is_compiling()` as true and
+    do nothing.
+    """
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for fn in functions:
+            set_code_exec_strategy(fn.__code__, strategy)
+    except Exception:  # an older dynamo: skip the functions themselves at least
+        skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+        if skip is not None:
+            for fn in functions:
+                skip(fn.__code__)
 
 
-_exclude_from_dynamo()
+exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)

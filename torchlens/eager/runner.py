@@ -13,7 +13,8 @@ from ..records import Recording
 from ..options import Settings
 from ..session import Session
 from .capture import EagerCapture
-from .structure import ScopeTable, check_selection, named_inputs, named_outputs
+from ..scopes import ScopeTable
+from .structure import check_selection, named_inputs, named_outputs
 from .values import ValueKeeper
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -30,7 +31,7 @@ class EagerPass:
         self.model = model
         self.scopes = ScopeTable(model)
         check_selection(settings, self.scopes.paths)
-        self.session = Session(settings, self.scopes.root, narrator, header)
+        self.session = Session(settings, self.scopes.root_scope, narrator, header)
         observers = list(observers)
         if settings.keep_values:
             observers.append(ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes))

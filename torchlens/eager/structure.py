@@ -3,43 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import nn
 
 from ..errors import ModelTypeError
-from ..events import Scope
 
 MAX_NESTING = 8
-
-
-class ScopeTable:
-    """Maps module objects to `Scope`s named by their path under the root module.
-
-    Built from `named_modules()` once per capture. A module reached during the forward that is not
-    a registered submodule (created on the fly, or passed in) gets a scope named after its class
-    under the module that called it.
-    """
-
-    def __init__(self, root: nn.Module):
-        self.root = Scope("", type(root).__name__, None)
-        self._by_id: Dict[int, Scope] = {id(root): self.root}
-        by_path = {"": self.root}
-        for path, module in root.named_modules():
-            if path:
-                parent = by_path[path.rsplit(".", 1)[0] if "." in path else ""]
-                by_path[path] = self._by_id[id(module)] = Scope(path, type(module).__name__, parent)
-        self.paths = list(by_path)
-        self._keep_alive = root  # ids stay valid while the root (and so its children) lives
-
-    def scope_of(self, module: nn.Module, caller: Scope) -> Scope:
-        scope = self._by_id.get(id(module))
-        if scope is None:
-            name = f"<{type(module).__name__}>"
-            path = f"{caller.path}.{name}" if caller.path else name
-            scope = self._by_id[id(module)] = Scope(path, type(module).__name__, caller)
-        return scope
 
 
 def named_tensors(obj, label: str, out: List[Tuple[str, torch.Tensor]], nesting: int = 0) -> None:
@@ -59,14 +30,13 @@ def named_tensors(obj, label: str, out: List[Tuple[str, torch.Tensor]], nesting:
 _signatures = {}
 
 
-def forward_signature(module: nn.Module) -> inspect.Signature:
-    """`inspect.signature(module.forward)`, memoised per forward function (it costs tens of µs)."""
-    forward = module.forward
-    key = getattr(forward, "__func__", forward)
+def signature_of(fn) -> inspect.Signature:
+    """`inspect.signature(fn)`, memoised per underlying function (it costs tens of µs)."""
+    key = getattr(fn, "__func__", fn)
     try:
         return _signatures[key]
     except (KeyError, TypeError):
-        signature = inspect.signature(forward)
+        signature = inspect.signature(fn)
         try:
             _signatures[key] = signature
         except TypeError:
@@ -74,11 +44,25 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
         return signature
 
 
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    return signature_of(module.forward)
+
+
 def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
     """The forward's tensor arguments, named after its parameters (`x`, `input_ids`, `batch[0]`)."""
+    return named_arguments(module.forward, args, kwargs)
+
+
+def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors among a call's arguments, named after `fn`'s parameters."""
     out: List[Tuple[str, torch.Tensor]] = []
+    if isinstance(fn, nn.Module):
+        fn = fn.forward
+    elif isinstance(getattr(fn, "__self__", None), nn.Module) and getattr(fn, "__name__", "") in (
+        "__call__", "_wrapped_call_impl", "_call_impl"):
+        fn = getattr(fn.__self__, "_orig_mod", fn.__self__).forward  # a module's call: name by forward
     try:
-        signature = forward_signature(module)
+        signature = signature_of(fn)
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         for i, arg in enumerate(args):

@@ -13,6 +13,9 @@ _BINARY = {
     "and", "or", "xor", "lshift", "rshift",
 }
 
+# Spellings that differ between the eager callable and the FX target of the same op.
+_SAME_OP = {"truediv": "div"}
+
 _names = {}
 
 
@@ -38,12 +41,12 @@ def _derive(func) -> str:
 
 
 def dunder_name(name: str) -> str:
-    """`__add__` -> `add`, `__radd__` -> `add`, `__iadd__` -> `add_`, `__getitem__` -> `getitem`."""
+    """`__add__` -> `add`, `__radd__` -> `add`, `__iadd__` -> `add_`, `__truediv__` -> `div`."""
     if not (name.startswith("__") and name.endswith("__")) or len(name) <= 4:
-        return name
+        return _SAME_OP.get(name, name)
     core = name[2:-2]
     if core[0] == "i" and core[1:] in _BINARY:
-        return core[1:] + "_"
+        return _SAME_OP.get(core[1:], core[1:]) + "_"
     if core[0] == "r" and core[1:] in _BINARY:
-        return core[1:]
-    return core
+        core = core[1:]
+    return _SAME_OP.get(core, core)

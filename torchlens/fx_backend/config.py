@@ -1,0 +1,79 @@
+"""Options of the compiled path: `torch.compile(..., backend="torchlens", options={...})` and `tl.compile`.
+
+Keys mirror `tl.record`'s keywords (`narrate`, `value_stats`, `on_nonfinite`) and add what only a
+compiled run has: `live` (narrate each op as it completes, running the graph op by op) and
+`compiler` (what compiles the graph: "inductor" by default, "eager", another registered backend's
+name, or a backend callable).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from ..errors import OptionTypeError, OptionValueError, suggest
+from ..options import Settings, make_settings
+
+OPTION_KEYS = ("narrate", "value_stats", "on_nonfinite", "live", "compiler")
+
+
+class CompileConfig:
+    """Validated options of one compiled model."""
+
+    __slots__ = ("settings", "live", "compiler")
+
+    def __init__(self, settings: Settings, live: bool, compiler):
+        self.settings = settings
+        self.live = live
+        self.compiler = compiler
+
+
+def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",
+                keep_values=False) -> CompileConfig:
+    if not isinstance(live, bool):
+        raise OptionTypeError(f"live= takes True or False, got {live!r}")
+    check_compiler(compiler)
+    settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=keep_values)
+    return CompileConfig(settings, live, compiler)
+
+
+def config_from_options(options: Optional[Mapping[str, Any]]) -> CompileConfig:
+    """Validate `options=` of the string backend."""
+    if options is None:
+        return make_config()
+    if not isinstance(options, Mapping):
+        raise OptionTypeError(f"backend 'torchlens' takes options as a dict with keys {', '.join(OPTION_KEYS)}; got {type(options).__name__}")
+    for key in options:
+        if key not in OPTION_KEYS:
+            raise OptionTypeError(
+                f"backend 'torchlens' got an unknown option {key!r}{suggest(str(key), OPTION_KEYS)}; "
+                f"accepted: {', '.join(OPTION_KEYS)}"
+            )
+    return make_config(**options)
+
+
+def check_compiler(compiler) -> None:
+    if callable(compiler):
+        return
+    if not isinstance(compiler, str):
+        raise OptionTypeError(f"compiler= takes a backend name such as 'inductor' or 'eager', or a backend callable; got {compiler!r}")
+    if compiler == "torchlens":
+        raise OptionValueError("compiler='torchlens' would instrument the graph twice; name the compiler underneath, e.g. 'inductor'")
+    known = torch._dynamo.list_backends(exclude_tags=()) + ["eager"]
+    if compiler not in known:
+        raise OptionValueError(f"compiler={compiler!r}{suggest(compiler, known)}: not a registered backend; known: {', '.join(sorted(set(known)))}")
+
+
+def inner_compile(compiler, gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None) -> Callable:
+    """Compile `gm` with the compiler underneath (inductor unless told otherwise)."""
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = torch._inductor.list_mode_options(mode) if mode else None
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    if compiler == "eager":
+        return gm.forward
+    if isinstance(compiler, str):
+        compiler = torch._dynamo.lookup_backend(compiler)
+    return compiler(gm, example_inputs)

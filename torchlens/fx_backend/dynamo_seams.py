@@ -1,0 +1,112 @@
+"""Every place the compiled path relies on how dynamo works inside, in one file.
+
+The backend contract (`backend(gm, example_inputs)`) tells a backend nothing about forward passes,
+the module being compiled, or the code dynamo runs eagerly between graphs. Narrating a whole forward
+needs all three, and torch offers no public hook for them, so this module reads them from dynamo's
+own structures. Each function degrades gracefully — returning None or False — when torch changes,
+and its docstring says what is lost then.
+
+- A compiled callable (an `OptimizedModule` or a function returned by `torch.compile`) runs through
+  the `compile_wrapper` closure of a `_TorchDynamoContext`, which calls each of the context's
+  `enter_exit_hooks` before the call and each returned cleanup after it (also when the call raises).
+  That is the forward boundary: a hook appended there begins and ends a narrated forward.
+- The torch function mode stack is cleared while dynamo traces a frame and restored afterwards; the
+  restored stack, and the stack the frame's guards expect, are two lists dynamo keeps.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+_WRAPPER_NAME = "compile_wrapper"
+
+
+def find_call_frame():
+    """The innermost frame of a `torch.compile` wrapper call on this thread's stack, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == _WRAPPER_NAME and "cleanups" in frame.f_code.co_varnames:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def context_of_frame(frame) -> Optional[Any]:
+    """The dynamo context whose wrapper `frame` is running."""
+    return frame.f_locals.get("self") if frame is not None else None
+
+
+def call_of_frame(frame) -> Tuple[Optional[Callable], tuple, dict]:
+    """The callable the wrapper runs and the arguments of this call."""
+    local = frame.f_locals
+    return local.get("fn"), tuple(local.get("args", ())), dict(local.get("kwargs", {}))
+
+
+def end_call_with(frame, cleanup: Callable[[], None]) -> bool:
+    """Run `cleanup` when the wrapper call running in `frame` returns or raises.
+
+    Used once, for the call during which the backend first sees a model compiled with the string
+    backend: its own enter hooks were evaluated before the backend existed. Without it that first
+    forward is closed when the next one begins.
+    """
+    cleanups = frame.f_locals.get("cleanups")
+    if not isinstance(cleanups, list):
+        return False
+    cleanups.append(cleanup)
+    return True
+
+
+def result_of_call():
+    """Called from a cleanup: the value the wrapper call is returning (None if it failed)."""
+    frame = find_call_frame()
+    if frame is None or not frame.f_locals.get("call_succeeded", False):
+        return None
+    return frame.f_locals.get("result")
+
+
+def context_of_compiled(compiled) -> Optional[Any]:
+    """The dynamo context behind what `torch.compile` returned (module or function)."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is not None:
+        return ctx
+    code = getattr(compiled, "__code__", None)
+    if code is None or code.co_name != _WRAPPER_NAME or "self" not in code.co_freevars:
+        return None
+    return compiled.__closure__[code.co_freevars.index("self")].cell_contents
+
+
+def add_enter_hook(ctx, hook: Callable[[], Callable[[], None]]) -> bool:
+    hooks = getattr(ctx, "enter_exit_hooks", None)
+    if not isinstance(hooks, list):
+        return False
+    if hook not in hooks:
+        hooks.append(hook)
+    return True
+
+
+def adopt_mode_for_this_compile(mode) -> bool:
+    """Make `mode` part of the frame being compiled, as if it had been active when tracing began.
+
+    Dynamo restores the mode stack it saved when it started tracing, and guards the compiled frame
+    on that stack. Adding `mode` to both means the rest of the current call runs with `mode` active
+    (so code between graphs is captured from the very first call) and later calls, which enter
+    with `mode` already pushed, reuse this compilation instead of recompiling. If this fails, the
+    first call's graph-break gaps go unnarrated and the next call recompiles once.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.torch_function import torch_function_mode_stack_state_mgr
+
+        tx = InstructionTranslator.current_tx()
+        expected = tx.output.torch_function_mode_stack
+        restored = torch_function_mode_stack_state_mgr.stack
+        if not isinstance(expected, list) or not isinstance(restored, list):
+            return False
+        expected.append(mode)
+        restored.append(mode)
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,108 @@
+"""What the backend returns to dynamo for each graph: the compiled graph, narrated around its calls.
+
+- fused (default): the graph is compiled by the inner compiler untouched; after each call the plan's
+  ops are recorded and narrated in one go. Outputs are exactly the inner compiler's.
+- live: the graph runs op by op (eagerly) with a narration node after each op, so every line is in
+  the sink as soon as its op completes — what survives a hard crash inside compiled code.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+from torch import fx
+
+from ..session import internal_error
+from .config import inner_compile
+from .plan import GraphPlan, build_plan
+from .runtime import CompiledRun, CompiledRuntime, active_run
+
+
+class CompiledGraph:
+    """Callable dynamo runs in place of one captured graph."""
+
+    def __init__(self, runtime: CompiledRuntime, plan: GraphPlan, fn: Callable, live: bool):
+        self.runtime = runtime
+        self.plan = plan
+        self.fn = fn
+        self.live = live
+        self._live_run: Optional[CompiledRun] = None
+        self._live_shapes = None
+
+    def __call__(self, *args):
+        run = active_run()
+        if run is None:
+            return self._call_alone(args)
+        return self._call(run, args)
+
+    def _call(self, run: CompiledRun, args):
+        gaps = run.gaps
+        gaps.paused = True
+        if self.live:
+            self._start_live(run, args)
+        try:
+            out = self.fn(*args)
+        finally:
+            gaps.paused = False
+        if not self.live:
+            try:
+                run.add_plan(self.plan, args)
+            except Exception as exc:
+                internal_error("narrating a compiled graph", exc)
+        return out
+
+    def _call_alone(self, args):
+        """A graph called outside any narrated forward (no wrapper hook): a run of its own."""
+        run = self.runtime.begin(None, (), {}, push_mode=False)
+        if run is None:
+            return self.fn(*args)
+        try:
+            out = self._call(run, args)
+        except BaseException as exc:
+            run.fail(exc)
+            run.close()
+            raise
+        run.finish(None)
+        run.close()
+        return out
+
+    # -- live mode ------------------------------------------------------------------------------
+
+    def _start_live(self, run: CompiledRun, args) -> None:
+        self._live_run = run
+        self._live_shapes = run.resolve_shapes(self.plan, args)
+
+    def emit(self, index: int) -> None:
+        """Called by the graph right after its `index`-th op completed (live mode)."""
+        run = self._live_run
+        if run is None:
+            return
+        try:
+            run.add_plan_ops(self.plan, self._live_shapes, index, index + 1)
+        except Exception as exc:
+            internal_error("narrating a compiled op", exc)
+
+
+def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int], None]) -> fx.GraphModule:
+    """Insert `emit(i)` after the node of each plan op."""
+    by_name = {node.name: node for node in gm.graph.nodes}
+    for op in plan.ops:
+        node = by_name[op.node]
+        with gm.graph.inserting_after(node):
+            gm.graph.call_function(emit, (op.index,))
+    gm.recompile()
+    return gm
+
+
+def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, mode: Optional[str] = None) -> CompiledGraph:
+    """The backend's work for one graph: plan it, compile it, wrap it."""
+    # The frame being compiled is called by frames still on the stack: their modules are its scope.
+    plan = build_plan(gm, runtime.scopes, runtime.scopes.scope_of_stack(sys._getframe(1)))
+    live = runtime.config.live
+    graph = CompiledGraph(runtime, plan, fn=None, live=live)  # type: ignore[arg-type]
+    if live:
+        graph.fn = instrument_live(gm, plan, graph.emit).forward
+    else:
+        graph.fn = inner_compile(runtime.config.compiler, gm, example_inputs, mode)
+    return graph

@@ -1,0 +1,119 @@
+"""The narration plan: what a compiled graph will narrate, read from FX node metadata at compile time.
+
+Dynamo records, for every node, the value it produced on fake tensors (`example_value`), the module
+stack it ran under (`nn_module_stack`), and the user's traceback (`stack_trace`). That is enough to
+know, before the graph ever runs, every op line it will produce: its op name, module, shapes (or
+symbolic shapes), dtype, device and site. At run time only the ordinals (which depend on what ran
+before the graph) and, with dynamic shapes, the concrete sizes are filled in.
+
+Nodes whose value is not a tensor (`size()`, `item`, SymInt arithmetic, `_assert_scalar`) are not
+ops; `getitem` on a tuple-valued node only unpacks a multi-output op that eager narration shows as
+one line, so it is not an op either.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import fx
+
+from ..events import Scope, TensorMeta
+from ..scopes import ScopeTable
+from ..naming import dunder_name, op_name
+from ..sites import site_from_stack_trace
+from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
+
+
+class PlanOp:
+    """One op line of a graph: everything static about it."""
+
+    __slots__ = ("index", "node", "op", "scope", "metas", "site", "exprs")
+
+    def __init__(self, index, node, op, scope, metas, site, exprs):
+        self.index = index      # position among the graph's ops (0-based)
+        self.node = node        # the FX node's name
+        self.op = op
+        self.scope = scope
+        self.metas = metas      # tuple of TensorMeta; symbolic sizes shown as text (`s0`)
+        self.site = site
+        self.exprs = exprs      # with dynamic shapes: the output shapes as sympy expressions
+
+    def __repr__(self) -> str:
+        return f"PlanOp({self.index} {self.op} @{self.scope.path})"
+
+
+class GraphPlan:
+    """The ops of one graph, plus how to resolve their concrete sizes when shapes are dynamic."""
+
+    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver]):
+        self.ops = ops
+        self.resolver = resolver
+        dynamic = [op.index for op in ops if op.exprs is not None]
+        self.dynamic_position = {index: position for position, index in enumerate(dynamic)}
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)):
+        return tuple(v for v in value if isinstance(v, torch.Tensor))
+    return ()
+
+
+def _node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    if node.op == "call_method":
+        return dunder_name(node.target)
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__.lower()
+    return op_name(node.target)
+
+
+def _is_unpacking(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source = node.args[0]
+    return isinstance(source, fx.Node) and isinstance(source.meta.get("example_value"), (tuple, list))
+
+
+def _shape_exprs(tensor) -> Tuple:
+    """A fake tensor's sizes as ints, or sympy expressions where they are symbolic."""
+    shape = []
+    for size in tensor.shape:
+        if isinstance(size, torch.SymInt):
+            expr = size.node.expr
+            shape.append(int(expr) if expr.is_number else expr)
+        else:
+            shape.append(int(size))
+    return tuple(shape)
+
+
+def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Optional[Scope] = None) -> GraphPlan:
+    """The op lines a graph narrates, in node order; `frame_scope` is the compiled frame's module."""
+    ops: List[PlanOp] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        tensors = _tensors(node.meta.get("example_value"))
+        if not tensors or _is_unpacking(node):
+            continue
+        shapes = tuple(_shape_exprs(t) for t in tensors)
+        dynamic = any(not isinstance(size, int) for shape in shapes for size in shape)
+        metas = tuple(TensorMeta(symbolic_shape(shape), t.dtype, t.device) for shape, t in zip(shapes, tensors))
+        ops.append(
+            PlanOp(
+                index=len(ops),
+                node=node.name,
+                op=_node_op_name(node, gm),
+                scope=scopes.scope_for(node.meta.get("nn_module_stack"), frame_scope),
+                metas=metas,
+                site=site_from_stack_trace(node.meta.get("stack_trace")),
+                exprs=shapes if dynamic else None,
+            )
+        )
+    resolver = maybe_resolver([op.exprs for op in ops if op.exprs is not None], gm)
+    return GraphPlan(ops, resolver)

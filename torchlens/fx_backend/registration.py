@@ -1,0 +1,75 @@
+"""`backend="torchlens"`: the function torch finds through the `torch_dynamo_backends` entry point.
+
+Installed with pip, torch discovers the backend by name without torchlens being imported. In a
+source checkout on `PYTHONPATH` there is no entry point, so importing torchlens registers it (only
+then: registering a name twice is an error in dynamo).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Optional
+
+import torch
+
+from . import dynamo_seams
+from .config import CompileConfig, config_from_options
+from .graph import compile_graph
+from .runtime import CompiledRuntime, module_of
+
+NAME = "torchlens"
+_RUNTIME_ATTR = "_torchlens_runtime"
+
+
+def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
+    """The dynamo backend: narrate the graph, then compile it with the inner compiler."""
+    frame = dynamo_seams.find_call_frame()
+    ctx = dynamo_seams.context_of_frame(frame)
+    runtime = getattr(ctx, _RUNTIME_ATTR, None)
+    if runtime is None:
+        runtime = runtime_for(ctx, frame, config_from_options(options))
+    return compile_graph(runtime, gm, example_inputs, mode)
+
+
+def runtime_for(ctx, frame, config: CompileConfig) -> CompiledRuntime:
+    """Create the runtime of a compiled model the first time the backend sees it."""
+    fn = dynamo_seams.call_of_frame(frame)[0] if frame is not None else None
+    runtime = CompiledRuntime(config, module_of(fn))
+    if ctx is not None and dynamo_seams.add_enter_hook(ctx, runtime.enter):
+        setattr(ctx, _RUNTIME_ATTR, runtime)
+        runtime.adopt_current_call(frame)
+    return runtime
+
+
+class Backend:
+    """The backend object `tl.compile` hands to `torch.compile`, bound to one runtime."""
+
+    def __init__(self, runtime: CompiledRuntime):
+        self.runtime = runtime
+
+    def __call__(self, gm, example_inputs, *, mode: Optional[str] = None, options=None):
+        if options:
+            raise TypeError("tl.compile takes torchlens options as keywords, not options=")
+        return compile_graph(self.runtime, gm, example_inputs, mode)
+
+
+def install(compiled, runtime: CompiledRuntime) -> None:
+    """Hook a runtime to what `torch.compile` returned, before its first call."""
+    ctx = dynamo_seams.context_of_compiled(compiled)
+    if ctx is None or not dynamo_seams.add_enter_hook(ctx, runtime.enter):
+        return  # graphs still narrate, each call of a graph as a forward of its own
+    setattr(ctx, _RUNTIME_ATTR, runtime)
+
+
+def register_without_entry_point() -> None:
+    """Register the backend by hand when no installed distribution provides the entry point."""
+    try:
+        points = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    except Exception:
+        points = ()
+    if any(point.name == NAME for point in points):
+        return
+    from torch._dynamo.backends import registry
+
+    if NAME not in registry._BACKENDS:
+        registry.register_backend(name=NAME)(torchlens_backend)

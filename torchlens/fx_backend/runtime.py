@@ -1,0 +1,203 @@
+"""Compiled forwards as narrated passes: one `CompiledRun` per call of a compiled model.
+
+A `CompiledRuntime` belongs to one compiled model (or function): its options, module names and
+forward count. Dynamo's wrapper calls the runtime's `enter` hook before each call of the compiled
+callable and the returned cleanup after it, so every call is one run: input events, then each
+compiled graph's plan and the eager code between graphs in the order they execute, all numbered
+by one ordinal sequence, then the outputs and the footer (or, on failure, the partial trace).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from typing import Callable, Optional
+
+from torch import nn
+
+from ..eager.capture import CaptureMode, remove_mode
+from ..eager.structure import named_arguments, named_outputs
+from ..events import TensorMeta
+from ..narrator import Narrator
+from ..records import Recording
+from ..session import Session, internal_error
+from . import dynamo_seams
+from .config import CompileConfig
+from .gaps import GapCapture
+from ..scopes import ScopeTable
+from .plan import GraphPlan
+
+_local = threading.local()
+
+
+def active_run() -> Optional["CompiledRun"]:
+    return getattr(_local, "run", None)
+
+
+class CompiledRuntime:
+    """Options, module names and history shared by every forward of one compiled model.
+
+    `last_recording` is the most recent forward's `Recording`; `recordings` keeps the last few.
+    """
+
+    def __init__(self, config: CompileConfig, root: Optional[nn.Module] = None, keep: int = 8):
+        self.config = config
+        self.root = root
+        self.scopes = ScopeTable(root)
+        self.passes = 0
+        self.recordings = collections.deque(maxlen=keep)
+
+    @property
+    def last_recording(self) -> Optional[Recording]:
+        return self.recordings[-1] if self.recordings else None
+
+    # -- forward boundaries ---------------------------------------------------------------------
+
+    def enter(self) -> Callable[[], None]:
+        """Dynamo's enter hook: begin a run for this call; return the cleanup that ends it."""
+        frame = dynamo_seams.find_call_frame()
+        current = active_run()
+        if current is not None and current.abandon_on_next_begin:
+            current.finish(None)  # a first call whose end could not be hooked: close it now
+            current.close()
+            current = None
+        if frame is None or current is not None:
+            return _nothing  # a compiled callable called inside a forward already being narrated
+        fn, args, kwargs = dynamo_seams.call_of_frame(frame)
+        run = self.begin(fn, args, kwargs, push_mode=True)
+        return run.cleanup if run is not None else _nothing
+
+    def begin(self, fn, args, kwargs, push_mode: bool) -> Optional["CompiledRun"]:
+        try:
+            self.passes += 1
+            run = CompiledRun(self, header=f"pass {self.passes}")
+            run.begin(fn, args, kwargs, push_mode)
+            return run
+        except Exception as exc:
+            internal_error("starting a compiled forward", exc)
+            return None
+
+    def adopt_current_call(self, frame) -> None:
+        """First compile of a model compiled with the string backend: narrate the call in progress.
+
+        Its enter hooks ran before this backend existed, so the run begins here, the capture mode
+        joins the frame being compiled, and the run ends when the call does.
+        """
+        if active_run() is not None:
+            return
+        fn, args, kwargs = dynamo_seams.call_of_frame(frame)
+        run = self.begin(fn, args, kwargs, push_mode=False)  # dynamo is tracing: the stack is its own
+        if run is None:
+            return
+        run.mode_adopted = run._mode_pushed = dynamo_seams.adopt_mode_for_this_compile(run.mode)
+        if not dynamo_seams.end_call_with(frame, run.cleanup):
+            run.abandon_on_next_begin = True
+
+    def record(self, recording: Recording) -> None:
+        self.recordings.append(recording)
+
+
+def _nothing() -> None:
+    return None
+
+
+class CompiledRun:
+    """One compiled forward: its session, narrator and the capture of code between graphs."""
+
+    def __init__(self, runtime: CompiledRuntime, header: Optional[str]):
+        self.runtime = runtime
+        settings = runtime.config.settings
+        self.narrator = Narrator(settings.narration) if settings.narration is not None else None
+        self.session = Session(settings, runtime.scopes.root_scope, self.narrator, header)
+        self.gaps = GapCapture(self.session, runtime.scopes, settings.sites)
+        self.mode = CaptureMode(self.gaps)
+        self.mode_adopted = False
+        self.abandon_on_next_begin = False
+        self._mode_pushed = False
+        self._done = False
+
+    def begin(self, fn, args, kwargs, push_mode: bool) -> None:
+        for label, tensor in named_arguments(fn, args, kwargs):
+            self.session.add_input(label, (TensorMeta.of(tensor),))
+        if push_mode:
+            self.mode.__enter__()
+            self._mode_pushed = True
+        _local.run = self
+
+    # -- graphs ---------------------------------------------------------------------------------
+
+    def add_plan(self, plan: GraphPlan, args) -> None:
+        """Record (and narrate) the ops a graph call performed, in order."""
+        self.add_plan_ops(plan, self.resolve_shapes(plan, args), 0, len(plan.ops))
+
+    def resolve_shapes(self, plan: GraphPlan, args):
+        """Concrete sizes of the plan's dynamic ops for this call (None when all are static)."""
+        if plan.resolver is None:
+            return None
+        narration = self.session.settings.narration
+        if narration is not None and narration.symbolic_shapes:
+            return None
+        return plan.resolver.resolve(args)
+
+    def add_plan_ops(self, plan: GraphPlan, concrete, start: int, stop: int) -> None:
+        session = self.session
+        for op in plan.ops[start:stop]:
+            metas = op.metas
+            if concrete is not None and op.exprs is not None:
+                shapes = concrete[plan.dynamic_position[op.index]]
+                metas = tuple(TensorMeta(shape, m.dtype, m.device) for shape, m in zip(shapes, metas))
+            if op.scope is not session.scope:
+                session.move_to(op.scope)
+            session.add_op(op.op, metas, op.site)
+
+    # -- ending ---------------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Dynamo's cleanup for the call: finish or fail the run. Never raises."""
+        exc = sys.exc_info()[1]
+        try:
+            if exc is not None:
+                self.fail(exc)
+            else:
+                self.finish(dynamo_seams.result_of_call())
+        except Exception as inner:
+            internal_error("ending a compiled forward", inner)
+        finally:
+            self.close()
+
+    def finish(self, output) -> Recording:
+        self.pop_mode()
+        for label, tensor in named_outputs(output):
+            self.session.add_output(label, (TensorMeta.of(tensor),))
+        recording = self.session.finish(output)
+        self.runtime.record(recording)
+        return recording
+
+    def fail(self, exc: BaseException):
+        self.pop_mode()
+        partial = self.session.fail(exc)
+        self.runtime.record(partial)
+        return partial
+
+    def pop_mode(self) -> None:
+        if self._mode_pushed:
+            self._mode_pushed = False
+            remove_mode(self.mode)
+
+    def close(self) -> None:
+        self.pop_mode()
+        if getattr(_local, "run", None) is self:
+            _local.run = None
+        if self.narrator is not None and not self._done:
+            self._done = True
+            self.narrator.close()
+
+
+def module_of(fn) -> Optional[nn.Module]:
+    """The module a compiled callable belongs to (`OptimizedModule` wraps `module.__call__`)."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return getattr(owner, "_orig_mod", owner)
+    return fn if isinstance(fn, nn.Module) else None
+

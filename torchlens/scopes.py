@@ -1,0 +1,152 @@
+"""Module scopes: which module call an event belongs to, and what that module is called."""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .events import Scope
+
+
+class ScopeTable:
+    """Names module calls: `Scope`s with absolute paths, parented by the module that *called* them.
+
+    A scope's parent is the module whose forward called it, not the module that owns it as an
+    attribute: `blocks.0`'s parent is the root, because the `blocks` ModuleList is never called.
+    Scopes are interned per (calling scope, module), so events of one call share one object.
+
+    Three sources name calls: module hooks (eager: `module_scope(module, caller)`), the Python stack
+    (code dynamo runs between graphs: `scope_of_stack(frame)`), and FX node metadata (compiled
+    graphs: `scope_for(nn_module_stack, frame_scope)`). Dynamo's stack entries are `{key: (path, cls)}`, outermost first; the key is `str(id(module))`,
+    with `@N` for the N-th re-call of a module within the trace. Paths are relative to the frame
+    being compiled (after a graph break, `blocks.1`'s layers read `L['self'].ln1`), so the module's
+    absolute name is looked up by id in the root module's `named_modules()`; without a root, the
+    path text is cleaned up instead (`L['self'].blocks[0]` -> `blocks.0`). Ops with no stack ran
+    directly in the frame's own module (`frame_scope`).
+    """
+
+    def __init__(self, root: Optional[torch.nn.Module]):
+        self.root_scope = Scope("", type(root).__name__ if root is not None else "<compiled>", None)
+        self._names: Dict[int, str] = {}
+        if root is not None:
+            for name, module in root.named_modules():
+                self._names.setdefault(id(module), name)
+        self._interned: Dict[Tuple, Scope] = {}
+        self._keep = [root]
+
+    def knows(self, module) -> bool:
+        """Whether `module` is the root or one of its submodules."""
+        return id(module) in self._names
+
+    @property
+    def paths(self):
+        """Every module path of the root, "" (the root itself) included."""
+        return list(self._names.values())
+
+    def module_scope(self, module, parent: Optional[Scope] = None) -> Scope:
+        """The scope of `module` called from `parent` (the root's scope for the root itself).
+
+        A module that is not part of the root (created on the fly, or passed in) is named after its
+        class under its caller: `attn.<Linear>`.
+        """
+        parent = parent or self.root_scope
+        name = self._names.get(id(module))
+        if name == "":
+            return self.root_scope
+        if name is None:
+            label = f"<{type(module).__name__}>"
+            name = self._names[id(module)] = f"{parent.path}.{label}" if parent.path else label
+            self._keep.append(module)  # its id names it now: keep it alive
+        return self._child(parent, name, name, type(module).__name__)
+
+    def path_of(self, module) -> Optional[str]:
+        return self._names.get(id(module))
+
+    def scope_of_stack(self, frame) -> Scope:
+        """The scope of the innermost module of the model whose code runs on the Python stack
+        from `frame` outwards, nested in the scopes of the modules that called it."""
+        modules = []
+        for _ in range(_MAX_FRAMES):
+            if frame is None:
+                break
+            if "self" in frame.f_code.co_varnames:
+                module = _module_of(frame.f_locals.get("self"))
+                if module is not None and self.knows(module) and (not modules or modules[-1] is not module):
+                    modules.append(module)
+            frame = frame.f_back
+        scope = self.root_scope
+        for module in reversed(modules):
+            scope = self.module_scope(module, scope)
+        return scope
+
+    def scope_for(self, stack, frame_scope: Optional[Scope] = None) -> Scope:
+        scope = frame_scope or self.root_scope
+        for key, (path, cls) in (stack or {}).items():
+            base_key, _, call = str(key).partition("@")
+            name = self._absolute_name(base_key, path, scope)
+            if not name or name == scope.path:
+                continue  # the frame's own module, or the root seen through a wrapper
+            scope = self._child(scope, name, f"{name}@{call}" if call else name, getattr(cls, "__name__", str(cls)))
+        return scope
+
+    def _child(self, parent: Scope, path: str, key: str, type_name: str) -> Scope:
+        chain_key = (id(parent), key)
+        scope = self._interned.get(chain_key)
+        if scope is None:
+            scope = self._interned[chain_key] = Scope(path, type_name, parent, key)
+        return scope
+
+    def _absolute_name(self, key: str, path: str, frame_scope: Scope) -> str:
+        try:
+            return self._names[int(key)]
+        except (ValueError, KeyError):
+            relative = clean_module_path(path)
+            if frame_scope.path and relative:
+                return frame_scope.path + "." + relative
+            return relative or frame_scope.path
+
+
+_MAX_FRAMES = 64
+
+
+def _module_of(obj) -> Optional[torch.nn.Module]:
+    if not isinstance(obj, torch.nn.Module):
+        return None
+    return getattr(obj, "_orig_mod", obj)  # an OptimizedModule stands for the module it wraps
+
+
+_FRAME_LOCAL = re.compile(r"^([LG]\['[^']*'\]|self)\.?")
+_INDEX = re.compile(r"\[(\d+)\]")
+_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
+
+
+def clean_module_path(path: str) -> str:
+    """`L['self'].blocks[0]._modules['attn']` -> `blocks.0.attn`."""
+    path = _FRAME_LOCAL.sub("", str(path))
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _INDEX.sub(r".\1", path)
+    return path.strip(".")
+
+
+_MAX_FRAMES = 64
+
+
+def _module_of(obj) -> Optional[torch.nn.Module]:
+    if not isinstance(obj, torch.nn.Module):
+        return None
+    return getattr(obj, "_orig_mod", obj)  # an OptimizedModule stands for the module it wraps
+
+
+_FRAME_LOCAL = re.compile(r"^([LG]\['[^']*'\]|self)\.?")
+_INDEX = re.compile(r"\[(\d+)\]")
+_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
+
+
+def clean_module_path(path: str) -> str:
+    """`L['self'].blocks[0]._modules['attn']` -> `blocks.0.attn`."""
+    path = _FRAME_LOCAL.sub("", str(path))
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _INDEX.sub(r".\1", path)
+    return path.strip(".")
