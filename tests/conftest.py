@@ -12,6 +12,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import leftover_state  # noqa: E402
 
+# Many tests compile the same small models with different backends: give dynamo room, and fail
+# loudly rather than fall back to eager silently when the room runs out.
+torch._dynamo.config.recompile_limit = 64
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
 
 @pytest.fixture(autouse=True)
 def no_residue():

@@ -31,6 +31,7 @@ class Narrator:
         self._normalize = options.normalize
         self._quiet = options.on_error_only
         self._disabled = False
+        self._captured = None  # lines held back while a block is being rendered for its cache
         self.begin_pass()
 
     # -- per pass -------------------------------------------------------------------------------
@@ -91,6 +92,43 @@ class Narrator:
         if scope.parent is not None:
             self._folded[scope.key] = self._folded.get(scope.key, 0) + 1
 
+    def feed_block(self, events: Sequence[Event], cache: dict) -> None:
+        """Narrate a run of events that recurs identically (a compiled graph's ops, call after call).
+
+        The lines it produces and the narrator's state afterwards depend only on the events and
+        the state before, so they are computed once per starting state and replayed: one sink
+        write per graph call instead of one render per op.
+        """
+        before = self._state()
+        hit = cache.get(before)
+        if hit is None:
+            self._captured = []
+            try:
+                for event in events:
+                    self.feed(event)
+                lines = tuple(self._captured)
+            finally:
+                self._captured = None
+            if len(cache) < 8:
+                cache[before] = hit = (lines, self._state())
+            self._write_block(lines)
+            return
+        lines, after = hit
+        self._write_block(lines)
+        self._restore(after)
+
+    def _state(self) -> tuple:
+        return (
+            self.lines_written, self.lines_suppressed, self.ops, self.inputs, self.module_calls,
+            self.unselected, self.folded_total, tuple(self._folded.items()), self._limit_noted,
+            self._nonfinite_noted,
+        )
+
+    def _restore(self, state: tuple) -> None:
+        (self.lines_written, self.lines_suppressed, self.ops, self.inputs, self.module_calls,
+         self.unselected, self.folded_total, folded, self._limit_noted, self._nonfinite_noted) = state
+        self._folded = dict(folded)
+
     def end_pass(self, extra: Sequence[str] = ()) -> None:
         """Print the footer that closes a pass."""
         if self._quiet:
@@ -136,17 +174,33 @@ class Narrator:
         self._write(line)
 
     def _write(self, line: str) -> None:
+        if self._prefix:
+            line = self._prefix + line
+        if self._captured is not None:
+            self._captured.append(line)
+            return
         if self._disabled:
             return
         try:
-            self.sink.write(self._prefix + line if self._prefix else line)
+            self.sink.write(line)
         except Exception as exc:  # a broken sink must not break the user's forward
-            self._disabled = True
-            warnings.warn(
-                f"torchlens narration turned off: the sink raised {type(exc).__name__}: {exc}",
-                NarrationWarning,
-                stacklevel=2,
-            )
+            self._sink_failed(exc)
+
+    def _write_block(self, lines: Sequence[str]) -> None:
+        if self._disabled or not lines:
+            return
+        try:
+            self.sink.write_block(lines)
+        except Exception as exc:
+            self._sink_failed(exc)
+
+    def _sink_failed(self, exc: Exception) -> None:
+        self._disabled = True
+        warnings.warn(
+            f"torchlens narration turned off: the sink raised {type(exc).__name__}: {exc}",
+            NarrationWarning,
+            stacklevel=3,
+        )
 
     @property
     def disabled(self) -> bool:

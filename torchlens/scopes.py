@@ -19,12 +19,7 @@ class ScopeTable:
 
     Three sources name calls: module hooks (eager: `module_scope(module, caller)`), the Python stack
     (code dynamo runs between graphs: `scope_of_stack(frame)`), and FX node metadata (compiled
-    graphs: `scope_for(nn_module_stack, frame_scope)`). Dynamo's stack entries are `{key: (path, cls)}`, outermost first; the key is `str(id(module))`,
-    with `@N` for the N-th re-call of a module within the trace. Paths are relative to the frame
-    being compiled (after a graph break, `blocks.1`'s layers read `L['self'].ln1`), so the module's
-    absolute name is looked up by id in the root module's `named_modules()`; without a root, the
-    path text is cleaned up instead (`L['self'].blocks[0]` -> `blocks.0`). Ops with no stack ran
-    directly in the frame's own module (`frame_scope`).
+    graphs: `relative_stack(...)` at compile time, `resolve(frame_scope, ...)` per call).
     """
 
     def __init__(self, root: Optional[torch.nn.Module]):
@@ -81,14 +76,39 @@ class ScopeTable:
             scope = self.module_scope(module, scope)
         return scope
 
-    def scope_for(self, stack, frame_scope: Optional[Scope] = None) -> Scope:
-        scope = frame_scope or self.root_scope
+    def relative_stack(self, stack, frame_path: str) -> Tuple[Tuple[str, bool, str, str], ...]:
+        """A node's `nn_module_stack`, relative to the module whose frame was compiled.
+
+        Dynamo's entries are `{key: (path, cls)}`, outermost first; the key is `str(id(module))`,
+        with `@N` for the N-th re-call of a module within the trace. The id gives the module's
+        absolute name (path text is the fallback: `L['self'].blocks[0]` -> `blocks.0`); names
+        inside the compiled frame's module are made relative to it, because dynamo may run the
+        same graph for another instance of that module (`blocks.1` reusing `blocks.0`'s graph).
+        Each entry becomes (name, relative?, call suffix, class name).
+        """
+        entries = []
+        prefix = frame_path + "." if frame_path else ""
         for key, (path, cls) in (stack or {}).items():
             base_key, _, call = str(key).partition("@")
-            name = self._absolute_name(base_key, path, scope)
-            if not name or name == scope.path:
-                continue  # the frame's own module, or the root seen through a wrapper
-            scope = self._child(scope, name, f"{name}@{call}" if call else name, getattr(cls, "__name__", str(cls)))
+            try:
+                name = self._names[int(base_key)]
+            except (ValueError, KeyError):
+                name = clean_module_path(path)
+                name = prefix + name if name else frame_path
+            if not name or name == frame_path:
+                continue  # the compiled frame's own module (or the root seen through a wrapper)
+            relative = name.startswith(prefix)
+            entries.append((name[len(prefix):] if relative else name, relative, f"@{call}" if call else "",
+                            getattr(cls, "__name__", str(cls))))
+        return tuple(entries)
+
+    def resolve(self, frame_scope: Scope, entries) -> Scope:
+        """The scope of an op run in `frame_scope` under these `relative_stack` entries."""
+        scope = frame_scope
+        prefix = frame_scope.path + "." if frame_scope.path else ""
+        for name, relative, call, type_name in entries:
+            path = prefix + name if relative else name
+            scope = self._child(scope, path, path + call, type_name)
         return scope
 
     def _child(self, parent: Scope, path: str, key: str, type_name: str) -> Scope:
@@ -97,37 +117,6 @@ class ScopeTable:
         if scope is None:
             scope = self._interned[chain_key] = Scope(path, type_name, parent, key)
         return scope
-
-    def _absolute_name(self, key: str, path: str, frame_scope: Scope) -> str:
-        try:
-            return self._names[int(key)]
-        except (ValueError, KeyError):
-            relative = clean_module_path(path)
-            if frame_scope.path and relative:
-                return frame_scope.path + "." + relative
-            return relative or frame_scope.path
-
-
-_MAX_FRAMES = 64
-
-
-def _module_of(obj) -> Optional[torch.nn.Module]:
-    if not isinstance(obj, torch.nn.Module):
-        return None
-    return getattr(obj, "_orig_mod", obj)  # an OptimizedModule stands for the module it wraps
-
-
-_FRAME_LOCAL = re.compile(r"^([LG]\['[^']*'\]|self)\.?")
-_INDEX = re.compile(r"\[(\d+)\]")
-_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
-
-
-def clean_module_path(path: str) -> str:
-    """`L['self'].blocks[0]._modules['attn']` -> `blocks.0.attn`."""
-    path = _FRAME_LOCAL.sub("", str(path))
-    path = _MODULES_ITEM.sub(r".\1", path)
-    path = _INDEX.sub(r".\1", path)
-    return path.strip(".")
 
 
 _MAX_FRAMES = 64

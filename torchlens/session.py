@@ -137,6 +137,18 @@ class Session:
             self.enter(scope)
         self.scope = target
 
+    def replay(self, events, ordinal: int, scope: Scope, narration_cache: dict) -> None:
+        """Append a run of events recorded before in exactly this situation (same ordinal, same
+        open module), leaving the session as recording them one by one would have."""
+        if self._unwound:
+            self._recover()
+        self.events.extend(events)
+        self.ordinal = ordinal
+        self.scope = scope
+        self.failed_call = None
+        if self.narrator is not None:
+            self.narrator.feed_block(events, narration_cache)
+
     def op_failed(self, op: str, metas, site, exc: BaseException) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails."""
         self.failed_call = (op, self.scope, site, metas, exc)

@@ -22,6 +22,11 @@ class Sink:
     def write(self, line: str) -> None:
         raise NotImplementedError
 
+    def write_block(self, lines) -> None:
+        """Several lines at once (a compiled graph's narration); sinks that can, write them in one go."""
+        for line in lines:
+            self.write(line)
+
     def close(self) -> None:
         """Release what the sink opened; a sink never closes what the caller passed in."""
 
@@ -36,6 +41,13 @@ class FileSink(Sink):
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(self._fd, (line + "\n").encode("utf-8"))
 
+    def write_block(self, lines) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        data = "".join(line + "\n" for line in lines).encode("utf-8")
+        while data:  # os.write may write less than asked for a large block
+            data = data[os.write(self._fd, data):]
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -48,6 +60,10 @@ class StreamSink(Sink):
 
     def write(self, line: str) -> None:
         self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def write_block(self, lines) -> None:
+        self.stream.write("".join(line + "\n" for line in lines))
         self.stream.flush()
 
 
@@ -83,6 +99,9 @@ class ListSink(Sink):
 
     def write(self, line: str) -> None:
         self.lines.append(line)
+
+    def write_block(self, lines) -> None:
+        self.lines.extend(lines)
 
 
 def is_stream(obj) -> bool:

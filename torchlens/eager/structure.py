@@ -55,29 +55,51 @@ def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> List[Tuple[str
 
 def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
     """The tensors among a call's arguments, named after `fn`'s parameters."""
-    out: List[Tuple[str, torch.Tensor]] = []
     if isinstance(fn, nn.Module):
         fn = fn.forward
     elif isinstance(getattr(fn, "__self__", None), nn.Module) and getattr(fn, "__name__", "") in (
         "__call__", "_wrapped_call_impl", "_call_impl"):
         fn = getattr(fn.__self__, "_orig_mod", fn.__self__).forward  # a module's call: name by forward
-    try:
-        signature = signature_of(fn)
-        bound = signature.bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        for i, arg in enumerate(args):
-            named_tensors(arg, f"args[{i}]", out)
-        for key, arg in kwargs.items():
-            named_tensors(arg, key, out)
-        return out
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            for key, item in value.items():
-                named_tensors(item, key, out)
+    positional, varargs = _parameter_names(fn)
+    out: List[Tuple[str, torch.Tensor]] = []
+    for i, arg in enumerate(args):
+        if i < len(positional):
+            label = positional[i]
+        elif varargs:
+            label = f"{varargs}[{i - len(positional)}]"
         else:
-            named_tensors(value, name, out)
+            label = f"args[{i}]"
+        named_tensors(arg, label, out)
+    for key, arg in kwargs.items():
+        named_tensors(arg, key, out)
     return out
+
+
+_parameters = {}
+
+
+def _parameter_names(fn) -> Tuple[Tuple[str, ...], str]:
+    """Names of `fn`'s positional parameters and of its `*args` parameter (memoised): what
+    `Signature.bind` would map positional arguments to, at a fraction of its cost."""
+    key = getattr(fn, "__func__", fn)
+    try:
+        return _parameters[key]
+    except (KeyError, TypeError):
+        pass
+    try:
+        parameters = signature_of(fn).parameters.values()
+    except (TypeError, ValueError):
+        names = ((), "")
+    else:
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = tuple(p.name for p in parameters if p.kind in kinds)
+        varargs = next((p.name for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), "")
+        names = (positional, varargs)
+    try:
+        _parameters[key] = names
+    except TypeError:
+        pass
+    return names
 
 
 def named_outputs(output) -> List[Tuple[str, torch.Tensor]]:

@@ -29,25 +29,23 @@ class CompiledGraph:
         self.live = live
         self._live_run: Optional[CompiledRun] = None
         self._live_shapes = None
+        self._live_frame = None
 
     def __call__(self, *args):
         run = active_run()
         if run is None:
             return self._call_alone(args)
-        return self._call(run, args)
+        return self._call(run, args, sys._getframe(1))
 
-    def _call(self, run: CompiledRun, args):
-        gaps = run.gaps
-        gaps.paused = True
+    def _call(self, run: CompiledRun, args, caller):
+        frame_scope = run.frame_scope(self.plan, caller)
         if self.live:
-            self._start_live(run, args)
-        try:
+            self._start_live(run, args, frame_scope)
+        with run.graph_running():
             out = self.fn(*args)
-        finally:
-            gaps.paused = False
         if not self.live:
             try:
-                run.add_plan(self.plan, args)
+                run.add_plan(self.plan, args, frame_scope)
             except Exception as exc:
                 internal_error("narrating a compiled graph", exc)
         return out
@@ -58,7 +56,7 @@ class CompiledGraph:
         if run is None:
             return self.fn(*args)
         try:
-            out = self._call(run, args)
+            out = self._call(run, args, sys._getframe(2))
         except BaseException as exc:
             run.fail(exc)
             run.close()
@@ -69,9 +67,10 @@ class CompiledGraph:
 
     # -- live mode ------------------------------------------------------------------------------
 
-    def _start_live(self, run: CompiledRun, args) -> None:
+    def _start_live(self, run: CompiledRun, args, frame_scope) -> None:
         self._live_run = run
         self._live_shapes = run.resolve_shapes(self.plan, args)
+        self._live_frame = frame_scope
 
     def emit(self, index: int) -> None:
         """Called by the graph right after its `index`-th op completed (live mode)."""
@@ -79,7 +78,7 @@ class CompiledGraph:
         if run is None:
             return
         try:
-            run.add_plan_ops(self.plan, self._live_shapes, index, index + 1)
+            run.add_plan_ops(self.plan, self._live_frame, self._live_shapes, index, index + 1)
         except Exception as exc:
             internal_error("narrating a compiled op", exc)
 

@@ -29,29 +29,63 @@ from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 class PlanOp:
     """One op line of a graph: everything static about it."""
 
-    __slots__ = ("index", "node", "op", "scope", "metas", "site", "exprs")
+    __slots__ = ("index", "node", "op", "modules", "metas", "site", "exprs")
 
-    def __init__(self, index, node, op, scope, metas, site, exprs):
+    def __init__(self, index, node, op, modules, metas, site, exprs):
         self.index = index      # position among the graph's ops (0-based)
         self.node = node        # the FX node's name
         self.op = op
-        self.scope = scope
+        self.modules = modules  # module stack relative to the compiled frame's module
         self.metas = metas      # tuple of TensorMeta; symbolic sizes shown as text (`s0`)
         self.site = site
         self.exprs = exprs      # with dynamic shapes: the output shapes as sympy expressions
 
     def __repr__(self) -> str:
-        return f"PlanOp({self.index} {self.op} @{self.scope.path})"
+        return f"PlanOp({self.index} {self.op})"
+
+
+class Segment:
+    """The events one call of a graph produced, starting at a given ordinal and module."""
+
+    __slots__ = ("events", "ordinal", "scope", "narration")
+
+    def __init__(self, events, ordinal, scope):
+        self.events = events
+        self.ordinal = ordinal      # the session's ordinal after these events
+        self.scope = scope          # the open module after these events
+        self.narration = {}         # narrator state before -> (lines, state after)
 
 
 class GraphPlan:
-    """The ops of one graph, plus how to resolve their concrete sizes when shapes are dynamic."""
+    """The ops of one graph, plus how to resolve their modules and concrete sizes per call.
 
-    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver]):
+    `frame_scope` is the module whose frame was compiled when that is the root (always the same
+    module); otherwise it is None and the module is read from the caller at each call, since
+    dynamo may reuse the graph for another instance of the same module class.
+    """
+
+    MAX_SEGMENTS = 32
+
+    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], frame_scope: Optional[Scope]):
         self.ops = ops
         self.resolver = resolver
+        self.frame_scope = frame_scope
         dynamic = [op.index for op in ops if op.exprs is not None]
         self.dynamic_position = {index: position for position, index in enumerate(dynamic)}
+        self.segments = {}
+        self._scopes = {}
+
+    def op_scopes(self, table: ScopeTable, frame_scope: Scope) -> List[Scope]:
+        """The scope of each op when the graph runs in `frame_scope` (memoised)."""
+        scopes = self._scopes.get(frame_scope)
+        if scopes is None:
+            scopes = self._scopes[frame_scope] = [table.resolve(frame_scope, op.modules) for op in self.ops]
+        return scopes
+
+    def remember(self, key, events, ordinal, scope) -> None:
+        if len(self.segments) >= self.MAX_SEGMENTS:
+            self.segments.clear()
+        self.segments[key] = Segment(events, ordinal, scope)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -92,8 +126,8 @@ def _shape_exprs(tensor) -> Tuple:
     return tuple(shape)
 
 
-def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Optional[Scope] = None) -> GraphPlan:
-    """The op lines a graph narrates, in node order; `frame_scope` is the compiled frame's module."""
+def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> GraphPlan:
+    """The op lines a graph narrates, in node order; `frame_scope`: the compiled frame's module."""
     ops: List[PlanOp] = []
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
@@ -109,11 +143,11 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Optional[Sco
                 index=len(ops),
                 node=node.name,
                 op=_node_op_name(node, gm),
-                scope=scopes.scope_for(node.meta.get("nn_module_stack"), frame_scope),
+                modules=scopes.relative_stack(node.meta.get("nn_module_stack"), frame_scope.path),
                 metas=metas,
                 site=site_from_stack_trace(node.meta.get("stack_trace")),
                 exprs=shapes if dynamic else None,
             )
         )
     resolver = maybe_resolver([op.exprs for op in ops if op.exprs is not None], gm)
-    return GraphPlan(ops, resolver)
+    return GraphPlan(ops, resolver, frame_scope if frame_scope.parent is None else None)

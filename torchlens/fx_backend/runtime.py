@@ -10,15 +10,17 @@ by one ordinal sequence, then the outputs and the footer (or, on failure, the pa
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import threading
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from ..eager.capture import CaptureMode, remove_mode
 from ..eager.structure import named_arguments, named_outputs
-from ..events import TensorMeta
+from ..events import Scope, TensorMeta
 from ..narrator import Narrator
 from ..records import Recording
 from ..session import Session, internal_error
@@ -127,9 +129,49 @@ class CompiledRun:
 
     # -- graphs ---------------------------------------------------------------------------------
 
-    def add_plan(self, plan: GraphPlan, args) -> None:
-        """Record (and narrate) the ops a graph call performed, in order."""
-        self.add_plan_ops(plan, self.resolve_shapes(plan, args), 0, len(plan.ops))
+    @contextlib.contextmanager
+    def graph_running(self):
+        """While a compiled graph runs, the gap capture steps aside.
+
+        The mode is taken off the stack when it is on top (the compiled code's own torch calls,
+        such as inductor's extern kernels, then cost nothing extra); otherwise it is paused.
+        """
+        mode = self.mode
+        lifted = self._mode_pushed and torch._C._len_torch_function_stack() > 0 and \
+            torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is mode
+        if lifted:
+            torch._C._pop_torch_function_stack()
+        else:
+            self.gaps.paused = True
+        try:
+            yield
+        finally:
+            if lifted:
+                torch._C._push_on_torch_function_stack(mode)
+            else:
+                self.gaps.paused = False
+
+    def frame_scope(self, plan: GraphPlan, caller) -> Scope:
+        """The module the graph runs in for this call."""
+        return plan.frame_scope or self.runtime.scopes.scope_of_stack(caller)
+
+    def add_plan(self, plan: GraphPlan, args, frame_scope: Scope) -> None:
+        """Record (and narrate) the ops a graph call performed, in order.
+
+        A graph called again in the same situation — same ordinal, same open module, same frame,
+        same sizes — produces the same events, so they are built once and replayed (a forward's
+        second call costs a dictionary lookup and one sink write per graph).
+        """
+        session = self.session
+        concrete = self.resolve_shapes(plan, args)
+        key = (session.ordinal, session.scope, frame_scope, None if concrete is None else tuple(concrete))
+        segment = plan.segments.get(key)
+        if segment is not None:
+            session.replay(segment.events, segment.ordinal, segment.scope, segment.narration)
+            return
+        start = len(session.events)
+        self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops))
+        plan.remember(key, session.events[start:], session.ordinal, session.scope)
 
     def resolve_shapes(self, plan: GraphPlan, args):
         """Concrete sizes of the plan's dynamic ops for this call (None when all are static)."""
@@ -140,15 +182,17 @@ class CompiledRun:
             return None
         return plan.resolver.resolve(args)
 
-    def add_plan_ops(self, plan: GraphPlan, concrete, start: int, stop: int) -> None:
+    def add_plan_ops(self, plan: GraphPlan, frame_scope: Scope, concrete, start: int, stop: int) -> None:
         session = self.session
+        scopes = plan.op_scopes(self.runtime.scopes, frame_scope)
         for op in plan.ops[start:stop]:
             metas = op.metas
             if concrete is not None and op.exprs is not None:
                 shapes = concrete[plan.dynamic_position[op.index]]
                 metas = tuple(TensorMeta(shape, m.dtype, m.device) for shape, m in zip(shapes, metas))
-            if op.scope is not session.scope:
-                session.move_to(op.scope)
+            scope = scopes[op.index]
+            if scope is not session.scope:
+                session.move_to(scope)
             session.add_op(op.op, metas, op.site)
 
     # -- ending ---------------------------------------------------------------------------------

@@ -1,0 +1,275 @@
+"""The compiled substrate: `torch.compile(model, backend="torchlens")` and `tl.compile`.
+
+Inductor compiles take seconds on two cores, so inductor is used where it is the point (outputs equal
+plain `torch.compile`, a real GPT-2) and compiled models are shared within this module; elsewhere
+the graph is compiled by the "eager" inner compiler, which exercises the same plan and runtime.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchlens as tl
+from helpers import OP_LINE, check_nesting, op_lines, ordinals
+from models import Breaking, LoopBreak, Tiny, conv_net, images, tiny_gpt, tokens
+
+NarrationOptions = tl.options.NarrationOptions
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def body(text):
+    """A transcript without its `--` notes (pass headers and footers differ between substrates)."""
+    return [line for line in text.splitlines() if not line.startswith("--")]
+
+
+def eager_text(model, x, **options):
+    return tl.record(model, x, narrate=NarrationOptions(sink=io.StringIO(), **options)).narrate()
+
+
+class Lines(list):
+    """A callable sink that keeps lines, with the text of the latest pass at hand."""
+
+    def __call__(self, line):
+        self.append(line)
+
+    def last_pass(self):
+        start = max(i for i, line in enumerate(self) if line.startswith("-- pass "))
+        return "".join(line + "\n" for line in self[start:])
+
+
+@pytest.fixture(scope="module")
+def gpt_inductor():
+    """A small GPT compiled once by inductor through tl.compile, and plain torch.compile."""
+    model, x = tiny_gpt(), tokens(2, 8)
+    lines = Lines()
+    with torch.no_grad():
+        compiled = tl.compile(model, narrate=NarrationOptions(sink=lines, sites=True))
+        out = compiled(x)
+        plain = torch.compile(model)(x)
+    return model, x, compiled, lines, out, plain
+
+
+def test_fused_outputs_equal_plain_torch_compile_bitwise(gpt_inductor):
+    model, x, compiled, lines, out, plain = gpt_inductor
+    assert torch.equal(out, plain)
+    with torch.no_grad():
+        assert torch.allclose(out, model(x), atol=1e-5)
+
+
+def test_compiled_transcript_matches_eager_op_for_op(gpt_inductor):
+    model, x, compiled, lines, out, plain = gpt_inductor
+    compiled_text = lines.last_pass()
+    assert body(compiled_text) == body(eager_text(model, x, sites=True))
+    assert check_nesting(compiled_text) == 4
+    assert compiled_text.splitlines()[0] == "-- pass 1"
+
+
+def test_every_call_is_one_pass_with_its_own_ordinals(gpt_inductor):
+    model, x, compiled, lines, out, plain = gpt_inductor
+    with torch.no_grad():
+        compiled(x)
+    text = lines.last_pass()
+    assert text.startswith("-- pass 2\n")
+    assert ordinals(text) == list(range(1, len(op_lines(text)) + 1))
+    recording = compiled.torchlens.last_recording
+    assert recording.narrate() == text and torch.equal(recording.output, out)
+
+
+def test_conv_net_compiled_by_inductor_matches_eager_and_plain_compile():
+    model, x = conv_net(), images(2)
+    lines = Lines()
+    with torch.no_grad():
+        out = tl.compile(model, narrate=lines)(x)
+        assert torch.equal(out, torch.compile(model)(x))
+    assert body(lines.last_pass()) == body(eager_text(model, x))
+
+
+def test_string_backend_narrates_from_the_first_call_without_recompiling():
+    model, lines = Breaking(), Lines()
+    compiled = torch.compile(model, backend="torchlens", options={"narrate": lines, "compiler": "eager"})
+    with torch.no_grad():
+        compiled(tokens())
+        first = lines.last_pass()
+        graphs_after_first_call = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled(tokens())
+        second = lines.last_pass()
+    assert body(first) == body(second) == body(eager_text(model, tokens()))
+    assert " mean " in first, "the op between two graphs (before .item()) is narrated on the first call"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_first_call, "no recompile"
+
+
+def test_graph_breaks_leave_no_hole_and_ordinals_keep_increasing(capsys):
+    model, lines = Breaking(), Lines()
+    compiled = tl.compile(model, narrate=lines, compiler="eager")
+    with torch.no_grad():
+        compiled(tokens())
+    text = lines.last_pass()
+    ops = [OP_LINE.match(line).group("op") for line in op_lines(text)]
+    assert ops == ["input", "embedding", "mean", "linear", "tanh", "linear"]
+    assert ordinals(text) == [1, 2, 3, 4, 5, 6]
+    assert "@head" in op_lines(text)[-1] and "@embed" in op_lines(text)[1]
+    assert "embedded (1, 8, 32)" in capsys.readouterr().out
+
+
+def test_a_frame_dynamo_skips_is_narrated_by_the_eager_capture():
+    model, x = LoopBreak().eval(), torch.randn(1, 4, 32)
+    lines = Lines()
+    with torch.no_grad():
+        tl.compile(model, narrate=NarrationOptions(sink=lines, sites=True), compiler="eager")(x)
+    text = lines.last_pass()
+    assert body(text) == body(eager_text(model, x, sites=True))
+    muls = [line for line in op_lines(text) if " mul " in line]
+    assert len(muls) == 2 and all("@" not in line for line in muls), "the loop body's op runs in the root"
+
+
+def test_dynamic_shapes_show_each_calls_concrete_sizes_and_optionally_symbols():
+    lines, symbolic = Lines(), Lines()
+    model = tiny_gpt()
+    concrete_model = tl.compile(model, narrate=NarrationOptions(sink=lines, select=tl.in_module("head")),
+                                compiler="eager", dynamic=True)
+    symbolic_model = tl.compile(model, narrate=NarrationOptions(sink=symbolic, select=tl.in_module("head"),
+                                                                symbolic_shapes=True), compiler="eager", dynamic=True)
+    with torch.no_grad():
+        for batch, length in ((1, 5), (3, 7)):
+            concrete_model(tokens(batch, length))
+            assert f"[{batch},{length},64] f32 cpu" in lines.last_pass()
+            symbolic_model(tokens(batch, length))
+    head = next(line for line in op_lines(symbolic.last_pass()) if "@head" in line)
+    assert re.search(r"\[s\d+,s\d+,64\] f32 cpu", head), head
+
+
+def test_live_mode_writes_the_same_lines_as_fused(tmp_path):
+    model, x = tiny_gpt(), tokens()
+    live_path, fused_path = tmp_path / "live.log", tmp_path / "fused.log"
+    with torch.no_grad():
+        tl.compile(model, narrate=live_path, live=True)(x)
+        tl.compile(model, narrate=fused_path, compiler="eager")(x)
+    assert live_path.read_text() == fused_path.read_text()
+
+
+def test_selection_max_lines_prefix_and_normalize_work_compiled():
+    model, x = tiny_gpt(), tokens()
+    options = dict(select=tl.in_module("blocks.1.mlp"), max_lines=4, prefix="[c] ", normalize=True, sites=True)
+    lines = Lines()
+    with torch.no_grad():
+        tl.compile(model, narrate=NarrationOptions(sink=lines, **options), compiler="eager")(x)
+    compiled_text = [line for line in lines if not line.startswith("[c] -- pass")]
+    eager = eager_text(model, x, **options).splitlines()
+    assert compiled_text[:-1] == eager[:-1]
+    assert compiled_text[4] == "[c] -- max_lines=4 reached: narration stops here; the run goes on"
+    assert all(line.startswith("[c] ") for line in lines)
+    assert not any("/" in line for line in compiled_text[:4])
+
+
+def test_recompiles_keep_one_ordinal_sequence_per_forward():
+    model, lines = tiny_gpt(), Lines()
+    compiled = tl.compile(model, narrate=lines, compiler="eager")
+    with torch.no_grad():
+        for length in (4, 6, 6):
+            compiled(tokens(1, length))
+            text = lines.last_pass()
+            assert ordinals(text) == list(range(1, 62))
+
+
+def test_function_compiled_with_tl_compile_is_narrated():
+    model = Tiny()
+
+    def step(x):
+        return model(x) * 2
+
+    lines = Lines()
+    compiled = tl.compile(step, narrate=lines, compiler="eager")
+    compiled(torch.randn(3, 2))
+    text = lines.last_pass()
+    assert [OP_LINE.match(l).group("op") for l in op_lines(text)] == ["input", "linear", "relu", "mul"]
+    assert "#1    input         [3,2] f32 cpu  x" in text
+
+
+def test_bad_options_are_typed_errors_listing_what_is_accepted():
+    model = Tiny()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:  # dynamo wraps backend errors
+        torch.compile(model, backend="torchlens", options={"narate": True})(torch.randn(1, 2))
+    error = info.value.inner_exception
+    assert isinstance(error, tl.errors.OptionTypeError) and isinstance(error, TypeError)
+    assert "did you mean 'narrate'" in str(error) and "live" in str(error) and "compiler" in str(error)
+    with pytest.raises(tl.errors.OptionValueError, match="value_stats='exactly'"):
+        tl.compile(model, value_stats="exactly")
+    with pytest.raises(tl.errors.OptionTypeError, match="live= takes True or False"):
+        tl.compile(model, live="yes")
+    with pytest.raises(tl.errors.OptionValueError, match="not a registered backend"):
+        tl.compile(model, compiler="inductr")
+    with pytest.raises(tl.errors.OptionTypeError, match="compiler="):
+        tl.compile(model, backend="inductor")
+    with pytest.raises(tl.errors.ModelTypeError):
+        tl.compile(42)
+
+
+def test_the_backend_is_listed_by_dynamo():
+    assert "torchlens" in torch._dynamo.list_backends()
+
+
+def _run(code, env=None):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_installed_backend_works_without_importing_torchlens():
+    result = _run("""
+        import sys
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        assert "torchlens" in torch._dynamo.list_backends()
+        assert "torchlens" not in sys.modules
+        compiled = torch.compile(model, backend="torchlens", options={"narrate": True, "compiler": "eager"})
+        compiled(torch.randn(1, 2))
+        print("modules imported lazily:", "torchlens" in sys.modules)
+    """)
+    assert "#2    linear        [1,2] f32 cpu  @0" in result.stderr
+    assert "modules imported lazily: True" in result.stdout
+
+
+def test_source_checkout_registers_on_import():
+    """Without an installed distribution (no entry point), importing torchlens registers the backend."""
+    result = _run("""
+        import importlib.metadata as metadata
+        real = metadata.entry_points
+        metadata.entry_points = lambda **kw: metadata.EntryPoints(()) if kw.get("group") == "torch_dynamo_backends" else real(**kw)
+        import torch
+        assert "torchlens" not in torch._dynamo.list_backends()
+        import torchlens
+        assert "torchlens" in torch._dynamo.list_backends()
+        model = torch.nn.Linear(2, 2)
+        torch.compile(model, backend="torchlens", options={"narrate": True, "compiler": "eager"})(torch.randn(1, 2))
+    """, env={**os.environ, "PYTHONPATH": REPO})
+    assert "#2    linear        [1,2] f32 cpu" in result.stderr
+
+
+
+def test_transformers_gpt2_compiles_narrates_and_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    lines = Lines()
+    with torch.no_grad():
+        out = tl.compile(model, narrate=NarrationOptions(sink=lines, sites=True))(ids)
+        expected = model(ids)
+    assert torch.allclose(out.logits, expected.logits, atol=1e-4, rtol=1e-4)
+    text = lines.last_pass()
+    assert body(text) == body(eager_text(model, ids, sites=True))
+    assert "> transformer.h.1.attn.c_attn (Conv1D)" in text
+    assert re.search(r"#\d+ +addmm +\[24,192\] f32 cpu  @transformer\.h\.0\.attn\.c_attn  transformers/pytorch_utils\.py:\d+", text)
+    assert "=>    output        [2,12,128] f32 cpu  out['logits']" in text
