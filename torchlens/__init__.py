@@ -6,7 +6,7 @@
 See the README and docs/ for the guide.
 """
 
-from . import errors, fx_backend, options, recording
+from . import debug, errors, fx_backend, options, recording
 from .fx_backend import registration as _registration  # noqa: F401  (loads fx_backend.registration)
 from .api import compile, record, trace
 from .events import Event, EventKind, TensorMeta
@@ -20,6 +20,7 @@ __all__ = [
     "in_module",
     "options",
     "recording",
+    "debug",
     "errors",
     "Recording",
     "Trace",
