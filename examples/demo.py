@@ -75,6 +75,12 @@ def main():
     banner("eager: one block in full, with call sites")
     tl.record(model, idx, narrate=tl.options.NarrationOptions(sink=out, sites=True, select=tl.in_module("blocks.1")))
 
+    banner("compiled: inductor runs the graph, torchlens narrates its plan (first compile takes a while)")
+    compiled = tl.compile(model, narrate=tl.options.NarrationOptions(sink=out, select=tl.in_module("blocks.1.attn")))
+    with torch.no_grad():
+        same = torch.allclose(compiled(idx), model(idx), atol=1e-5)
+    print(f"compiled output matches eager: {same}")
+
     banner("a crash: the tail rendered after the fact from exc.partial_trace")
     too_long = torch.randint(0, 100, (1, 20))  # longer than the 16 positions the model knows
     try:

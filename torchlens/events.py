@@ -150,16 +150,18 @@ class Attempt:
 
     `inputs` describes its tensor arguments; `ordinal` is the number it would have had.
     `op` is None when no torch call was in flight (the error came from Python code between ops).
+    `notes` say how the call was located and what that method cannot promise (a replay's caveats).
     """
 
-    __slots__ = ("op", "ordinal", "scope", "site", "inputs")
+    __slots__ = ("op", "ordinal", "scope", "site", "inputs", "notes")
 
-    def __init__(self, op, ordinal, scope, site, inputs):
+    def __init__(self, op, ordinal, scope, site, inputs, notes=()):
         self.op = op
         self.ordinal = ordinal
         self.scope = scope
         self.site = site
         self.inputs = inputs
+        self.notes = tuple(notes)
 
     @property
     def module(self) -> str:

@@ -149,12 +149,18 @@ def render_failure(text: str) -> str:
     return "!! " + text
 
 
-def render_attempt(attempt: Attempt, sites: bool, normalize: bool) -> list:
+def render_attempt(attempt: Attempt, normalize: bool) -> list:
     """The attempted-op marker: the call that raised (so produced nothing), never over-claimed.
 
     A second line follows when CUDA tensors were involved, because a CUDA kernel error is reported
-    at a later synchronisation point and the named call may only be where it surfaced.
+    at a later synchronisation point and the named call may only be where it surfaced. How the call
+    was located (and that method's caveats) comes first, as notes.
     """
+    notes = [render_note(note) for note in attempt.notes]
+    return notes + _attempt_lines(attempt, normalize)
+
+
+def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
     if attempt.op is None:
         where = f" in @{attempt.scope.path}" if attempt.scope.path else ""
         line = f"attempted: no torch call was in flight; the error came from Python code{where} after #{attempt.ordinal - 1}"

@@ -37,6 +37,8 @@ def _derive(func) -> str:
     if name == "__get__":  # a tensor attribute such as .T or .real, read through its descriptor
         owner = getattr(func, "__self__", None)
         name = getattr(owner, "__name__", name)
+    if getattr(func, "__module__", None) in ("_operator", "operator") and name[:1] == "i" and name[1:] in _BINARY:
+        name = f"__{name}__"  # operator.iadd, as dynamo records `x += y`, is eager's `add_`
     return dunder_name(name)
 
 

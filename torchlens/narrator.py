@@ -251,7 +251,7 @@ def failure_block(events, attempt, error: str, options: NarrationOptions, last: 
         out.append(grammar.render_note(f"... {start} earlier line{'s' if start != 1 else ''}"))
     out.extend(line for line, _ in rendered[start:])
     if attempt is not None:
-        out.extend(grammar.render_attempt(attempt, options.sites, options.normalize))
+        out.extend(grammar.render_attempt(attempt, options.normalize))
     return out
 
 

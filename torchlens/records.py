@@ -143,6 +143,7 @@ class PartialTrace(Recording):
 
     def short_note(self) -> str:
         """One or two lines for the exception's notes (shown under the traceback)."""
-        lines = grammar.render_attempt(self.attempt, sites=True, normalize=False) if self.attempt else []
+        lines = grammar.render_attempt(self.attempt, normalize=False) if self.attempt else []
+        lines = [line for line in lines if line.startswith("!! ")]
         text = "torchlens: " + " | ".join(line[3:] for line in lines)
         return text + "\ntorchlens: exc.partial_trace.narrate(last=20) shows the last lines before the failure"

@@ -36,7 +36,7 @@ class Session:
         self.values = {} if settings.keep_values else None
         self.ordinal = 0
         self.scope = root
-        self.failed_call = None  # (op, scope, site, input metas, exception) of a torch call that raised
+        self.failed_call = None  # (op, scope, site, input metas, exception, notes) of a call that raised
         self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
         self.footer_extra: List[str] = []
         if narrator is not None:
@@ -149,9 +149,10 @@ class Session:
         if self.narrator is not None:
             self.narrator.feed_block(events, narration_cache)
 
-    def op_failed(self, op: str, metas, site, exc: BaseException) -> None:
+    def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
+                  notes=()) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails."""
-        self.failed_call = (op, self.scope, site, metas, exc)
+        self.failed_call = (op, scope or self.scope, site, metas, exc, tuple(notes))
 
     # -- ending the pass ------------------------------------------------------------------------
 
@@ -194,8 +195,8 @@ class Session:
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
         if failed is not None and _in_chain(failed[4], exc):
-            op, scope, site, metas, _ = failed
-            return Attempt(op, self.ordinal + 1, scope, site, metas)
+            op, scope, site, metas, _, notes = failed
+            return Attempt(op, self.ordinal + 1, scope, site, metas, notes)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
 
@@ -220,10 +221,14 @@ def error_summary(exc: BaseException) -> str:
 
 
 def user_site_of(exc: BaseException) -> Optional[str]:
-    """The innermost traceback frame outside torch and torchlens, as a site string."""
+    """The innermost frame outside torch and torchlens where `exc` was raised, as a site string.
+
+    Dynamo's errors carry the user's stack separately (`real_stack`): their traceback is dynamo's.
+    """
+    frames = [(f.filename, f.lineno) for f in getattr(exc, "real_stack", None) or ()]
+    frames += [(frame.f_code.co_filename, lineno) for frame, lineno in traceback.walk_tb(exc.__traceback__)]
     site = None
-    for frame, lineno in traceback.walk_tb(exc.__traceback__):
-        filename = frame.f_code.co_filename
+    for filename, lineno in frames:
         if not is_internal_file(filename):
             site = f"{display_path(filename)}:{lineno}"
     return site

@@ -27,6 +27,7 @@ class GapCapture:
         self.scopes = scopes
         self.sites = sites
         self.paused = False
+        self.ops = 0  # ops recorded between graphs, for the footer
 
     def op_done(self, func, args, kwargs, out) -> None:
         metas = output_metas(out)
@@ -37,6 +38,7 @@ class GapCapture:
             session = self.session
             session.move_to(self.scopes.scope_of_stack(frame))
             session.add_op(op_name(func), metas, find_user_site(frame) if self.sites else None)
+            self.ops += 1
         except Exception as exc:
             self.paused = True
             internal_error("recording an op between compiled graphs", exc)

@@ -16,17 +16,20 @@ from torch import fx
 from ..session import internal_error
 from .config import inner_compile
 from .plan import GraphPlan, build_plan
+from .replay import untouched_copy
 from .runtime import CompiledRun, CompiledRuntime, active_run
 
 
 class CompiledGraph:
     """Callable dynamo runs in place of one captured graph."""
 
-    def __init__(self, runtime: CompiledRuntime, plan: GraphPlan, fn: Callable, live: bool):
+    def __init__(self, runtime: CompiledRuntime, plan: GraphPlan, fn: Callable, live: bool,
+                 replay_copy: fx.GraphModule):
         self.runtime = runtime
         self.plan = plan
         self.fn = fn
         self.live = live
+        self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
         self._live_run: Optional[CompiledRun] = None
         self._live_shapes = None
         self._live_frame = None
@@ -38,11 +41,16 @@ class CompiledGraph:
         return self._call(run, args, sys._getframe(1))
 
     def _call(self, run: CompiledRun, args, caller):
+        run.graph_calls += 1
         frame_scope = run.frame_scope(self.plan, caller)
         if self.live:
             self._start_live(run, args, frame_scope)
-        with run.graph_running():
-            out = self.fn(*args)
+        try:
+            with run.graph_running():
+                out = self.fn(*args)
+        except Exception as exc:
+            run.graph_failed(self, args, frame_scope, exc)
+            raise
         if not self.live:
             try:
                 run.add_plan(self.plan, args, frame_scope)
@@ -99,7 +107,7 @@ def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, 
     # The frame being compiled is called by frames still on the stack: their modules are its scope.
     plan = build_plan(gm, runtime.scopes, runtime.scopes.scope_of_stack(sys._getframe(1)))
     live = runtime.config.live
-    graph = CompiledGraph(runtime, plan, fn=None, live=live)  # type: ignore[arg-type]
+    graph = CompiledGraph(runtime, plan, fn=None, live=live, replay_copy=untouched_copy(gm))  # type: ignore[arg-type]
     if live:
         graph.fn = instrument_live(gm, plan, graph.emit).forward
     else:

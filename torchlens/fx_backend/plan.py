@@ -66,10 +66,12 @@ class GraphPlan:
 
     MAX_SEGMENTS = 32
 
-    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], frame_scope: Optional[Scope]):
+    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], compiled_in: Scope):
         self.ops = ops
         self.resolver = resolver
-        self.frame_scope = frame_scope
+        self.compiled_in = compiled_in  # the module whose frame was compiled (at compile time)
+        self.frame_scope = compiled_in if compiled_in.parent is None else None
+        self.by_node = {op.node: op for op in ops}
         dynamic = [op.index for op in ops if op.exprs is not None]
         self.dynamic_position = {index: position for position, index in enumerate(dynamic)}
         self.segments = {}
@@ -99,7 +101,8 @@ def _tensors(value):
     return ()
 
 
-def _node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
+def node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    """The op name a node is narrated under (the eager substrate's vocabulary)."""
     if node.op == "call_method":
         return dunder_name(node.target)
     if node.op == "call_module":
@@ -142,7 +145,7 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
             PlanOp(
                 index=len(ops),
                 node=node.name,
-                op=_node_op_name(node, gm),
+                op=node_op_name(node, gm),
                 modules=scopes.relative_stack(node.meta.get("nn_module_stack"), frame_scope.path),
                 metas=metas,
                 site=site_from_stack_trace(node.meta.get("stack_trace")),
@@ -150,4 +153,4 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
             )
         )
     resolver = maybe_resolver([op.exprs for op in ops if op.exprs is not None], gm)
-    return GraphPlan(ops, resolver, frame_scope if frame_scope.parent is None else None)
+    return GraphPlan(ops, resolver, frame_scope)

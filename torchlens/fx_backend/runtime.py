@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from ..eager.capture import CaptureMode, remove_mode
+from ..eager.runner import run_eager
 from ..eager.structure import named_arguments, named_outputs
 from ..events import Scope, TensorMeta
+from ..grammar import plural
 from ..narrator import Narrator
+from ..options import make_settings
 from ..records import Recording
 from ..session import Session, internal_error
 from . import dynamo_seams
@@ -29,6 +32,7 @@ from .config import CompileConfig
 from .gaps import GapCapture
 from ..scopes import ScopeTable
 from .plan import GraphPlan
+from .replay import locate_in_graph
 
 _local = threading.local()
 
@@ -116,10 +120,12 @@ class CompiledRun:
         self.mode = CaptureMode(self.gaps)
         self.mode_adopted = False
         self.abandon_on_next_begin = False
+        self.graph_calls = 0
         self._mode_pushed = False
         self._done = False
 
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
+        self.call = (fn, args, kwargs)
         for label, tensor in named_arguments(fn, args, kwargs):
             self.session.add_input(label, (TensorMeta.of(tensor),))
         if push_mode:
@@ -214,12 +220,61 @@ class CompiledRun:
         self.pop_mode()
         for label, tensor in named_outputs(output):
             self.session.add_output(label, (TensorMeta.of(tensor),))
+        self.session.footer_extra.append(self.footer_note())
         recording = self.session.finish(output)
         self.runtime.record(recording)
         return recording
 
+    def graph_failed(self, graph, args, frame_scope: Scope, exc: BaseException) -> None:
+        """A compiled graph raised: find the op by replaying the graph, record what ran before it."""
+        try:
+            failure = locate_in_graph(graph, args, frame_scope, self, exc)
+            if failure is None:
+                return
+            completed, op, scope, site, inputs, notes = failure
+            if completed is not None and not graph.live:
+                self.add_plan_ops(graph.plan, frame_scope, self.resolve_shapes(graph.plan, args), 0, completed)
+            self.session.move_to(scope)  # the enter lines of the op's modules, as eager would show
+            self.session.op_failed(op, inputs, site, exc, scope, notes)
+        except Exception as inner:
+            internal_error("locating the failure in a compiled graph", inner)
+
+    def locate_by_running_eagerly(self, exc: BaseException) -> None:
+        """Dynamo raised while tracing (a shape error found on fake tensors, often after a
+        recompile with new sizes): no graph ran, so there is nothing to replay. Running the forward
+        eagerly under capture fails at the same op, with its modules and inputs.
+
+        Not done for a model in training mode, where running the forward again would update state
+        such as batch-norm statistics a second time; the tail then names the user's line only.
+        """
+        fn, args, kwargs = self.call
+        model = module_of(fn)
+        if model is None or any(m.training for m in model.modules()):
+            return
+        try:
+            run_eager(model, args, kwargs, make_settings(None))
+        except Exception as eager_exc:
+            partial = getattr(eager_exc, "partial_trace", None)
+            attempt = getattr(partial, "attempt", None)
+            if attempt is None or attempt.op is None:
+                return
+            session = self.session
+            session.events[:] = partial.events
+            session.ordinal, session.scope = attempt.ordinal - 1, attempt.scope
+            note = "dynamo raised while tracing; located by running the forward eagerly"
+            session.op_failed(attempt.op, attempt.inputs, attempt.site, exc, attempt.scope, (note,))
+
+    def footer_note(self) -> str:
+        """How the forward ran: compiled graph calls, and ops dynamo ran eagerly between them."""
+        note = plural(self.graph_calls, "compiled graph call")
+        if self.gaps.ops:
+            note += f", {plural(self.gaps.ops, 'op')} run eagerly between graphs"
+        return note
+
     def fail(self, exc: BaseException):
         self.pop_mode()
+        if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+            self.locate_by_running_eagerly(exc)
         partial = self.session.fail(exc)
         self.runtime.record(partial)
         return partial
