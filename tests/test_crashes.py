@@ -1,0 +1,274 @@
+"""Crash workflows: partial traces, the attempted-op marker, live tails, hard deaths."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import torchlens as tl
+from helpers import op_lines
+from models import Tiny, tiny_gpt, tokens
+
+NarrationOptions = tl.options.NarrationOptions
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(3)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.norm(x)))  # a [2,3] input cannot go through a 4->4 linear
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(3, 3)
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(self.pre(x))
+
+
+def _fail(call):
+    with pytest.raises(Exception) as info:
+        call()
+    return info.value
+
+
+def test_a_shape_mismatch_keeps_the_exception_and_names_the_attempted_linear():
+    model, x = Outer(), torch.randn(2, 3)
+    plain = _fail(lambda: model(x))
+    exc = _fail(lambda: tl.record(model, x))
+    assert type(exc) is type(plain) and str(exc) == str(plain)
+    tail = exc.partial_trace.narrate(last=20).splitlines()
+    assert tail[0] == f"!! forward failed: RuntimeError: {str(plain).splitlines()[0]}"
+    assert tail[-1].startswith("!! attempted #5 linear @inner.fc  ")
+    assert "inputs: [2,3] f32 cpu, [4,4] f32 cpu, [4] f32 cpu  (not proven culprit)" in tail[-1]
+    assert "test_crashes.py:" in tail[-1]  # the site: Inner.forward's line
+    body = [" ".join(line.split()[:2]) for line in tail[1:-1]]
+    assert body == [
+        "#1 input", "> pre", "#2 linear", "< pre", "> inner", "> inner.norm",
+        "#3 layer_norm", "< inner.norm", "#4 tanh", "> inner.fc",
+    ]
+
+
+def test_the_tail_keeps_the_enter_lines_of_open_modules_when_the_window_cuts():
+    exc = _fail(lambda: tl.record(Outer(), torch.randn(2, 3)))
+    tail = exc.partial_trace.narrate(last=2).splitlines()
+    assert tail == [
+        tail[0],
+        "> inner (Inner)",
+        "-- ... 8 earlier lines",
+        "  #4    tanh          [2,3] f32 cpu  @inner",
+        "  > inner.fc (Linear)",
+        tail[-1],
+    ]
+
+
+def test_partial_trace_is_attached_with_narration_off_and_for_trace_and_recorder():
+    x = torch.randn(2, 3)
+    for run in (lambda m: tl.record(m, x), lambda m: tl.trace(m, x)):
+        exc = _fail(lambda: run(Outer()))
+        assert isinstance(exc.partial_trace, tl.PartialTrace)
+        assert exc.partial_trace.attempt.op == "linear" and exc.partial_trace.attempt.module == "inner.fc"
+    model = Outer()
+    with tl.recording.Recorder(model) as recorder:
+        exc = _fail(lambda: model(x))
+    assert exc.partial_trace is recorder.recordings[0]
+    assert exc.partial_trace.values is None
+    traced = _fail(lambda: tl.trace(Outer(), x)).partial_trace
+    assert set(traced.values) == {1, 2, 3, 4}, "a failed trace keeps the values of the ops that ran"
+
+
+def test_the_note_shows_the_attempted_op_under_the_traceback():
+    exc = _fail(lambda: tl.record(Outer(), torch.randn(2, 3)))
+    printed = "".join(traceback.format_exception(exc))
+    assert "torchlens: attempted #5 linear @inner.fc" in printed
+    assert "exc.partial_trace.narrate(last=20)" in printed
+
+
+def test_live_narration_prints_the_tail_on_failure_and_partial_narrate_reproduces_it():
+    sink = io.StringIO()
+    exc = _fail(lambda: tl.record(Outer(), torch.randn(2, 3), narrate=NarrationOptions(sink=sink, tail_on_error=3)))
+    lines = sink.getvalue().splitlines()
+    assert lines[:10] == exc.partial_trace.narrate(last=None).splitlines()[:10]
+    assert exc.partial_trace.narrate() == sink.getvalue()
+    failed_at = lines.index(next(line for line in lines if line.startswith("!! forward failed")))
+    assert lines[failed_at + 1:] == exc.partial_trace.narrate(last=3).splitlines()[1:]
+    assert len(lines[failed_at + 1:]) == 2 + 1 + 3 + 1  # open modules, the elision note, 3 lines, the marker
+    assert lines[-1].startswith("!! attempted #5 linear @inner.fc")
+
+
+def test_on_error_only_prints_nothing_on_success_and_the_tail_on_failure():
+    sink = io.StringIO()
+    tl.record(Tiny(), torch.randn(1, 2), narrate=NarrationOptions(sink=sink, on_error_only=True))
+    assert sink.getvalue() == ""
+    _fail(lambda: tl.record(Outer(), torch.randn(2, 3), narrate=NarrationOptions(sink=sink, on_error_only=True,
+                                                                                 tail_on_error=4)))
+    text = sink.getvalue().splitlines()
+    assert text[0].startswith("!! forward failed") and text[-1].startswith("!! attempted #5 linear")
+    assert len(text) == 1 + 2 + 1 + 4 + 1  # header, 2 open modules, elision note, 4 lines, marker
+
+
+def test_an_error_from_python_code_says_no_torch_call_was_in_flight():
+    class Checks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if y.shape[0] != 3:
+                raise ValueError("expected a batch of 3")
+            return y
+
+    exc = _fail(lambda: tl.record(Checks(), torch.randn(2, 2)))
+    assert isinstance(exc, ValueError) and str(exc) == "expected a batch of 3"
+    last = exc.partial_trace.narrate(last=3).splitlines()[-1]
+    assert last.startswith("!! attempted: no torch call was in flight; the error came from Python code after #2")
+    assert "test_crashes.py:" in last
+
+
+def test_an_exception_caught_inside_the_forward_does_not_end_the_recording():
+    class Recovers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+            self.fallback = nn.Linear(3, 3)
+
+        def forward(self, x):
+            try:
+                return self.inner(x)
+            except RuntimeError:
+                return self.fallback(x)
+
+    sink = io.StringIO()
+    rec = tl.record(Recovers(), torch.randn(2, 3), narrate=sink)
+    text = sink.getvalue()
+    assert "< inner.fc" in text and "< inner" in text, "the modules the error unwound through are closed"
+    assert text.index("< inner") < text.index("> fallback (Linear)")
+    assert not isinstance(rec, tl.PartialTrace)
+
+
+def test_cuda_inputs_add_the_asynchronous_error_caveat():
+    from torchlens import grammar
+    from torchlens.events import Attempt, Scope, TensorMeta
+
+    on_gpu = TensorMeta((2, 3), torch.float32, torch.device("cuda", 0))
+    lines = grammar.render_attempt(Attempt("linear", 4, Scope("fc", "Linear", Scope("", "M", None)), None, (on_gpu,)),
+                                   normalize=False)
+    assert lines[0].endswith("(not proven culprit)")
+    assert "asynchronous" in lines[1] and "CUDA_LAUNCH_BLOCKING=1" in lines[1]
+
+
+# -- compiled ------------------------------------------------------------------------------------
+
+
+def test_compiled_embedding_index_out_of_range_names_the_embedding():
+    model = tiny_gpt()
+    compiled = torch.compile(model, backend="torchlens")
+    bad = tokens(2, 8)
+    with torch.no_grad():
+        compiled(bad)
+        bad[1, 5] = 1000  # past the 64-token vocabulary
+        exc = _fail(lambda: compiled(bad))
+    tail = exc.partial_trace.narrate(last=4).splitlines()
+    assert tail[-2] == "-- located by replaying the compiled graph op by op"
+    assert tail[-1].startswith("!! attempted #3 embedding @tok  ")
+    assert "inputs: [2,8] i64 cpu, [64,32] f32 cpu  (not proven culprit)" in tail[-1]
+    assert tail[-3] == "> tok (Embedding)"
+
+
+def test_a_shape_error_found_while_dynamo_traces_gets_the_same_context():
+    model = Outer().eval()
+    compiled = tl.compile(model, compiler="eager", dynamic=True)
+    exc = _fail(lambda: compiled(torch.randn(2, 3)))
+    assert isinstance(exc, torch._dynamo.exc.TorchRuntimeError)
+    tail = exc.partial_trace.narrate(last=3).splitlines()
+    assert tail[-2] == "-- dynamo raised while tracing; located by running the forward eagerly"
+    assert tail[-1].startswith("!! attempted #5 linear @inner.fc")
+
+
+def test_replay_caveats_are_stated_on_the_tail():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, idx):
+            return self.embed(self.drop(torch.ones(2, 4)).long().clamp(max=7) + idx)
+
+    compiled = tl.compile(Noisy().train(), compiler="eager")
+    exc = _fail(lambda: compiled(torch.full((2, 4), 100)))
+    tail = exc.partial_trace.narrate(last=3)
+    assert "replay caveat: the graph draws random numbers; the replay drew its own" in tail
+    assert tail.splitlines()[-1].startswith("!! attempted") and "embedding @embed" in tail.splitlines()[-1]
+
+
+# -- hard deaths ---------------------------------------------------------------------------------
+
+_KILLED_EAGER = """
+    import os, signal, sys, torch
+    from torch import nn
+    import torchlens as tl
+
+    class Dies(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            x = torch.relu(self.a(x))
+            os.kill(os.getpid(), signal.SIGKILL)
+            return self.b(x)
+
+    tl.record(Dies(), torch.randn(1, 2), narrate=sys.argv[1])
+"""
+
+_KILLED_COMPILED = """
+    import os, signal, sys, torch
+    from torch import nn
+    import torchlens as tl
+
+    @torch.library.custom_op("torchlens_test::die", mutates_args=())
+    def die(x: torch.Tensor) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return x.clone()
+
+    @die.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Dies(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(die(torch.relu(self.a(x))))
+
+    tl.compile(Dies(), narrate=sys.argv[1], live=True)(torch.randn(1, 2))
+"""
+
+
+@pytest.mark.parametrize("script", [_KILLED_EAGER, _KILLED_COMPILED], ids=["eager", "compiled-live"])
+def test_sigkill_mid_forward_leaves_every_narrated_line_on_disk(script, tmp_path):
+    path = tmp_path / "run.log"
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == -9, result.stderr[-2000:]
+    ops = [line.split()[1] for line in op_lines(path.read_text())]
+    assert ops == ["input", "linear", "relu"], path.read_text()
