@@ -1,0 +1,530 @@
+"""`tl.debug.compare`: align two traces op by op and find where their values first part.
+
+Two runs of "the same" forward (a patched model against the original, fp32 against bf16 autocast,
+one machine against another) are compared in three steps:
+
+1. **Align.** Every input source and op has graph coordinates: the module it ran in, its op name,
+   and its occurrence of that (module, op) pair in the trace. Ops are matched in order on
+   (module, op) with a longest-common-subsequence alignment (`difflib.SequenceMatcher`), so an op
+   inserted into one version, or missing from it, leaves every other op paired with its
+   counterpart. Occurrence numbers are not part of the matching key on purpose: an extra `mul` in a
+   module renumbers every later `mul` there, and keying on the numbers would mis-pair all of them.
+2. **Measure.** Each pair of matched ops has its outputs compared in float64 on the CPU:
+   the largest absolute difference, the largest relative difference (relative to trace_b's value,
+   as `torch.allclose` does with `other`), and whether `|a - b| <= atol + rtol * |b|` holds
+   everywhere. NaN against NaN in the same place counts as equal, and so do equal infinities.
+   Integer and bool outputs must be equal. Outputs whose shapes, counts or kinds (floating, complex,
+   exact) differ are "not comparable": nothing is broadcast.
+3. **Report.** A `CompareReport` holds one `CompareRow` per aligned op, the counts, and the first
+   row, in trace order, that is out of tolerance or not comparable.
+
+   Ops present in one trace only are counted and listed, but they are structure, not numerics:
+   they never make a first divergence.
+
+Tolerances default per dtype (see `DEFAULT_TOLERANCES`). When the two sides differ in floating
+precision (fp32 against bf16 autocast), the looser dtype's tolerance applies, to that op and to
+every floating op after it, since the rounding the lower precision brings in is what such a
+comparison expects to see, and it travels downstream (see `_Tolerance`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CompareInputError, OptionTypeError, OptionValueError
+from ..events import Event
+from ..grammar import dtype_name, shape_text
+from ..records import PartialTrace, Recording, Trace
+
+# (rtol, atol) per dtype, used where compare() is not given rtol= / atol=. They are looser than
+# torch.testing's single-op defaults because a trace compares values after many ops, and rounding
+# differences accumulate along the way.
+DEFAULT_TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+# Floating dtypes missing from the table (the float8 family) get this many machine epsilons.
+_EPSILONS_FOR_UNLISTED = 2
+
+_COMPLEX_PARTS = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+BOTH, ONLY_A, ONLY_B = "both", "only_a", "only_b"
+WITHIN, DIVERGED, NOT_COMPARABLE, UNCHECKED = "within", "diverged", "not comparable", "unchecked"
+EXACT = "exact"
+
+
+def tolerance_for(dtype: torch.dtype) -> Tuple[float, float]:
+    """The default (rtol, atol) for values of `dtype`; (0, 0) for integers and bool (exact)."""
+    dtype = _COMPLEX_PARTS.get(dtype, dtype)
+    if dtype in DEFAULT_TOLERANCES:
+        return DEFAULT_TOLERANCES[dtype]
+    if dtype.is_floating_point:
+        eps = torch.finfo(dtype).eps * _EPSILONS_FOR_UNLISTED
+        return eps, eps
+    return 0.0, 0.0
+
+
+class CompareRow:
+    """One aligned op: where it is in each trace and how its values compare.
+
+    - `status`: "both" (matched), "only_a" or "only_b" (present in one trace only).
+    - `module`, `op`: the op's module path ("" for the root) and name.
+    - `ordinal_a`, `ordinal_b`: its `#N` in each trace (None where absent); `ordinal` is trace_b's,
+      or trace_a's for an op only in a.
+    - `shapes_match`, `dtypes_match`: whether the outputs agree in shape / dtype (None unless both).
+    - `max_abs`, `max_rel`: the largest absolute and relative difference over all outputs (None
+      unless the values were compared); `inf` where a NaN or an infinity is on one side only.
+    - `rtol`, `atol`: the tolerance the values were held to.
+    - `verdict`: "within", "diverged", "not comparable" or "unchecked" (a side kept no value);
+      None for one-sided rows. `reason` says why a row is not comparable or unchecked.
+    """
+
+    __slots__ = ("status", "module", "op", "ordinal_a", "ordinal_b", "shapes_match", "dtypes_match",
+                 "max_abs", "max_rel", "rtol", "atol", "verdict", "reason")
+
+    def __init__(self, status: str, module: str, op: str, ordinal_a: Optional[int], ordinal_b: Optional[int],
+                 shapes_match: Optional[bool] = None, dtypes_match: Optional[bool] = None,
+                 max_abs: Optional[float] = None, max_rel: Optional[float] = None,
+                 rtol: Optional[float] = None, atol: Optional[float] = None,
+                 verdict: Optional[str] = None, reason: str = ""):
+        self.status = status
+        self.module = module
+        self.op = op
+        self.ordinal_a = ordinal_a
+        self.ordinal_b = ordinal_b
+        self.shapes_match = shapes_match
+        self.dtypes_match = dtypes_match
+        self.max_abs = max_abs
+        self.max_rel = max_rel
+        self.rtol = rtol
+        self.atol = atol
+        self.verdict = verdict
+        self.reason = reason
+
+    @property
+    def ordinal(self) -> int:
+        return self.ordinal_b if self.ordinal_b is not None else self.ordinal_a
+
+    @property
+    def within_tolerance(self) -> Optional[bool]:
+        """True or False for compared rows; None where there was nothing to compare."""
+        return None if self.verdict in (None, UNCHECKED) else self.verdict == WITHIN
+
+    @property
+    def diverged(self) -> bool:
+        """Out of tolerance or not comparable: what `first_divergence` looks for."""
+        return self.verdict in (DIVERGED, NOT_COMPARABLE)
+
+    @property
+    def where(self) -> str:
+        """The op as narration names it: `linear @blocks.1.fc`, or just `add` at the root."""
+        return f"{self.op} @{self.module}" if self.module else self.op
+
+    def to_dict(self) -> dict:
+        row = {name: getattr(self, name) for name in self.__slots__}
+        row["within_tolerance"] = self.within_tolerance
+        return row
+
+    def __repr__(self) -> str:
+        return f"CompareRow({self.status} #{self.ordinal} {self.where}: {self.verdict})"
+
+
+class CompareReport:
+    """The result of `tl.debug.compare(trace_a, trace_b)`.
+
+    - `rows`: one `CompareRow` per aligned op, in trace order.
+    - `first_divergence`: the first row out of tolerance or not comparable, or None.
+    - `counts`: matched, within_tolerance, diverged, not_comparable, unchecked, only_a, only_b.
+    - `str(report)` / `table(...)`: the text report, led by the first divergence.
+    - `to_rows()`: the rows as plain dicts; `plot(path)`: max abs difference per op.
+    """
+
+    def __init__(self, rows: List[CompareRow]):
+        self.rows = rows
+        self.first_divergence: Optional[CompareRow] = next((row for row in rows if row.diverged), None)
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        verdicts = [row.verdict for row in self.rows]
+        statuses = [row.status for row in self.rows]
+        return {
+            "matched": statuses.count(BOTH),
+            "within_tolerance": verdicts.count(WITHIN),
+            "diverged": verdicts.count(DIVERGED),
+            "not_comparable": verdicts.count(NOT_COMPARABLE),
+            "unchecked": verdicts.count(UNCHECKED),
+            "only_a": statuses.count(ONLY_A),
+            "only_b": statuses.count(ONLY_B),
+        }
+
+    def to_rows(self) -> List[dict]:
+        """Every row as a plain dict (the `CompareRow` fields plus `within_tolerance`)."""
+        return [row.to_dict() for row in self.rows]
+
+    def summary(self) -> str:
+        """One line naming the first divergence: op, module, ordinals and how far apart."""
+        row = self.first_divergence
+        if row is None:
+            counts = self.counts
+            unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
+            return f"no divergence: {counts['within_tolerance']} matched ops within tolerance{unchecked}"
+        head = f"first divergence: #{row.ordinal} {row.where} (a #{row.ordinal_a}, b #{row.ordinal_b})"
+        if row.verdict == NOT_COMPARABLE:
+            return f"{head}: not comparable, {row.reason}"
+        return (f"{head}: max abs diff {_number(row.max_abs)}, max rel diff {_number(row.max_rel)} "
+                f"(rtol {row.rtol:g}, atol {row.atol:g})")
+
+    def table(self, elide: bool = True, max_rows: Optional[int] = 100) -> str:
+        """The text report: the summary line, the counts, then one line per row.
+
+        `elide=True` folds runs of within-tolerance rows into one count line (keeping the row on
+        each side of a divergence), so a model of thousands of ops stays readable; `max_rows=N`
+        stops after N row lines with a note of how many were left out (None shows them all).
+        """
+        counts = self.counts
+        lines = [
+            self.summary(),
+            f"{len(self.rows)} aligned ops: {counts['matched']} in both ({counts['within_tolerance']} within "
+            f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
+            f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b",
+        ]
+        body = _row_lines(self.rows, elide)
+        if max_rows is not None and len(body) > max_rows + 1:
+            left_out = len(body) - max_rows - 1
+            body = body[:max_rows + 1] + [f"... {left_out} more lines (report.table(max_rows=None) shows all)"]
+        return "\n".join(lines + body) + "\n"
+
+    def plot(self, path=None):
+        """Plot the max abs difference per aligned op (log scale), the first divergence marked.
+
+        The x axis is the row's position in the alignment (1-based, so it is the ordinal while the
+        two traces have the same structure). Rows out of tolerance are red. A log scale cannot show
+        0 or inf: exact matches sit on a dotted floor line below the smallest difference, infinite
+        differences on a ceiling above the largest. Saves to `path` when given; returns the
+        matplotlib `Figure`. Needs matplotlib, the optional extra `plot`.
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as exc:
+            raise ImportError(
+                "CompareReport.plot needs matplotlib: pip install matplotlib "
+                "(or pip install 'torchlens[plot]')") from exc
+        compared = [(position, row) for position, row in enumerate(self.rows, 1) if row.max_abs is not None]
+        floor, ceiling = _plot_range([row.max_abs for _, row in compared])
+        figure = Figure(figsize=(10, 4))
+        axes = figure.subplots()
+        axes.set_yscale("log")
+        axes.axhline(floor, color="gray", linestyle=":", linewidth=1, label="equal (0)")
+        for diverged, color, label in ((False, "tab:blue", "within tolerance"), (True, "tab:red", "diverged")):
+            points = [(position, min(max(row.max_abs, floor), ceiling)) for position, row in compared
+                      if row.diverged == diverged]
+            axes.plot([x for x, _ in points], [y for _, y in points], ".", color=color, label=label)
+        axes.set_xlabel("aligned op")
+        axes.set_ylabel("max abs difference")
+        if self.first_divergence is not None:
+            at = self.rows.index(self.first_divergence) + 1
+            axes.axvline(at, color="tab:red", linestyle="--", linewidth=1)
+            axes.annotate(f" first divergence: #{self.first_divergence.ordinal} {self.first_divergence.where}",
+                          xy=(at, 0.97), xycoords=("data", "axes fraction"), color="tab:red", fontsize=8,
+                          ha="left", va="top")
+        axes.legend(loc="lower right", fontsize=8)
+        figure.tight_layout()
+        if path is not None:
+            figure.savefig(path)
+        return figure
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        counts = self.counts
+        first = f"first divergence #{self.first_divergence.ordinal} {self.first_divergence.where}" \
+            if self.first_divergence else "no divergence"
+        return (f"<CompareReport: {counts['matched']} matched, {counts['diverged'] + counts['not_comparable']} "
+                f"diverged, {counts['only_a']} only in a, {counts['only_b']} only in b; {first}>")
+
+
+def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float] = None) -> CompareReport:
+    """Align two traces op by op and compare the values each op produced.
+
+    Pass two results of `tl.trace(...)` (or partial traces of failed `tl.trace` runs, which kept
+    values up to the failure). `rtol=` / `atol=` override the per-dtype defaults
+    (`DEFAULT_TOLERANCES`); relative differences are taken against trace_b's values.
+    """
+    values_a = _kept_values(trace_a, "trace_a")
+    values_b = _kept_values(trace_b, "trace_b")
+    tolerance = _Tolerance(_check_tolerance(rtol, "rtol"), _check_tolerance(atol, "atol"))
+    rows = []
+    for event_a, event_b in align(trace_a.ops, trace_b.ops):
+        if event_b is None:
+            rows.append(CompareRow(ONLY_A, event_a.module, event_a.op, event_a.ordinal, None))
+        elif event_a is None:
+            rows.append(CompareRow(ONLY_B, event_b.module, event_b.op, None, event_b.ordinal))
+        else:
+            tolerance.observe(event_a.outputs, event_b.outputs)
+            rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
+    return CompareReport(rows)
+
+
+def align(ops_a: Sequence[Event], ops_b: Sequence[Event]) -> List[Tuple[Optional[Event], Optional[Event]]]:
+    """Pair the ops of two traces in order: (a, b) when matched, (a, None) / (None, b) otherwise.
+
+    The key is (module, op). The common head and tail are paired directly, which makes the usual
+    cases (identical structure, a few ops inserted or removed in one place) linear; only the part
+    between goes through `difflib.SequenceMatcher`, with `autojunk=False` because difflib would
+    otherwise treat any key that fills more than 1% of a long trace (every `view` in an attention
+    module) as noise.
+    """
+    keys_a = [(event.module, event.op) for event in ops_a]
+    keys_b = [(event.module, event.op) for event in ops_b]
+    head = _common_length(zip(keys_a, keys_b))
+    tail = _common_length(zip(reversed(keys_a[head:]), reversed(keys_b[head:])))
+    middle_a, middle_b = ops_a[head:len(ops_a) - tail], ops_b[head:len(ops_b) - tail]
+    pairs: List[Tuple[Optional[Event], Optional[Event]]] = list(zip(ops_a[:head], ops_b[:head]))
+    matcher = difflib.SequenceMatcher(None, keys_a[head:len(keys_a) - tail], keys_b[head:len(keys_b) - tail],
+                                      autojunk=False)
+    for tag, a_start, a_end, b_start, b_end in matcher.get_opcodes():
+        if tag == "equal":
+            pairs.extend(zip(middle_a[a_start:a_end], middle_b[b_start:b_end]))
+        else:
+            pairs.extend((event, None) for event in middle_a[a_start:a_end])
+            pairs.extend((None, event) for event in middle_b[b_start:b_end])
+    pairs.extend(zip(ops_a[len(ops_a) - tail:], ops_b[len(ops_b) - tail:]))
+    return pairs
+
+
+def _common_length(pairs) -> int:
+    """How many leading pairs have equal members."""
+    count = 0
+    for left, right in pairs:
+        if left != right:
+            break
+        count += 1
+    return count
+
+
+def _kept_values(trace, name: str) -> Dict[int, tuple]:
+    """The trace's kept values, or a CompareInputError that says what to pass instead."""
+    if not isinstance(trace, Recording):
+        raise CompareInputError(
+            f"tl.debug.compare: {name} is a {type(trace).__name__}, not a trace; pass what "
+            f"tl.trace(model, *inputs) returns")
+    values = trace.values if isinstance(trace, (Trace, PartialTrace)) else None
+    if values is not None:
+        return values
+    if isinstance(trace, PartialTrace):
+        raise CompareInputError(
+            f"tl.debug.compare: {name} is a PartialTrace without kept values (the failed run was "
+            f"tl.record); rerun the forward with tl.trace(...), whose partial trace keeps values up "
+            f"to the failure")
+    raise CompareInputError(
+        f"tl.debug.compare: {name} is a Recording, which keeps no values; use tl.trace(...), which "
+        f"keeps values")
+
+
+def _check_tolerance(value, name: str) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionTypeError(f"tl.debug.compare({name}=...) takes a number >= 0 or None (per-dtype "
+                              f"default), got {value!r}")
+    if not value >= 0 or math.isinf(value):
+        raise OptionValueError(f"tl.debug.compare({name}=...) takes a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+class _Tolerance:
+    """The (rtol, atol) each pair of outputs is held to, op by op along the alignment.
+
+    Integer and bool outputs must be equal. For floating outputs a given `rtol=` / `atol=` wins;
+    otherwise the default is the looser of the two dtypes' (`tolerance_for`). Once the two traces
+    have differed in floating precision at some op, no later floating op is held tighter than that
+    looser dtype: rounding error travels downstream, and autocast runs `add` and `layer_norm` in
+    fp32 on values that came out of bf16 matmuls.
+    """
+
+    def __init__(self, rtol: Optional[float], atol: Optional[float]):
+        self.rtol = rtol
+        self.atol = atol
+        self.floor = (0.0, 0.0)
+
+    def observe(self, metas_a, metas_b) -> None:
+        """Raise the floor when a matched op's outputs differ in floating precision."""
+        for a, b in zip(metas_a, metas_b):
+            if a.dtype != b.dtype and _kind(a.dtype) == _kind(b.dtype) and _kind(a.dtype) != EXACT:
+                self.floor = _looser(self.floor, tolerance_for(a.dtype), tolerance_for(b.dtype))
+
+    def of(self, dtype_a: torch.dtype, dtype_b: torch.dtype) -> Tuple[float, float]:
+        if _kind(dtype_a) == EXACT:
+            return 0.0, 0.0
+        rtol, atol = _looser(self.floor, tolerance_for(dtype_a), tolerance_for(dtype_b))
+        return (rtol if self.rtol is None else self.rtol), (atol if self.atol is None else self.atol)
+
+
+def _looser(*tolerances: Tuple[float, float]) -> Tuple[float, float]:
+    return max(rtol for rtol, _ in tolerances), max(atol for _, atol in tolerances)
+
+
+def _compare_matched(event_a: Event, event_b: Event, values_a: dict, values_b: dict,
+                     tolerance: _Tolerance) -> CompareRow:
+    """The row for an op present in both traces: agreement of metadata, then of values."""
+    metas_a, metas_b = event_a.outputs, event_b.outputs
+    same_count = len(metas_a) == len(metas_b)
+    shapes_match = same_count and all(tuple(a.shape) == tuple(b.shape) for a, b in zip(metas_a, metas_b))
+    dtypes_match = same_count and all(a.dtype == b.dtype for a, b in zip(metas_a, metas_b))
+    row = CompareRow(BOTH, event_b.module, event_b.op, event_a.ordinal, event_b.ordinal, shapes_match, dtypes_match)
+    reason = _incomparable(metas_a, metas_b)
+    if reason:
+        row.verdict, row.reason = NOT_COMPARABLE, reason
+        return row
+    missing = [side for side, values, event in (("a", values_a, event_a), ("b", values_b, event_b))
+               if event.ordinal not in values]
+    if missing:
+        row.verdict, row.reason = UNCHECKED, "no kept value in " + " and ".join(missing)
+        return row
+    differences = [_difference(a, b, *tolerance.of(a.dtype, b.dtype))
+                   for a, b in zip(values_a[event_a.ordinal], values_b[event_b.ordinal])]
+    row.max_abs = max((d.max_abs for d in differences), default=0.0)
+    row.max_rel = max((d.max_rel for d in differences), default=0.0)
+    row.rtol, row.atol = _looser((0.0, 0.0), *[(d.rtol, d.atol) for d in differences])
+    row.verdict = WITHIN if all(d.within for d in differences) else DIVERGED
+    return row
+
+
+def _incomparable(metas_a, metas_b) -> str:
+    """Why two ops' outputs cannot be compared element by element, or '' when they can.
+
+    Floating dtypes of different precision are comparable (in float64); anything else must share
+    its dtype, and shapes must be equal: nothing is broadcast.
+    """
+    if len(metas_a) != len(metas_b):
+        return f"{len(metas_a)} outputs vs {len(metas_b)}"
+    for index, (a, b) in enumerate(zip(metas_a, metas_b)):
+        output = f"output {index}: " if len(metas_a) > 1 else ""
+        if tuple(a.shape) != tuple(b.shape):
+            return f"{output}shapes {shape_text(a.shape)} vs {shape_text(b.shape)}"
+        if a.dtype != b.dtype and (_kind(a.dtype) != _kind(b.dtype) or _kind(a.dtype) == EXACT):
+            return f"{output}dtypes {dtype_name(a.dtype)} vs {dtype_name(b.dtype)}"
+    return ""
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating"
+    return EXACT
+
+
+class _Difference:
+    """How far apart one output is between the two traces, and the tolerance it was held to."""
+
+    __slots__ = ("max_abs", "max_rel", "rtol", "atol", "within")
+
+    def __init__(self, max_abs: float, max_rel: float, rtol: float, atol: float, within: bool):
+        self.max_abs = max_abs
+        self.max_rel = max_rel
+        self.rtol = rtol
+        self.atol = atol
+        self.within = within
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> _Difference:
+    """Compare two same-shape tensors in float64 (complex128) on the CPU, allclose-style.
+
+    Positions that are equal (including equal infinities) or NaN on both sides differ by 0; a NaN
+    or infinity on one side only differs by inf and is never within tolerance. Integer and bool
+    tensors are within tolerance only when equal (float64 could round large integers together).
+    """
+    wide = torch.complex128 if a.dtype.is_complex else torch.float64
+    a64, b64 = a.detach().to("cpu", wide), b.detach().to("cpu", wide)
+    same = (a64 == b64) | (a64.isnan() & b64.isnan())
+    finite = a64.isfinite() & b64.isfinite()
+    magnitude = b64.abs()
+    diff = torch.where(same, 0.0, torch.where(finite, (a64 - b64).abs(), math.inf))
+    rel = torch.nan_to_num(torch.where(diff == 0, 0.0, diff / magnitude), nan=math.inf, posinf=math.inf)
+    if _kind(a.dtype) == EXACT:
+        within = torch.equal(a.detach().cpu(), b.detach().cpu())
+    else:
+        within = bool((same | (finite & (diff <= atol + rtol * magnitude))).all())
+    if diff.numel() == 0:
+        return _Difference(0.0, 0.0, rtol, atol, within)
+    return _Difference(diff.max().item(), rel.max().item(), rtol, atol, within)
+
+
+def _row_lines(rows: List[CompareRow], elide: bool) -> List[str]:
+    """The column header and one line per row, runs of within-tolerance rows folded when eliding."""
+    ordinal_width = max([2] + [len(str(o)) for row in rows for o in (row.ordinal_a, row.ordinal_b) if o])
+    op_width = max([2] + [len(row.op) for row in rows])
+
+    def line(a, b, verdict, max_abs, max_rel, op, module, reason=""):
+        text = (f"{a:>{ordinal_width + 2}}  {b:>{ordinal_width + 2}}  {verdict:<14}  {max_abs:<9}  {max_rel:<9}  "
+                f"{op:<{op_width}}  {module}")
+        return (text + "  " + reason if reason else text).rstrip()
+
+    lines = [line("a#", "b#", "verdict", "max_abs", "max_rel", "op", "module")]
+    shown = _rows_to_show(rows) if elide else [True] * len(rows)
+    hidden = 0
+    for row, show in zip(rows, shown):
+        if not show:
+            hidden += 1
+            continue
+        if hidden:
+            lines.append(_elision(hidden))
+            hidden = 0
+        lines.append(line(
+            _ordinal(row.ordinal_a), _ordinal(row.ordinal_b),
+            row.verdict or ("only in a" if row.status == ONLY_A else "only in b"),
+            _number(row.max_abs), _number(row.max_rel), row.op, row.module or "(root)", row.reason))
+    if hidden:
+        lines.append(_elision(hidden))
+    return lines
+
+
+def _rows_to_show(rows: List[CompareRow]) -> List[bool]:
+    """Which rows a folded table shows: every row not within tolerance, and its neighbours.
+
+    A single hidden row between two shown ones is shown anyway: a count line would take its place
+    and say less.
+    """
+    notable = [row.verdict != WITHIN for row in rows]
+    shown = [notable[i] or (i > 0 and notable[i - 1]) or (i + 1 < len(rows) and notable[i + 1])
+             for i in range(len(rows))]
+    for i in range(1, len(rows) - 1):
+        if not shown[i] and shown[i - 1] and shown[i + 1]:
+            shown[i] = True
+    return shown
+
+
+def _elision(count: int) -> str:
+    return f"  ... {count} op{'s' if count != 1 else ''} within tolerance"
+
+
+def _ordinal(ordinal: Optional[int]) -> str:
+    return "-" if ordinal is None else f"#{ordinal}"
+
+
+def _number(value: Optional[float]) -> str:
+    """A difference as the table prints it: '-' when absent, '0' when exact, else 3 significant digits."""
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.2e}"
+
+
+def _plot_range(diffs: Sequence[float]) -> Tuple[float, float]:
+    """Where a log-scale plot puts exact zeros (floor) and infinite differences (ceiling)."""
+    finite = [d for d in diffs if d > 0 and not math.isinf(d)]
+    if not finite:
+        return 1e-12, 1.0
+    return min(finite) / 10, max(finite) * 10
