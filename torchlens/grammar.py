@@ -137,7 +137,9 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
     if sites and event.site:
         line += "  " + site_text(event.site, normalize)
     if event.stats is not None:
-        line += "  | " + event.stats.render()
+        stats = event.stats.render()
+        if stats:
+            line += "  | " + stats
     return line
 
 

@@ -83,6 +83,14 @@ class Narrator:
             self._nonfinite_noted = True
             self._emit(grammar.render_failure(first_nonfinite_text(event)))
 
+    def prints(self, event: Event) -> bool:
+        """Whether feeding `event` now would print its line (decides whether its stats are read now)."""
+        if self._quiet or self._disabled or (self._select is not None and not self._select(event)):
+            return False
+        if self._depth is not None and event.scope.depth > self._depth and event.kind is not EXIT:
+            return False
+        return self._max_lines is None or self.lines_written < self._max_lines
+
     def _fold(self, event: Event) -> None:
         """Count an op too deep to show against the innermost shown module call around it."""
         self.folded_total += 1

@@ -184,6 +184,11 @@ class Settings:
 def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=False, keep_on_cpu=False,
                   max_bytes=None) -> Settings:
     """Validate the capture keywords every entry point shares and bundle them."""
+    if value_stats == "reuse" and on_nonfinite is None:
+        raise OptionValueError(
+            "value_stats='reuse' prints what non-finite tracking computed; turn tracking on with "
+            "on_nonfinite='track' (or 'raise'), or pick value_stats='sampled' or 'exact'"
+        )
     return Settings(
         resolve_narrate(narrate),
         check_value_stats(value_stats),

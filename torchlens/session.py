@@ -12,12 +12,13 @@ import traceback
 import warnings
 from typing import List, Optional
 
-from .errors import NarrationWarning
+from .errors import NarrationWarning, NonFiniteError
 from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
 from .narrator import Narrator
 from .options import Settings
 from .records import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
+from .stats import Meter
 
 
 class Session:
@@ -39,6 +40,8 @@ class Session:
         self.failed_call = None  # (op, scope, site, input metas, exception, notes) of a call that raised
         self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
         self.footer_extra: List[str] = []
+        self.meter: Optional[Meter] = None  # set by a substrate that measures values itself (eager)
+        self.raise_on_nonfinite = settings.on_nonfinite == "raise"
         if narrator is not None:
             narrator.begin_pass(header)
 
@@ -53,14 +56,26 @@ class Session:
             narrator.feed(event)
         return event
 
-    def add_input(self, label: str, metas, site=None) -> Event:
+    def add_input(self, label: str, metas, site=None, value=None) -> Event:
         self.ordinal += 1
-        return self.record(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label))
+        return self._measured(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label), value)
 
-    def add_op(self, op: str, metas, site=None, stats=None) -> Event:
+    def add_op(self, op: str, metas, site=None, stats=None, value=None) -> Event:
+        """Record an op; with a `value` (its output) and a meter, measure it first."""
         self.ordinal += 1
         self.failed_call = None
-        return self.record(Event(OP, self.ordinal, op, self.scope, metas, site, stats, None))
+        return self._measured(Event(OP, self.ordinal, op, self.scope, metas, site, stats, None), value)
+
+    def _measured(self, event: Event, value) -> Event:
+        meter = self.meter
+        if meter is None or value is None:
+            return self.record(event)
+        live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
+        event.stats = meter.measure_output(value, live)
+        self.record(event)
+        if self.raise_on_nonfinite and event.stats.nonfinite:
+            raise NonFiniteError(nonfinite_message(event))
+        return event
 
     def add_output(self, label: str, metas) -> Event:
         self.move_to(self.root)
@@ -158,6 +173,7 @@ class Session:
 
     def finish(self, output) -> Recording:
         self.move_to(self.root)
+        self._settle_stats()
         if self.narrator is not None:
             self.narrator.end_pass(self.footer_extra)
         cls = Trace if self.values is not None else Recording
@@ -175,7 +191,8 @@ class Session:
 
         Never raises: a problem here is reported as a warning and the user's exception goes on.
         """
-        attempt = self.attempt_for(exc)
+        self._settle_stats()
+        attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc)
         error = error_summary(exc)
         partial = PartialTrace(
             events=self.events,
@@ -191,6 +208,23 @@ class Session:
             self.narrator.fail(self.events, attempt, error)
         attach(exc, partial)
         return partial
+
+    def _settle_stats(self) -> None:
+        """Read what statistics are still on the device, and summarise tracking in the footer."""
+        try:
+            if self.meter is not None:
+                self.meter.flush()
+        except Exception as exc:
+            internal_error("reading value statistics", exc)
+        settings = self.settings
+        if settings.value_stats != "off":
+            self.footer_extra.append(f"value_stats={settings.value_stats}")
+        if settings.on_nonfinite is not None:
+            first = next((e for e in self.events if e.stats is not None and e.stats.nonfinite), None)
+            if first is None:
+                self.footer_extra.append("no non-finite values")
+            else:
+                self.footer_extra.append("first non-finite: " + short_ref(first))
 
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
@@ -244,6 +278,19 @@ def attach(exc: BaseException, partial: PartialTrace) -> None:
         exc.add_note(partial.short_note())
     except Exception:
         pass
+
+
+def short_ref(event: Event) -> str:
+    """`#57 log @blocks.1` — how notes point at an op."""
+    where = f" @{event.scope.path}" if event.scope.path else ""
+    return f"#{event.ordinal} {event.op}{where}"
+
+
+def nonfinite_message(event: Event) -> str:
+    site = f" ({event.site})" if event.site else ""
+    return (f"on_nonfinite='raise': {short_ref(event)}{site} produced non-finite values "
+            f"({event.stats.counts_text()}); every op before it was finite. The partial trace is "
+            f"attached as exc.partial_trace; on_nonfinite='track' records the run without stopping.")
 
 
 def internal_error(what: str, exc: BaseException) -> None:

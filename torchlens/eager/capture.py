@@ -128,7 +128,7 @@ class EagerCapture:
             return
         try:
             site = find_user_site(sys._getframe(2)) if self.sites else None
-            event = self.session.add_op(op_name(func), metas, site)
+            event = self.session.add_op(op_name(func), metas, site, value=out)
             for observe in self.observers:
                 observe(event, out)
         except Exception as exc:

@@ -12,6 +12,7 @@ from ..narrator import Narrator
 from ..records import Recording
 from ..options import Settings
 from ..session import Session
+from ..stats import Meter
 from .capture import EagerCapture
 from ..scopes import ScopeTable
 from .structure import check_selection, named_inputs, named_outputs
@@ -32,6 +33,9 @@ class EagerPass:
         self.scopes = ScopeTable(model)
         check_selection(settings, self.scopes.paths)
         self.session = Session(settings, self.scopes.root_scope, narrator, header)
+        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+        if meter.active:
+            self.session.meter = meter
         observers = list(observers)
         if settings.keep_values:
             observers.append(ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes))
@@ -40,7 +44,7 @@ class EagerPass:
 
     def begin(self, args: tuple, kwargs: dict) -> None:
         for label, tensor in named_inputs(self.model, args, kwargs):
-            event = self.session.add_input(label, (TensorMeta.of(tensor),))
+            event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
             for observe in self.observers:
                 observe(event, tensor)
         self.capture.start()

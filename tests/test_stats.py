@@ -1,0 +1,213 @@
+"""Value statistics (`value_stats=`) and non-finite tracking (`on_nonfinite=`), eager."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchlens as tl
+from helpers import count_host_syncs, op_lines
+from models import conv_net, images, tiny_gpt, tokens
+
+NarrationOptions = tl.options.NarrationOptions
+
+
+class LogOfNegative(nn.Module):
+    """`log` of a linear's output: negative entries become NaN, which then spread."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.log(self.fc(x))).relu()
+
+
+def narrated(model, x, **kwargs):
+    sink = io.StringIO()
+    options = kwargs.pop("options", {})
+    rec = tl.record(model, x, narrate=NarrationOptions(sink=sink, **options), **kwargs)
+    return sink.getvalue(), rec
+
+
+def line_of(text, op):
+    return next(line for line in op_lines(text) if f" {op} " in line)
+
+
+def test_tracking_names_log_as_the_first_nonfinite_op_and_shows_its_counts():
+    model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    expected_nan = int(torch.isnan(torch.log(model.fc(x))).sum())
+    assert expected_nan > 0
+    text, rec = narrated(model, x, on_nonfinite="track", value_stats="reuse")
+    assert line_of(text, "log").endswith(f"| nan={expected_nan}")
+    assert line_of(text, "linear").endswith("| finite")
+    assert text.count("!! first non-finite output") == 1
+    assert f"!! first non-finite output: #3 log  nan={expected_nan}" in text
+    assert rec.first_nonfinite.op == "log" and rec.first_nonfinite.ordinal == 3 and rec.first_nonfinite.module == ""
+    assert text.splitlines()[-1].endswith("first non-finite: #3 log")
+
+
+def test_tracking_without_narration_reads_once_per_forward_and_still_finds_the_op():
+    model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with count_host_syncs() as syncs:
+        rec = tl.record(model, x, on_nonfinite="track")
+    assert len(syncs) == 1, syncs
+    assert rec.first_nonfinite.op == "log"
+    assert "!! first non-finite output: #3 log" in rec.narrate()
+
+
+def test_reuse_adds_no_read_beyond_tracking():
+    model, x = tiny_gpt(), tokens()
+    with count_host_syncs() as tracking:
+        tl.record(model, x, on_nonfinite="track", narrate=lambda line: None)
+    with count_host_syncs() as reusing:
+        tl.record(model, x, on_nonfinite="track", value_stats="reuse", narrate=lambda line: None)
+    assert len(reusing) == len(tracking)
+    with count_host_syncs() as off:
+        tl.record(model, x, value_stats="off", narrate=lambda line: None)
+    assert off == []
+
+
+def test_raise_stops_at_the_first_nonfinite_op_with_a_typed_error_and_the_partial_trace():
+    model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(tl.errors.NonFiniteError, match=r"#3 log produced non-finite values \(nan=\d+\)") as info:
+        tl.record(model, x, on_nonfinite="raise")
+    assert isinstance(info.value, FloatingPointError)
+    partial = info.value.partial_trace
+    assert [e.op for e in partial.ops] == ["input", "linear", "log"], "the forward stopped right after log"
+    assert partial.narrate(last=2).splitlines()[-1].startswith("!! first non-finite output: #3 log")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_nonfinite_values_in_half_bfloat_and_double_outputs_are_flagged(dtype):
+    class LogIn(nn.Module):
+        def forward(self, x):
+            return torch.log(x.to(dtype) - 2)
+
+    text, rec = narrated(LogIn(), torch.tensor([1.0, 2.0, 3.0, 4.0]), on_nonfinite="track", value_stats="exact")
+    assert line_of(text, "log").endswith("nan=1 -inf=1")
+    assert rec.first_nonfinite.op == "log" and rec.first_nonfinite.outputs[0].dtype == dtype
+
+
+def test_float8_infinity_from_overflow_is_flagged():
+    class Cast(nn.Module):
+        def forward(self, x):
+            return x.to(torch.float8_e5m2)
+
+    text, rec = narrated(Cast(), torch.tensor([1.0, 1e6]), on_nonfinite="track", value_stats="reuse")
+    assert line_of(text, "to").endswith("| +inf=1")  # e5m2 overflows to infinity
+    assert rec.first_nonfinite.op == "to"
+
+
+def test_float8_nan_is_flagged():
+    class Cast(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x).to(torch.float8_e4m3fn)  # e4m3fn has no infinity, but keeps NaN
+
+    text, rec = narrated(Cast(), torch.tensor([1.0, -1.0, 4.0]), on_nonfinite="track", value_stats="reuse")
+    assert line_of(text, "to").endswith("| nan=1")
+    assert rec.first_nonfinite.op == "sqrt"
+
+
+def test_exact_values_equal_torch_reductions():
+    model, x = conv_net(), images(2)
+    text, rec = narrated(model, x, value_stats="exact")
+    trace = tl.trace(model, x)
+    for event in rec.ops:
+        value = trace.value(event.ordinal).double()
+        stats = event.stats
+        mn, mx = torch.aminmax(value)
+        assert stats.min == pytest.approx(mn.item(), rel=1e-6, abs=1e-6)
+        assert stats.max == pytest.approx(mx.item(), rel=1e-6, abs=1e-6)
+        assert stats.mean == pytest.approx(value.mean().item(), rel=1e-5, abs=1e-6)
+        assert stats.sd == pytest.approx(value.std().item(), rel=1e-5, abs=1e-6)
+        assert stats.nan == stats.posinf == stats.neginf == 0
+    assert re.search(r"\| min=-?[\d.e+-]+ max=[\d.e+-]+ mean=-?[\d.e+-]+ sd=[\d.e+-]+ finite$", line_of(text, "conv2d"))
+
+
+def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values():
+    class Holes(nn.Module):
+        def forward(self, x):
+            return torch.where(x > 2, float("nan"), x) + 0
+
+    x = torch.arange(6.0)
+    for narrate in (True, False):  # measured live (cheap first) and deferred (counted from the start)
+        rec = tl.record(Holes(), x, value_stats="exact", narrate=(lambda line: None) if narrate else None)
+        stats = rec.ops[-1].stats
+        assert (stats.min, stats.max, stats.mean, stats.nan) == (0, 2, 1, 3)
+        assert stats.sd == pytest.approx(1.0)
+
+
+def test_sampled_reads_a_bounded_sample_and_says_how_many():
+    class Big(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    reduced = []
+
+    class Reductions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name().split("::")[1].split(".")[0] in ("aminmax", "mean", "sum", "linalg_vector_norm", "amin", "amax"):
+                reduced.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    sink = io.StringIO()
+    rec = tl.record(Big(), x, value_stats="sampled", narrate=sink)
+    with Reductions():
+        tl.record(Big(), x, value_stats="sampled", narrate=lambda line: None)
+    assert reduced and max(reduced) <= 4096
+    line = line_of(sink.getvalue(), "mul")
+    assert re.search(r"\| min~=\S+ max~=\S+ mean~=\S+ sd~=\S+ sampled=4096/1048576$", line), line
+    assert "finite" not in line, "a sample never claims finiteness"
+    assert rec.ops[-1].stats.sd == pytest.approx(2.0, rel=0.05)
+
+
+def test_every_dtype_and_layout_is_handled_without_errors():
+    class Many(nn.Module):
+        def forward(self, x):
+            return (
+                x.to(torch.complex64) * 1j,
+                x.long() + 1,
+                x > 0,
+                x[:0] * 2,
+                x.double().exp(),
+            )
+
+    text, rec = narrated(Many(), torch.randn(2, 3), value_stats="exact", on_nonfinite="track")
+    assert "| min=" in line_of(text, "mul")  # complex: statistics of magnitudes
+    assert re.search(r"add .*\| min=-?\d+ max=-?\d+ mean=", text)  # integers: no finiteness to claim
+    assert re.search(r"gt .*\| true=\d+/6", text)
+    assert "stats n/a (empty)" in text
+    meta_text, _ = narrated(tiny_gpt().to("meta"), torch.zeros(1, 4, dtype=torch.long, device="meta"),
+                            value_stats="exact", on_nonfinite="track")
+    assert "stats n/a (meta)" in meta_text and "first non-finite" not in meta_text
+
+
+def test_stats_never_change_outputs_or_gradients():
+    model = tiny_gpt()
+    x = tokens(2, 6)
+    plain = model(x)
+    for rung in ("reuse", "sampled", "exact"):
+        rec = tl.record(model, x, value_stats=rung, on_nonfinite="track", narrate=lambda line: None)
+        assert torch.equal(rec.output, plain)
+    loss = tl.record(model, x, value_stats="exact").output.sum()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bad_rungs_and_tracking_modes_are_typed_errors():
+    model, x = LogOfNegative(), torch.randn(1, 4)
+    with pytest.raises(tl.errors.OptionValueError, match=r"'off', 'reuse', 'sampled' or 'exact'"):
+        tl.record(model, x, value_stats="full")
+    with pytest.raises(tl.errors.OptionValueError, match=r"None, 'track' or 'raise'"):
+        tl.record(model, x, on_nonfinite="warn")
+    with pytest.raises(tl.errors.OptionValueError, match="on_nonfinite='track'"):
+        tl.record(model, x, value_stats="reuse")

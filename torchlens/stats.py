@@ -1,0 +1,328 @@
+"""Value statistics and non-finite tracking: what an op's output holds, at a cost the user chooses.
+
+The rungs of `value_stats=`:
+
+- "off": nothing is read. Metadata only.
+- "reuse": print what non-finite tracking (`on_nonfinite=`) computed anyway: `| finite` or
+  `| nan=3 +inf=1`. No extra reads.
+- "sampled": statistics of a bounded, seeded sample of the elements, marked `~=` and with the sample
+  size; a sample never claims the tensor is finite.
+- "exact": min, max, mean and standard deviation over every element, with non-finite counts. When
+  non-finite values are present, min/max/mean/sd are those of the finite elements.
+
+Everything is computed on the tensor's device as a small vector and read to the host as late and as
+rarely as possible: once per printed line when a line is narrated live (it cannot be printed
+otherwise), else once per forward for all pending vectors together. A live line computes the cheap
+statistics first and counts non-finite values only when they turn out to be present, while the
+tensor is still at hand; a deferred vector has to hold the counts from the start.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+SAMPLE_SIZE = 4096
+_SAMPLE_SEED = 0
+
+_inf = float("inf")
+
+
+def fmt(value) -> str:
+    """Compact numbers: 4 significant digits, no trailing noise (`0.08`, `-2.115`, `1.2e+06`)."""
+    if isinstance(value, int):
+        return str(value)
+    if value != value:
+        return "nan"
+    if value in (_inf, -_inf):
+        return "inf" if value > 0 else "-inf"
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    return format(value, ".4g")
+
+
+class Stats:
+    """What was measured of one tensor, and how: evidence-qualified statistics.
+
+    `kind` is "exact", "sampled", "counts" (non-finite tracking only), "bool" or "na" (not
+    applicable: meta, empty, or non-numeric tensors; `note` says why). `shown` is False when only
+    tracking asked for it: the op line then shows nothing, but the first non-finite op is still
+    found. Counts are None when not measured (a sample never measures them).
+    """
+
+    __slots__ = ("kind", "numel", "min", "max", "mean", "sd", "nan", "posinf", "neginf", "sampled", "note",
+                 "shown", "part_of")
+
+    def __init__(self, kind: str, numel: int = 0, shown: bool = True, note: str = ""):
+        self.kind = kind
+        self.numel = numel
+        self.min = self.max = self.mean = self.sd = None
+        self.nan = self.posinf = self.neginf = None
+        self.sampled = 0
+        self.note = note
+        self.shown = shown
+        self.part_of = None
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.nan or self.posinf or self.neginf)
+
+    def counts_text(self) -> str:
+        if self.nan is None:
+            return "finiteness not measured"
+        parts = [f"{label}={count}" for label, count in (("nan", self.nan), ("+inf", self.posinf), ("-inf", self.neginf))
+                 if count]
+        return " ".join(parts) if parts else "finite"
+
+    def render(self) -> str:
+        if not self.shown:
+            return ""
+        kind = self.kind
+        if kind == "na":
+            return f"stats n/a ({self.note})"
+        if kind == "counts":
+            return self.counts_text()
+        if kind == "bool":
+            return f"true={fmt(self.max)}/{self.numel}"
+        if kind == "sampled":
+            text = " ".join(f"{name}~={fmt(value)}" for name, value in self._values())
+            text += f" sampled={self.sampled}/{self.numel}"
+            if self.note:
+                text += f" {self.note}"
+            if self.nan is not None:  # counted over every element by non-finite tracking
+                text += f" {self.counts_text()}"
+            return text
+        text = " ".join(f"{name}={fmt(value)}" for name, value in self._values())
+        if self.nan is None:  # an integer tensor: always finite, nothing to count
+            return text
+        return f"{text} {self.counts_text()}" if text else self.counts_text()
+
+    def _values(self):
+        values = (("min", self.min), ("max", self.max), ("mean", self.mean), ("sd", self.sd))
+        return [(name, value) for name, value in values if value is not None]
+
+    def __repr__(self) -> str:
+        return f"Stats({self.render() or self.kind})"
+
+
+class StatsGroup:
+    """Statistics of a multi-output op: one `Stats` per tensor output."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[Stats]):
+        self.parts = tuple(parts)
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(part.nonfinite for part in self.parts)
+
+    @property
+    def shown(self) -> bool:
+        return any(part.shown for part in self.parts)
+
+    def counts_text(self) -> str:
+        return " ; ".join(part.counts_text() for part in self.parts)
+
+    def render(self) -> str:
+        rendered = [part.render() for part in self.parts]
+        return " ; ".join(rendered) if any(rendered) else ""
+
+
+# -- what to compute ---------------------------------------------------------------------------
+
+def applicable(tensor: torch.Tensor) -> Optional[str]:
+    """Why statistics cannot be computed for this tensor (meta, empty, sparse), or None."""
+    if tensor.device.type == "meta":
+        return "meta"
+    if tensor.layout != torch.strided:
+        return str(tensor.layout).replace("torch.", "")
+    if tensor.numel() == 0:
+        return "empty"
+    return None
+
+
+def _as_float(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 (or float64) view of the values to reduce; complex tensors by magnitude."""
+    tensor = tensor.detach()
+    if tensor.dtype.is_complex:
+        return tensor.abs().float() if tensor.dtype != torch.complex128 else tensor.abs()
+    if tensor.dtype == torch.float64:
+        return tensor
+    return tensor.float()
+
+
+def _vector_dtype(device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def cheap_vector(f: torch.Tensor) -> torch.Tensor:
+    """[min, max, mean, sd] over every element: four reductions that never read to the host."""
+    mn, mx = torch.aminmax(f)
+    mean = f.mean()
+    sd = torch.linalg.vector_norm(f - mean) / math.sqrt(max(f.numel() - 1, 1))
+    return torch.stack([mn, mx, mean, sd]).to(_vector_dtype(f.device))
+
+
+def count_vector(f: torch.Tensor) -> torch.Tensor:
+    """[nan, +inf, -inf] counts."""
+    dtype = _vector_dtype(f.device)
+    return torch.stack([torch.isnan(f).sum(), torch.isposinf(f).sum(), torch.isneginf(f).sum()]).to(dtype)
+
+
+def finite_vector(f: torch.Tensor) -> torch.Tensor:
+    """[min, max, mean, sd, nan, +inf, -inf] with min/max/mean/sd over the finite elements only."""
+    finite = torch.isfinite(f)
+    count = finite.sum().clamp(min=1)
+    mean = torch.where(finite, f, 0).sum() / count
+    centered = torch.where(finite, f - mean, 0)
+    sd = torch.linalg.vector_norm(centered) / (count - 1).clamp(min=1).sqrt()
+    mn = torch.where(finite, f, _inf).amin()
+    mx = torch.where(finite, f, -_inf).amax()
+    dtype = _vector_dtype(f.device)
+    return torch.cat([torch.stack([mn, mx, mean, sd]).to(dtype), count_vector(f)])
+
+
+_sample_indices: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def sample_indices(numel: int, device) -> torch.Tensor:
+    """The seeded positions a sample reads: the same for every tensor of this size, so runs agree."""
+    key = (numel, str(device))
+    indices = _sample_indices.get(key)
+    if indices is None:
+        generator = torch.Generator().manual_seed(_SAMPLE_SEED)
+        indices = torch.randint(0, numel, (SAMPLE_SIZE,), generator=generator).to(device)
+        if len(_sample_indices) > 256:
+            _sample_indices.clear()
+        _sample_indices[key] = indices
+    return indices
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+
+class Pending:
+    """A statistics vector still on the device, and how to read it into a `Stats`."""
+
+    __slots__ = ("stats", "vector", "layout")
+
+    def __init__(self, stats: Stats, vector: torch.Tensor, layout: str):
+        self.stats = stats
+        self.vector = vector
+        self.layout = layout  # "cheap", "counts", "finite", "sampled", "bool", "int"
+
+
+class Meter:
+    """Measures op outputs for one forward, following the rung and the tracking mode.
+
+    `measure(tensor, live)` returns a `Stats` that is complete when `live` (read now, because its
+    line is being printed, or because `on_nonfinite="raise"` must stop at this op) and otherwise
+    filled in by `flush()` at the end of the forward, with one transfer per device.
+    """
+
+    def __init__(self, rung: str, tracking: bool):
+        self.rung = rung
+        self.tracking = tracking
+        self.pending: List[Pending] = []
+        self.reads = 0  # host transfers made, for the footer and the tests
+
+    @property
+    def active(self) -> bool:
+        return self.tracking or self.rung in ("sampled", "exact")
+
+    def measure_output(self, out, live: bool):
+        """Stats of an op's output (a tensor, or a StatsGroup for several)."""
+        if isinstance(out, torch.Tensor):
+            return self.measure(out, live)
+        return StatsGroup([self.measure(t, live) for t in out if isinstance(t, torch.Tensor)])
+
+    def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
+        shown = self.rung != "off"
+        reason = applicable(tensor)
+        if reason is not None:
+            return Stats("na", tensor.numel(), shown, note=reason)
+        numel = tensor.numel()
+        if tensor.dtype == torch.bool:
+            if self.rung not in ("exact", "sampled"):
+                return Stats("na", numel, False, note="bool")
+            return self._start(Stats("bool", numel, shown), tensor.count_nonzero().to(torch.float64)[None], "bool", live)
+        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+            if self.rung != "exact" and self.rung != "sampled":
+                return Stats("na", numel, False, note=str(tensor.dtype))
+            return self._start(Stats("exact", numel, shown), cheap_vector(tensor.double()), "int", live)
+        f = _as_float(tensor)
+        if self.rung == "sampled":
+            return self._sampled(f, numel, shown, live)
+        if self.rung == "exact":
+            if live:
+                return self._start(Stats("exact", numel, shown), cheap_vector(f), "cheap", live, f)
+            return self._start(Stats("exact", numel, shown), finite_vector(f), "finite", live)
+        # tracking only ("off" or "reuse"): counts, shown by "reuse"
+        return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f), "counts", live)
+
+    def _sampled(self, f: torch.Tensor, numel: int, shown: bool, live: bool) -> Stats:
+        sample = torch.take(f, sample_indices(numel, f.device)) if numel > SAMPLE_SIZE else f.reshape(-1)
+        stats = Stats("sampled", numel, shown)
+        stats.sampled = sample.numel()
+        vector = torch.cat([finite_vector(sample), count_vector(f) if self.tracking else sample.new_zeros(0).double()])
+        return self._start(stats, vector.to(_vector_dtype(f.device)), "sampled", live)
+
+    def _start(self, stats: Stats, vector: torch.Tensor, layout: str, live: bool, tensor=None) -> Stats:
+        if live:
+            values = vector.tolist()
+            self.reads += 1
+            if layout == "cheap" and not all(map(math.isfinite, values)):
+                values = finite_vector(tensor).tolist()  # non-finite values: count them while we can
+                self.reads += 1
+                layout = "finite"
+            _fill(stats, values, layout, self.tracking)
+        else:
+            self.pending.append(Pending(stats, vector, layout))
+        return stats
+
+    def flush(self) -> None:
+        """Read every pending vector: one transfer per device for the whole forward."""
+        pending, self.pending = self.pending, []
+        by_device: Dict[torch.device, List[Pending]] = {}
+        for item in pending:
+            by_device.setdefault(item.vector.device, []).append(item)
+        for items in by_device.values():
+            dtype = _vector_dtype(items[0].vector.device)
+            values = torch.cat([item.vector.to(dtype).reshape(-1) for item in items]).tolist()
+            self.reads += 1
+            start = 0
+            for item in items:
+                size = item.vector.numel()
+                _fill(item.stats, values[start:start + size], item.layout, self.tracking)
+                start += size
+
+
+def _fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:
+    if layout == "bool":
+        stats.max = int(values[0])
+        return
+    if layout == "counts":
+        stats.nan, stats.posinf, stats.neginf = (int(v) for v in values)
+        return
+    if layout == "int":
+        stats.min, stats.max = int(values[0]), int(values[1])
+        stats.mean, stats.sd = values[2], values[3]
+        return
+    stats.min, stats.max, stats.mean, stats.sd = values[:4]
+    if layout == "cheap":  # every value finite (else it would have been re-measured)
+        stats.nan = stats.posinf = stats.neginf = 0
+    elif layout == "finite":
+        stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[4:7])
+        if stats.nan + stats.posinf + stats.neginf == stats.numel:  # nothing finite to summarise
+            stats.min = stats.max = stats.mean = stats.sd = None
+    elif layout == "sampled":
+        seen = sum(values[4:7])
+        if seen:
+            stats.note = "(non-finite values in the sample)"
+        if seen >= stats.sampled:  # nothing finite in the sample to summarise
+            stats.min = stats.max = stats.mean = stats.sd = None
+        if tracking and len(values) >= 10:
+            stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[7:10])
