@@ -211,3 +211,89 @@ def test_bad_rungs_and_tracking_modes_are_typed_errors():
         tl.record(model, x, on_nonfinite="warn")
     with pytest.raises(tl.errors.OptionValueError, match="on_nonfinite='track'"):
         tl.record(model, x, value_stats="reuse")
+
+
+# -- compiled ------------------------------------------------------------------------------------
+
+
+def body(text):
+    return [line for line in text.splitlines() if not line.startswith("--")]
+
+
+def test_compiled_tracking_matches_eager_and_names_the_same_op():
+    model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    lines = []
+    with torch.no_grad():
+        out = tl.compile(model, narrate=lines.append, on_nonfinite="track", value_stats="reuse")(x)
+        plain = torch.compile(model)(x)
+    eager, _ = narrated(model, x, on_nonfinite="track", value_stats="reuse")
+    assert body("\n".join(lines)) == body(eager)
+    assert lines[-1].endswith("first non-finite: #3 log")
+    assert torch.allclose(out, plain, equal_nan=True)
+
+
+def test_compiled_exact_stats_agree_with_eager_and_leave_outputs_alone():
+    model, x = conv_net(), images(2)
+    compiled = tl.compile(model, value_stats="exact")
+    with torch.no_grad():
+        out = compiled(x)
+        plain = torch.compile(model)(x)
+    # fusing the reductions into the producing kernels may move the output's last bit, no more
+    assert torch.allclose(out, plain, rtol=1e-6, atol=1e-6)
+    eager = tl.record(model, x, value_stats="exact")
+    compiled_ops = compiled.torchlens.last_recording.ops
+    assert [e.op for e in compiled_ops] == [e.op for e in eager.ops]
+    for mine, theirs in zip(compiled_ops[1:], eager.ops[1:]):
+        for name in ("min", "max", "mean", "sd"):
+            assert getattr(mine.stats, name) == pytest.approx(getattr(theirs.stats, name), rel=1e-4, abs=1e-5)
+        assert mine.stats.nan == 0
+
+
+def test_compiled_tracking_reads_once_per_graph_call(monkeypatch):
+    class TwoGraphs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            print("graph break")
+            return self.b(x).log()
+
+    model = TwoGraphs()
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    x = torch.randn(2, 4)
+    compiled(x)
+    # A counting torch-function mode would be traced into the graphs by dynamo: count host reads
+    # by wrapping the tensor methods that perform them instead.
+    reads = []
+    for name in ("tolist", "item", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    compiled(x)
+    monkeypatch.undo()
+    recording = compiled.torchlens.last_recording
+    assert reads == ["tolist", "tolist"], reads  # one read per graph call, nothing else
+    assert recording.first_nonfinite.op == "log"
+    assert recording.footer_extra[0].startswith("2 compiled graph calls")
+
+
+def test_compiled_raise_stops_with_the_partial_trace():
+    model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(tl.errors.NonFiniteError, match="#3 log"):
+        tl.compile(model, on_nonfinite="raise", compiler="eager")(x)
+    with pytest.raises(tl.errors.NonFiniteError) as info:
+        tl.compile(model, on_nonfinite="raise", live=True)(x)
+    assert [e.op for e in info.value.partial_trace.ops] == ["input", "linear", "log"]
+
+
+def test_stats_on_module_outputs_measures_only_the_last_op_of_each_module_call():
+    lines = []
+    tl.compile(tiny_gpt(), narrate=lines.append, value_stats="exact", stats_on="module_outputs",
+               compiler="eager")(tokens())
+    ops = [i for i, line in enumerate(lines) if line.lstrip().startswith("#") and " input " not in line]
+    measured = [i for i in ops if "| min=" in lines[i]]
+    assert measured == [i for i in ops if lines[i + 1].lstrip().startswith("<")]
+    assert len(measured) < len(ops) / 2
+    with pytest.raises(tl.errors.OptionValueError, match="'ops' or 'module_outputs'"):
+        tl.compile(tiny_gpt(), stats_on="modules")

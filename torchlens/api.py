@@ -53,11 +53,12 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
 
 
 def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None, live: bool = False,
-            compiler="inductor", **torch_compile_kwargs):
+            compiler="inductor", stats_on: str = "ops", **torch_compile_kwargs):
     """`torch.compile(model, backend="torchlens")` with the options as keywords and absolute module names.
 
     `live=True` writes each op's line as it completes (the graph runs op by op); `compiler=` is what
-    compiles the graph underneath ("inductor", "eager", another backend's name, or a callable).
+    compiles the graph underneath ("inductor", "eager", another backend's name, or a callable);
+    `stats_on="module_outputs"` limits value statistics to the last op of each module call.
     Other keywords (`dynamic=`, `fullgraph=`, `mode=`) go to `torch.compile`. The returned object
     is what `torch.compile` returns; `compiled.torchlens.last_recording` is the latest forward's
     recording.
@@ -70,7 +71,7 @@ def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
         raise OptionTypeError("tl.compile chooses the backend itself; name the compiler underneath with compiler=")
     if not callable(model):
         raise ModelTypeError(f"tl.compile takes an nn.Module or a function, got {type(model).__name__}")
-    config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler)
+    config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler, stats_on=stats_on)
     runtime = CompiledRuntime(config, model if isinstance(model, nn.Module) else module_of(model))
     compiled = torch.compile(model, backend=Backend(runtime), **torch_compile_kwargs)
     install(compiled, runtime)

@@ -61,19 +61,18 @@ class Session:
         return self._measured(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label), value)
 
     def add_op(self, op: str, metas, site=None, stats=None, value=None) -> Event:
-        """Record an op; with a `value` (its output) and a meter, measure it first."""
+        """Record an op, with its `stats`, or with its output `value` for the meter to measure."""
         self.ordinal += 1
         self.failed_call = None
         return self._measured(Event(OP, self.ordinal, op, self.scope, metas, site, stats, None), value)
 
     def _measured(self, event: Event, value) -> Event:
         meter = self.meter
-        if meter is None or value is None:
-            return self.record(event)
-        live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
-        event.stats = meter.measure_output(value, live)
+        if meter is not None and value is not None:
+            live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
+            event.stats = meter.measure_output(value, live)
         self.record(event)
-        if self.raise_on_nonfinite and event.stats.nonfinite:
+        if self.raise_on_nonfinite and event.stats is not None and event.stats.nonfinite:
             raise NonFiniteError(nonfinite_message(event))
         return event
 

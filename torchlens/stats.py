@@ -144,17 +144,22 @@ def applicable(tensor: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _as_float(tensor: torch.Tensor) -> torch.Tensor:
-    """A float32 (or float64) view of the values to reduce; complex tensors by magnitude."""
+def as_float(tensor, dtype: torch.dtype):
+    """The values to reduce, in float32 (float64 kept); complex tensors by magnitude.
+
+    `dtype` is the tensor's dtype, passed separately so this also builds graph nodes from FX proxies.
+    """
     tensor = tensor.detach()
-    if tensor.dtype.is_complex:
-        return tensor.abs().float() if tensor.dtype != torch.complex128 else tensor.abs()
-    if tensor.dtype == torch.float64:
+    if dtype.is_complex:
+        magnitude = tensor.abs()
+        return magnitude if dtype == torch.complex128 else magnitude.float()
+    if dtype == torch.float64:
         return tensor
     return tensor.float()
 
 
-def _vector_dtype(device) -> torch.dtype:
+def vector_dtype(device) -> torch.dtype:
+    """Statistics vectors are float64 (exact counts past 2**24), float32 where float64 is missing."""
     return torch.float32 if device.type == "mps" else torch.float64
 
 
@@ -163,17 +168,19 @@ def cheap_vector(f: torch.Tensor) -> torch.Tensor:
     mn, mx = torch.aminmax(f)
     mean = f.mean()
     sd = torch.linalg.vector_norm(f - mean) / math.sqrt(max(f.numel() - 1, 1))
-    return torch.stack([mn, mx, mean, sd]).to(_vector_dtype(f.device))
+    return torch.stack([mn, mx, mean, sd]).to(vector_dtype(f.device))
 
 
-def count_vector(f: torch.Tensor) -> torch.Tensor:
+def count_vector(f, dtype: torch.dtype):
     """[nan, +inf, -inf] counts."""
-    dtype = _vector_dtype(f.device)
     return torch.stack([torch.isnan(f).sum(), torch.isposinf(f).sum(), torch.isneginf(f).sum()]).to(dtype)
 
 
-def finite_vector(f: torch.Tensor) -> torch.Tensor:
-    """[min, max, mean, sd, nan, +inf, -inf] with min/max/mean/sd over the finite elements only."""
+def finite_vector(f, dtype: torch.dtype):
+    """[min, max, mean, sd, nan, +inf, -inf] with min/max/mean/sd over the finite elements only.
+
+    Written with plain torch calls and no reads, so it runs on tensors and traces into graphs.
+    """
     finite = torch.isfinite(f)
     count = finite.sum().clamp(min=1)
     mean = torch.where(finite, f, 0).sum() / count
@@ -181,8 +188,7 @@ def finite_vector(f: torch.Tensor) -> torch.Tensor:
     sd = torch.linalg.vector_norm(centered) / (count - 1).clamp(min=1).sqrt()
     mn = torch.where(finite, f, _inf).amin()
     mx = torch.where(finite, f, -_inf).amax()
-    dtype = _vector_dtype(f.device)
-    return torch.cat([torch.stack([mn, mx, mean, sd]).to(dtype), count_vector(f)])
+    return torch.cat([torch.stack([mn, mx, mean, sd]).to(dtype), count_vector(f, dtype)])
 
 
 _sample_indices: Dict[Tuple[int, str], torch.Tensor] = {}
@@ -253,54 +259,64 @@ class Meter:
             if self.rung != "exact" and self.rung != "sampled":
                 return Stats("na", numel, False, note=str(tensor.dtype))
             return self._start(Stats("exact", numel, shown), cheap_vector(tensor.double()), "int", live)
-        f = _as_float(tensor)
+        f = as_float(tensor, tensor.dtype)
+        dtype = vector_dtype(f.device)
         if self.rung == "sampled":
             return self._sampled(f, numel, shown, live)
         if self.rung == "exact":
             if live:
                 return self._start(Stats("exact", numel, shown), cheap_vector(f), "cheap", live, f)
-            return self._start(Stats("exact", numel, shown), finite_vector(f), "finite", live)
+            return self._start(Stats("exact", numel, shown), finite_vector(f, dtype), "finite", live)
         # tracking only ("off" or "reuse"): counts, shown by "reuse"
-        return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f), "counts", live)
+        return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f, dtype), "counts", live)
 
     def _sampled(self, f: torch.Tensor, numel: int, shown: bool, live: bool) -> Stats:
+        dtype = vector_dtype(f.device)
         sample = torch.take(f, sample_indices(numel, f.device)) if numel > SAMPLE_SIZE else f.reshape(-1)
         stats = Stats("sampled", numel, shown)
         stats.sampled = sample.numel()
-        vector = torch.cat([finite_vector(sample), count_vector(f) if self.tracking else sample.new_zeros(0).double()])
-        return self._start(stats, vector.to(_vector_dtype(f.device)), "sampled", live)
+        parts = [finite_vector(sample, dtype)] + ([count_vector(f, dtype)] if self.tracking else [])
+        return self._start(stats, torch.cat(parts), "sampled", live)
 
     def _start(self, stats: Stats, vector: torch.Tensor, layout: str, live: bool, tensor=None) -> Stats:
         if live:
             values = vector.tolist()
             self.reads += 1
             if layout == "cheap" and not all(map(math.isfinite, values)):
-                values = finite_vector(tensor).tolist()  # non-finite values: count them while we can
+                values = finite_vector(tensor, vector.dtype).tolist()  # non-finite: count them while we can
                 self.reads += 1
                 layout = "finite"
-            _fill(stats, values, layout, self.tracking)
+            fill(stats, values, layout, self.tracking)
         else:
             self.pending.append(Pending(stats, vector, layout))
         return stats
 
     def flush(self) -> None:
         """Read every pending vector: one transfer per device for the whole forward."""
-        pending, self.pending = self.pending, []
-        by_device: Dict[torch.device, List[Pending]] = {}
-        for item in pending:
-            by_device.setdefault(item.vector.device, []).append(item)
-        for items in by_device.values():
-            dtype = _vector_dtype(items[0].vector.device)
-            values = torch.cat([item.vector.to(dtype).reshape(-1) for item in items]).tolist()
-            self.reads += 1
-            start = 0
-            for item in items:
-                size = item.vector.numel()
-                _fill(item.stats, values[start:start + size], item.layout, self.tracking)
-                start += size
+        devices = {item.vector.device for item in self.pending}
+        for device in devices:
+            self.read_along(torch.zeros(0, dtype=vector_dtype(device), device=device))
+
+    def read_along(self, vector: torch.Tensor) -> List[float]:
+        """Read `vector` to the host, and in the same transfer every pending vector on its device.
+
+        The compiled path reads each graph's statistics this way, so the ops measured between
+        graphs cost no transfer of their own.
+        """
+        mine = [item for item in self.pending if item.vector.device == vector.device]
+        self.pending = [item for item in self.pending if item.vector.device != vector.device]
+        values = torch.cat([vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]).tolist()
+        self.reads += 1
+        start = vector.numel()
+        for item in mine:
+            size = item.vector.numel()
+            fill(item.stats, values[start:start + size], item.layout, self.tracking)
+            start += size
+        return values[:vector.numel()]
 
 
-def _fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:
+def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:
+    """Store a read vector in `stats`; `layout` says what the vector holds."""
     if layout == "bool":
         stats.max = int(values[0])
         return

@@ -1,9 +1,10 @@
 """Options of the compiled path: `torch.compile(..., backend="torchlens", options={...})` and `tl.compile`.
 
 Keys mirror `tl.record`'s keywords (`narrate`, `value_stats`, `on_nonfinite`) and add what only a
-compiled run has: `live` (narrate each op as it completes, running the graph op by op) and
-`compiler` (what compiles the graph: "inductor" by default, "eager", another registered backend's
-name, or a backend callable).
+compiled run has: `live` (narrate each op as it completes, running the graph op by op), `compiler`
+(what compiles the graph: "inductor" by default, "eager", another registered backend's name, or a
+backend callable) and `stats_on` ("ops", or "module_outputs" to measure only the last op of each
+module call).
 """
 
 from __future__ import annotations
@@ -12,30 +13,34 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ..errors import OptionTypeError, OptionValueError, suggest
+from ..errors import OptionTypeError, OptionValueError, describe_choices, suggest
 from ..options import Settings, make_settings
 
-OPTION_KEYS = ("narrate", "value_stats", "on_nonfinite", "live", "compiler")
+OPTION_KEYS = ("narrate", "value_stats", "on_nonfinite", "live", "compiler", "stats_on")
+STATS_ON = ("ops", "module_outputs")
 
 
 class CompileConfig:
     """Validated options of one compiled model."""
 
-    __slots__ = ("settings", "live", "compiler")
+    __slots__ = ("settings", "live", "compiler", "stats_on")
 
-    def __init__(self, settings: Settings, live: bool, compiler):
+    def __init__(self, settings: Settings, live: bool, compiler, stats_on: str):
         self.settings = settings
         self.live = live
         self.compiler = compiler
+        self.stats_on = stats_on
 
 
 def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",
-                keep_values=False) -> CompileConfig:
+                stats_on="ops", keep_values=False) -> CompileConfig:
     if not isinstance(live, bool):
         raise OptionTypeError(f"live= takes True or False, got {live!r}")
+    if stats_on not in STATS_ON:
+        raise OptionValueError(f"stats_on={stats_on!r}: accepted are {describe_choices(STATS_ON)}")
     check_compiler(compiler)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=keep_values)
-    return CompileConfig(settings, live, compiler)
+    return CompileConfig(settings, live, compiler, stats_on)
 
 
 def config_from_options(options: Optional[Mapping[str, Any]]) -> CompileConfig:

@@ -17,6 +17,7 @@ from ..session import internal_error
 from .config import inner_compile
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
+from .stats_pass import add_stats_output, module_outputs, wants_stats
 from .runtime import CompiledRun, CompiledRuntime, active_run
 
 
@@ -30,6 +31,7 @@ class CompiledGraph:
         self.fn = fn
         self.live = live
         self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
+        self.slots = None  # with statistics: what the graph's extra output holds, per plan op
         self._live_run: Optional[CompiledRun] = None
         self._live_shapes = None
         self._live_frame = None
@@ -45,17 +47,22 @@ class CompiledGraph:
         frame_scope = run.frame_scope(self.plan, caller)
         if self.live:
             self._start_live(run, args, frame_scope)
-        try:
-            with run.graph_running():
-                out = self.fn(*args)
-        except Exception as exc:
-            run.graph_failed(self, args, frame_scope, exc)
-            raise
-        if not self.live:
+        with run.graph_running():  # the capture of code between graphs steps aside for all of this
             try:
-                run.add_plan(self.plan, args, frame_scope)
+                out = self.fn(*args)
             except Exception as exc:
-                internal_error("narrating a compiled graph", exc)
+                run.graph_failed(self, args, frame_scope, exc)
+                raise
+            vector = None
+            if self.slots is not None:
+                vector, out = out[-1], type(out)(out[:-1])
+            if not self.live:
+                try:
+                    run.add_plan(self.plan, args, frame_scope, vector, self.slots)
+                except Exception as exc:
+                    if getattr(exc, "torchlens_stop", False):
+                        raise  # on_nonfinite="raise" found the first non-finite op of this graph
+                    internal_error("narrating a compiled graph", exc)
         return out
 
     def _call_alone(self, args):
@@ -77,27 +84,30 @@ class CompiledGraph:
 
     def _start_live(self, run: CompiledRun, args, frame_scope) -> None:
         self._live_run = run
-        self._live_shapes = run.resolve_shapes(self.plan, args)
+        plan = self.plan
+        self._live_shapes = plan.resolver.resolve(args) if plan.resolver is not None else None
         self._live_frame = frame_scope
 
-    def emit(self, index: int) -> None:
-        """Called by the graph right after its `index`-th op completed (live mode)."""
+    def emit(self, index: int, value) -> None:
+        """Called by the graph right after its `index`-th op completed, with its output (live mode)."""
         run = self._live_run
         if run is None:
             return
         try:
-            run.add_plan_ops(self.plan, self._live_frame, self._live_shapes, index, index + 1)
+            run.add_plan_ops(self.plan, self._live_frame, self._live_shapes, index, index + 1, values=[value])
         except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise
             internal_error("narrating a compiled op", exc)
 
 
-def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int], None]) -> fx.GraphModule:
-    """Insert `emit(i)` after the node of each plan op."""
+def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int, object], None]) -> fx.GraphModule:
+    """Insert `emit(i, output)` after the node of each plan op."""
     by_name = {node.name: node for node in gm.graph.nodes}
     for op in plan.ops:
         node = by_name[op.node]
         with gm.graph.inserting_after(node):
-            gm.graph.call_function(emit, (op.index,))
+            gm.graph.call_function(emit, (op.index, node))
     gm.recompile()
     return gm
 
@@ -106,10 +116,15 @@ def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, 
     """The backend's work for one graph: plan it, compile it, wrap it."""
     # The frame being compiled is called by frames still on the stack: their modules are its scope.
     plan = build_plan(gm, runtime.scopes, runtime.scopes.scope_of_stack(sys._getframe(1)))
-    live = runtime.config.live
-    graph = CompiledGraph(runtime, plan, fn=None, live=live, replay_copy=untouched_copy(gm))  # type: ignore[arg-type]
-    if live:
+    config = runtime.config
+    settings = config.settings
+    graph = CompiledGraph(runtime, plan, fn=None, live=config.live, replay_copy=untouched_copy(gm))  # type: ignore[arg-type]
+    if config.live:
         graph.fn = instrument_live(gm, plan, graph.emit).forward
-    else:
-        graph.fn = inner_compile(runtime.config.compiler, gm, example_inputs, mode)
+        return graph
+    tracking = settings.on_nonfinite is not None
+    if wants_stats(settings.value_stats, tracking):
+        only = module_outputs(plan) if config.stats_on == "module_outputs" else None
+        graph.slots = add_stats_output(gm, plan, settings.value_stats, tracking, only)
+    graph.fn = inner_compile(config.compiler, gm, example_inputs, mode)
     return graph

@@ -106,8 +106,7 @@ def locate_in_graph(graph, args, frame_scope: Scope, run, exc: BaseException):
     if _device_fault(exc):
         note = "the device reported the error: a replay cannot run on a faulted device, so the op inside the graph is not located"
         return None, _NOT_LOCATED, frame_scope, None, arg_metas, [note]
-    with run.graph_running():
-        located = locate_failure(graph.replay_copy, args)
+    located = locate_failure(graph.replay_copy, args)  # the caller keeps the gap capture out of this
     notes = ["located by replaying the compiled graph op by op"] + [f"replay caveat: {c}" for c in located.caveats]
     if located.node is None:
         return None, _NOT_LOCATED, frame_scope, None, arg_metas, notes

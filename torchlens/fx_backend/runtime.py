@@ -27,12 +27,14 @@ from ..narrator import Narrator
 from ..options import make_settings
 from ..records import Recording
 from ..session import Session, internal_error
+from ..stats import Meter
 from . import dynamo_seams
 from .config import CompileConfig
 from .gaps import GapCapture
 from ..scopes import ScopeTable
 from .plan import GraphPlan
 from .replay import locate_in_graph
+from .stats_pass import read_stats
 
 _local = threading.local()
 
@@ -116,6 +118,9 @@ class CompiledRun:
         settings = runtime.config.settings
         self.narrator = Narrator(settings.narration) if settings.narration is not None else None
         self.session = Session(settings, runtime.scopes.root_scope, self.narrator, header)
+        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+        if meter.active:
+            self.session.meter = meter  # ops between graphs, and every op in live mode
         self.gaps = GapCapture(self.session, runtime.scopes, settings.sites)
         self.mode = CaptureMode(self.gaps)
         self.mode_adopted = False
@@ -127,7 +132,7 @@ class CompiledRun:
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
         self.call = (fn, args, kwargs)
         for label, tensor in named_arguments(fn, args, kwargs):
-            self.session.add_input(label, (TensorMeta.of(tensor),))
+            self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
         if push_mode:
             self.mode.__enter__()
             self._mode_pushed = True
@@ -161,15 +166,24 @@ class CompiledRun:
         """The module the graph runs in for this call."""
         return plan.frame_scope or self.runtime.scopes.scope_of_stack(caller)
 
-    def add_plan(self, plan: GraphPlan, args, frame_scope: Scope) -> None:
+    def add_plan(self, plan: GraphPlan, args, frame_scope: Scope, stats_vector=None, slots=None) -> None:
         """Record (and narrate) the ops a graph call performed, in order.
 
         A graph called again in the same situation — same ordinal, same open module, same frame,
         same sizes — produces the same events, so they are built once and replayed (a forward's
-        second call costs a dictionary lookup and one sink write per graph).
+        second call costs a dictionary lookup and one sink write per graph). Statistics differ
+        from call to call, so a graph that returns them is recorded afresh each time.
         """
         session = self.session
-        concrete = self.resolve_shapes(plan, args)
+        concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
+        if stats_vector is not None:
+            metas = self.op_metas(plan, concrete, 0, len(plan.ops))
+            numels = [tuple(_numel(meta.shape) for meta in op_metas) for op_metas in metas]
+            settings = session.settings
+            values = session.meter.read_along(stats_vector)  # and whatever was measured since the last graph
+            stats = read_stats(slots, values, settings.value_stats, settings.on_nonfinite is not None, numels)
+            self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops), stats=stats)
+            return
         key = (session.ordinal, session.scope, frame_scope, None if concrete is None else tuple(concrete))
         segment = plan.segments.get(key)
         if segment is not None:
@@ -179,27 +193,32 @@ class CompiledRun:
         self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops))
         plan.remember(key, session.events[start:], session.ordinal, session.scope)
 
-    def resolve_shapes(self, plan: GraphPlan, args):
-        """Concrete sizes of the plan's dynamic ops for this call (None when all are static)."""
-        if plan.resolver is None:
-            return None
+    def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int):
+        """The output metadata of plan ops [start, stop) in this call: concrete sizes where they
+        are dynamic, unless `symbolic_shapes` asks for the symbols."""
         narration = self.session.settings.narration
-        if narration is not None and narration.symbolic_shapes:
-            return None
-        return plan.resolver.resolve(args)
-
-    def add_plan_ops(self, plan: GraphPlan, frame_scope: Scope, concrete, start: int, stop: int) -> None:
-        session = self.session
-        scopes = plan.op_scopes(self.runtime.scopes, frame_scope)
+        symbolic = narration is not None and narration.symbolic_shapes
+        result = []
         for op in plan.ops[start:stop]:
             metas = op.metas
-            if concrete is not None and op.exprs is not None:
+            if concrete is not None and op.exprs is not None and not symbolic:
                 shapes = concrete[plan.dynamic_position[op.index]]
                 metas = tuple(TensorMeta(shape, m.dtype, m.device) for shape, m in zip(shapes, metas))
+            result.append(metas)
+        return result
+
+    def add_plan_ops(self, plan: GraphPlan, frame_scope: Scope, concrete, start: int, stop: int,
+                     stats=None, values=None) -> None:
+        """Record plan ops [start, stop): with `stats` read from the graph, or with `values` (the
+        ops' outputs, in live mode) for the eager meter to measure."""
+        session = self.session
+        scopes = plan.op_scopes(self.runtime.scopes, frame_scope)
+        for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
             scope = scopes[op.index]
             if scope is not session.scope:
                 session.move_to(scope)
-            session.add_op(op.op, metas, op.site)
+            session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index],
+                           value=None if values is None else values[offset])
 
     # -- ending ---------------------------------------------------------------------------------
 
@@ -233,7 +252,9 @@ class CompiledRun:
                 return
             completed, op, scope, site, inputs, notes = failure
             if completed is not None and not graph.live:
-                self.add_plan_ops(graph.plan, frame_scope, self.resolve_shapes(graph.plan, args), 0, completed)
+                plan = graph.plan
+                concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
+                self.add_plan_ops(plan, frame_scope, concrete, 0, completed)
             self.session.move_to(scope)  # the enter lines of the op's modules, as eager would show
             self.session.op_failed(op, inputs, site, exc, scope, notes)
         except Exception as inner:
@@ -291,6 +312,13 @@ class CompiledRun:
         if self.narrator is not None and not self._done:
             self._done = True
             self.narrator.close()
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size if isinstance(size, int) else 0
+    return count
 
 
 def module_of(fn) -> Optional[nn.Module]:

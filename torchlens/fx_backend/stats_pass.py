@@ -1,0 +1,141 @@
+"""Statistics inside compiled graphs: reductions added as graph nodes, returned as one extra output.
+
+For each op that gets statistics, the same vector functions the eager substrate uses
+(`torchlens.stats`) are traced into the graph right after the op's node; all vectors are
+concatenated into one extra graph output. Inductor fuses the reductions into the kernels that
+produce the tensors, and the vector is read to the host once per graph call.
+
+In a graph a sample is not cheaper than the full reduction (it is fused into the producing kernel
+either way), so `value_stats="sampled"` measures every element there and says so with `=`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import fx
+from torch.fx.proxy import GraphAppendingTracer
+
+from ..stats import Stats, StatsGroup, as_float, count_vector, fill, finite_vector, vector_dtype
+from .plan import GraphPlan
+
+LAYOUT_SIZES = {"finite": 7, "counts": 3, "int": 4, "bool": 1}
+
+# Per plan op: None (no statistics), else one layout per tensor output (see `_vector_for`).
+Slots = List[Optional[Tuple[str, ...]]]
+
+
+def wants_stats(rung: str, tracking: bool) -> bool:
+    return tracking or rung in ("sampled", "exact")
+
+
+def module_outputs(plan: GraphPlan) -> List[int]:
+    """Indices of the ops that end a module call: the last op before the graph leaves a module."""
+    chosen = []
+    for op, following in zip(plan.ops, plan.ops[1:] + [None]):
+        leaving = following is None or following.modules[: len(op.modules)] != op.modules
+        if op.modules and leaving:
+            chosen.append(op.index)
+    return chosen
+
+
+def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, only=None) -> Slots:
+    """Trace statistics nodes into `gm` and append their concatenation to the graph's outputs."""
+    graph = gm.graph
+    tracer = GraphAppendingTracer(graph)
+    nodes = {node.name: node for node in graph.nodes}
+    chosen = set(range(len(plan.ops)) if only is None else only)
+    slots: Slots = [None] * len(plan.ops)
+    vectors = []
+    for op in plan.ops:
+        if op.index not in chosen:
+            continue
+        node = nodes[op.node]
+        value = node.meta["example_value"]
+        with graph.inserting_before(node.next):
+            proxy = fx.Proxy(node, tracer)
+            outputs = [(proxy, value)] if isinstance(value, torch.Tensor) else [
+                (proxy[i], t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+            layouts = []
+            for output, fake in outputs:
+                layout, vector = _vector_for(output, fake, rung, tracking)
+                layouts.append(layout)
+                if vector is not None:
+                    vectors.append(vector.reshape(-1))
+        slots[op.index] = tuple(layouts)
+    output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
+    with graph.inserting_before(output_node):
+        if vectors:
+            stacked = torch.cat(vectors)
+        else:
+            stacked = fx.Proxy(graph.call_function(torch.zeros, (0,)), tracer)
+    results = output_node.args[0]
+    output_node.args = ((*results, stacked.node) if isinstance(results, (tuple, list)) else (results, stacked.node),)
+    gm.recompile()
+    return slots
+
+
+def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
+    """(layout, vector proxy) for one tensor output.
+
+    Layouts: "finite", "counts", "int", "bool" (see `torchlens.stats.fill`), "finite+pad" when a NaN
+    was appended to keep the reductions of a possibly-empty dynamic-size tensor defined (it is
+    subtracted again when read), "na:<reason>" when nothing can be measured, "skip:<dtype>" when
+    only tracking was asked for and the tensor cannot hold non-finite values.
+    """
+    if fake.layout != torch.strided:
+        return "na:" + str(fake.layout).replace("torch.", ""), None
+    numel = fake.numel()
+    if isinstance(numel, int) and numel == 0:
+        return "na:empty", None
+    dtype = vector_dtype(fake.device)
+    measuring = rung in ("sampled", "exact")
+    if fake.dtype == torch.bool:
+        return ("bool", output.sum().to(dtype)) if measuring else ("skip:bool", None)
+    if not (fake.dtype.is_floating_point or fake.dtype.is_complex):
+        if not measuring:
+            return "skip:" + str(fake.dtype).replace("torch.", ""), None
+        return "int", finite_vector(output.double(), dtype)[:4]
+    values = as_float(output, fake.dtype)
+    if not measuring:
+        return "counts", count_vector(values, dtype)
+    if isinstance(numel, int):
+        return "finite", finite_vector(values, dtype)
+    padded = torch.cat([values.reshape(-1), values.new_full((1,), float("nan"))])
+    return "finite+pad", finite_vector(padded, dtype)
+
+
+def read_stats(slots: Slots, values: Sequence[float], rung: str, tracking: bool, numels) -> List:
+    """Turn one graph call's statistics (read to the host) into a `Stats`, a `StatsGroup` or
+    None per plan op; `numels[i]` are the element counts of op i's outputs in this call."""
+    position = 0
+    result = []
+    for layouts, counts in zip(slots, numels):
+        if layouts is None:
+            result.append(None)
+            continue
+        parts = []
+        for layout, numel in zip(layouts, counts):
+            stats, size = _read_one(layout, numel, values[position:], rung, tracking)
+            position += size
+            parts.append(stats)
+        result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
+    return result
+
+
+def _read_one(layout: str, numel: int, values: Sequence[float], rung: str, tracking: bool):
+    shown = rung != "off"
+    if layout.startswith("na:"):
+        return Stats("na", numel, shown, note=layout[3:]), 0
+    if layout.startswith("skip:"):
+        return Stats("na", numel, False, note=layout[5:]), 0
+    base = layout.split("+")[0]
+    size = LAYOUT_SIZES[base]
+    kind = {"counts": "counts", "bool": "bool"}.get(base, "exact")
+    stats = Stats(kind, numel, rung == "reuse" if base == "counts" else shown)
+    chunk = list(values[:size])
+    if layout.endswith("+pad"):
+        chunk[4] -= 1  # the NaN that was appended
+    fill(stats, chunk, base, tracking)
+    return stats, size
