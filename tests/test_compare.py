@@ -316,3 +316,53 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         tl.debug.compare(trace, trace).plot()
+
+
+# -- eager against compiled ----------------------------------------------------------------------
+
+
+def test_eager_and_inductor_traces_align_op_for_op_within_float32_tolerance():
+    model, x = tiny_gpt(), tokens(2, 8)
+    with torch.no_grad():
+        eager = tl.trace(model, x)
+        compiled = tl.trace(model, x, compiled=True)
+    report = tl.debug.compare(eager, compiled)
+    assert report.first_divergence is None, str(report)
+    assert report.counts["matched"] == len(eager.ops) == len(compiled.ops)
+    assert report.counts["only_a"] == report.counts["only_b"] == 0
+    assert torch.allclose(compiled.output, eager.output, atol=1e-5)
+
+
+def test_an_altered_compiled_op_is_the_first_divergence():
+    def gelu_becomes_relu(gm, example_inputs):
+        """A compiler with a bug: it swaps one op of the graph for another."""
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and getattr(node.target, "__name__", "") == "gelu":
+                node.target = torch.relu
+                break
+        gm.recompile()
+        return gm.forward
+
+    model, x = tiny_gpt(), tokens(2, 8)
+    eager = tl.trace(model, x)
+    compiled = tl.trace(model, x, compiled={"compiler": gelu_becomes_relu})
+    first = tl.debug.compare(eager, compiled).first_divergence
+    assert (first.op, first.module) == ("gelu", "blocks.0.mlp")
+    assert first.max_abs > 0.01
+
+
+def test_compiled_keyword_is_checked():
+    with pytest.raises(tl.errors.OptionTypeError, match="compiled="):
+        tl.trace(tiny_gpt(), tokens(), compiled="yes")
+
+
+# -- transcripts ---------------------------------------------------------------------------------
+
+
+def test_a_traces_transcript_is_the_live_narration_and_runs_repeat_byte_for_byte(tmp_path):
+    paths = [tmp_path / "one.log", tmp_path / "two.log"]
+    traces = [tl.trace(tiny_gpt(), tokens(), narrate=tl.options.NarrationOptions(sink=path, sites=True,
+                                                                                   normalize=True))
+              for path in paths]
+    assert traces[0].narrate() == paths[0].read_text()
+    assert paths[0].read_bytes() == paths[1].read_bytes()

@@ -22,10 +22,11 @@ from ..scopes import ScopeTable
 class GapCapture:
     """The capture `CaptureMode` reports to during a compiled forward."""
 
-    def __init__(self, session: Session, scopes: ScopeTable, sites: bool):
+    def __init__(self, session: Session, scopes: ScopeTable, sites: bool, keeper=None):
         self.session = session
         self.scopes = scopes
         self.sites = sites
+        self.keeper = keeper  # keeps op values for `tl.trace(..., compiled=True)`
         self.paused = False
         self.ops = 0  # ops recorded between graphs, for the footer
 
@@ -37,9 +38,13 @@ class GapCapture:
             frame = sys._getframe(2)
             session = self.session
             session.move_to(self.scopes.scope_of_stack(frame))
-            session.add_op(op_name(func), metas, find_user_site(frame) if self.sites else None)
+            event = session.add_op(op_name(func), metas, find_user_site(frame) if self.sites else None, value=out)
+            if self.keeper is not None:
+                self.keeper(event, out)
             self.ops += 1
         except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise  # a deliberate stop (on_nonfinite="raise", a trace budget)
             self.paused = True
             internal_error("recording an op between compiled graphs", exc)
 

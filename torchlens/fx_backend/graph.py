@@ -18,6 +18,7 @@ from .config import inner_compile
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
 from .stats_pass import add_stats_output, module_outputs, wants_stats
+from .values_pass import add_value_outputs, split_values
 from .runtime import CompiledRun, CompiledRuntime, active_run
 
 
@@ -32,6 +33,7 @@ class CompiledGraph:
         self.live = live
         self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
         self.slots = None  # with statistics: what the graph's extra output holds, per plan op
+        self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
         self._live_run: Optional[CompiledRun] = None
         self._live_shapes = None
         self._live_frame = None
@@ -53,17 +55,26 @@ class CompiledGraph:
             except Exception as exc:
                 run.graph_failed(self, args, frame_scope, exc)
                 raise
-            vector = None
-            if self.slots is not None:
-                vector, out = out[-1], type(out)(out[:-1])
+            out, vector, kept = self._split_outputs(out)
             if not self.live:
                 try:
-                    run.add_plan(self.plan, args, frame_scope, vector, self.slots)
+                    run.add_plan(self.plan, args, frame_scope, vector, self.slots, kept)
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
                     internal_error("narrating a compiled graph", exc)
         return out
+
+    def _split_outputs(self, out):
+        """The graph's own outputs, its statistics vector and its kept values (per plan op)."""
+        vector = kept = None
+        if self.slots is not None:
+            vector, out = out[-1], out[:-1]
+        if self.kept_counts is not None:
+            count = sum(self.kept_counts)
+            flat, out = (out[len(out) - count:], out[:len(out) - count])
+            kept = split_values(flat, self.kept_counts)
+        return out, vector, kept
 
     def _call_alone(self, args):
         """A graph called outside any narrated forward (no wrapper hook): a run of its own."""
@@ -122,6 +133,8 @@ def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, 
     if config.live:
         graph.fn = instrument_live(gm, plan, graph.emit).forward
         return graph
+    if settings.keep_values:
+        graph.kept_counts = add_value_outputs(gm, plan)
     tracking = settings.on_nonfinite is not None
     if wants_stats(settings.value_stats, tracking):
         only = module_outputs(plan) if config.stats_on == "module_outputs" else None

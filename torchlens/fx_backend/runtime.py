@@ -20,6 +20,7 @@ from torch import nn
 
 from ..eager.capture import CaptureMode, remove_mode
 from ..eager.runner import run_eager
+from ..eager.values import ValueKeeper
 from ..eager.structure import named_arguments, named_outputs
 from ..events import Scope, TensorMeta
 from ..grammar import plural
@@ -121,7 +122,9 @@ class CompiledRun:
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         if meter.active:
             self.session.meter = meter  # ops between graphs, and every op in live mode
-        self.gaps = GapCapture(self.session, runtime.scopes, settings.sites)
+        self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
+                       if settings.keep_values else None)
+        self.gaps = GapCapture(self.session, runtime.scopes, settings.sites, self.keeper)
         self.mode = CaptureMode(self.gaps)
         self.mode_adopted = False
         self.abandon_on_next_begin = False
@@ -132,7 +135,9 @@ class CompiledRun:
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
         self.call = (fn, args, kwargs)
         for label, tensor in named_arguments(fn, args, kwargs):
-            self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
+            event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
+            if self.keeper is not None:
+                self.keeper(event, tensor)
         if push_mode:
             self.mode.__enter__()
             self._mode_pushed = True
@@ -166,23 +171,25 @@ class CompiledRun:
         """The module the graph runs in for this call."""
         return plan.frame_scope or self.runtime.scopes.scope_of_stack(caller)
 
-    def add_plan(self, plan: GraphPlan, args, frame_scope: Scope, stats_vector=None, slots=None) -> None:
+    def add_plan(self, plan: GraphPlan, args, frame_scope: Scope, stats_vector=None, slots=None, kept=None) -> None:
         """Record (and narrate) the ops a graph call performed, in order.
 
         A graph called again in the same situation — same ordinal, same open module, same frame,
         same sizes — produces the same events, so they are built once and replayed (a forward's
-        second call costs a dictionary lookup and one sink write per graph). Statistics differ
-        from call to call, so a graph that returns them is recorded afresh each time.
+        second call costs a dictionary lookup and one sink write per graph). Statistics and kept
+        values differ from call to call, so a graph that returns them is recorded afresh each time.
         """
         session = self.session
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
-        if stats_vector is not None:
-            metas = self.op_metas(plan, concrete, 0, len(plan.ops))
-            numels = [tuple(_numel(meta.shape) for meta in op_metas) for op_metas in metas]
-            settings = session.settings
-            values = session.meter.read_along(stats_vector)  # and whatever was measured since the last graph
-            stats = read_stats(slots, values, settings.value_stats, settings.on_nonfinite is not None, numels)
-            self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops), stats=stats)
+        if stats_vector is not None or kept is not None:
+            stats = None
+            if stats_vector is not None:
+                metas = self.op_metas(plan, concrete, 0, len(plan.ops))
+                numels = [tuple(_numel(meta.shape) for meta in op_metas) for op_metas in metas]
+                settings = session.settings
+                values = session.meter.read_along(stats_vector)  # with what was measured since the last graph
+                stats = read_stats(slots, values, settings.value_stats, settings.on_nonfinite is not None, numels)
+            self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops), stats=stats, kept=kept)
             return
         key = (session.ordinal, session.scope, frame_scope, None if concrete is None else tuple(concrete))
         segment = plan.segments.get(key)
@@ -208,17 +215,22 @@ class CompiledRun:
         return result
 
     def add_plan_ops(self, plan: GraphPlan, frame_scope: Scope, concrete, start: int, stop: int,
-                     stats=None, values=None) -> None:
+                     stats=None, values=None, kept=None) -> None:
         """Record plan ops [start, stop): with `stats` read from the graph, or with `values` (the
-        ops' outputs, in live mode) for the eager meter to measure."""
+        ops' outputs, in live mode) for the eager meter to measure and the keeper to keep; `kept`
+        are the outputs a graph returned for `tl.trace(..., compiled=True)`."""
         session = self.session
         scopes = plan.op_scopes(self.runtime.scopes, frame_scope)
         for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
             scope = scopes[op.index]
             if scope is not session.scope:
                 session.move_to(scope)
-            session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index],
-                           value=None if values is None else values[offset])
+            value = None if values is None else values[offset]
+            event = session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index], value=value)
+            if self.keeper is not None:
+                output = kept[op.index] if kept is not None else value
+                if output is not None:
+                    self.keeper(event, output)
 
     # -- ending ---------------------------------------------------------------------------------
 
