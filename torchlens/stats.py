@@ -164,7 +164,8 @@ def vector_dtype(device) -> torch.dtype:
 
 
 def cheap_vector(f: torch.Tensor) -> torch.Tensor:
-    """[min, max, mean, sd] over every element: four reductions that never read to the host."""
+    """[min, max, mean, sd] over every element, for a line read at once: few reductions, no
+    masking. Only trusted when all four come back finite (else the tensor is re-measured)."""
     mn, mx = torch.aminmax(f)
     mean = f.mean()
     sd = torch.linalg.vector_norm(f - mean) / math.sqrt(max(f.numel() - 1, 1))
@@ -176,19 +177,38 @@ def count_vector(f, dtype: torch.dtype):
     return torch.stack([torch.isnan(f).sum(), torch.isposinf(f).sum(), torch.isneginf(f).sum()]).to(dtype)
 
 
-def finite_vector(f, dtype: torch.dtype):
-    """[min, max, mean, sd, nan, +inf, -inf] with min/max/mean/sd over the finite elements only.
+def finite_vector(f, dtype: torch.dtype, ndim: int):
+    """[min, max, shift, sum, sum of squares, finite count, nan, +inf, -inf] over the finite elements.
 
-    Written with plain torch calls and no reads, so it runs on tensors and traces into graphs.
+    Every reduction is independent of the others — the moments are taken about a shift (the first
+    element, when finite) instead of about the mean, which would need a second pass — so a compiler
+    fuses them all into one pass over the tensor. Written with plain torch calls and no reads: it
+    runs on tensors and traces into FX graphs alike (hence `ndim` is passed in, not asked of `f`).
+    `moments()` turns it into mean and sd.
     """
     finite = torch.isfinite(f)
-    count = finite.sum().clamp(min=1)
-    mean = torch.where(finite, f, 0).sum() / count
-    centered = torch.where(finite, f - mean, 0)
-    sd = torch.linalg.vector_norm(centered) / (count - 1).clamp(min=1).sqrt()
-    mn = torch.where(finite, f, _inf).amin()
-    mx = torch.where(finite, f, -_inf).amax()
-    return torch.cat([torch.stack([mn, mx, mean, sd]).to(dtype), count_vector(f, dtype)])
+    first = f[(0,) * ndim]
+    shift = torch.where(torch.isfinite(first), first, 0)
+    deviation = torch.where(finite, f - shift, 0)
+    values = [
+        torch.where(finite, f, _inf).amin(),
+        torch.where(finite, f, -_inf).amax(),
+        shift,
+        deviation.sum(dtype=dtype),
+        (deviation * deviation).sum(dtype=dtype),
+        finite.sum(),
+    ]
+    return torch.cat([torch.stack([v.to(dtype) for v in values]), count_vector(f, dtype)])
+
+
+def moments(values: Sequence[float]) -> Tuple[Optional[float], Optional[float], Optional[float], Optional[float]]:
+    """(min, max, mean, sd) from the first six entries of a `finite_vector`."""
+    mn, mx, shift, total, squares, count = values[:6]
+    if count < 1:
+        return None, None, None, None
+    mean_deviation = total / count
+    variance = max(squares - total * mean_deviation, 0.0) / max(count - 1, 1)
+    return mn, mx, shift + mean_deviation, math.sqrt(variance)
 
 
 _sample_indices: Dict[Tuple[int, str], torch.Tensor] = {}
@@ -218,7 +238,7 @@ class Pending:
     def __init__(self, stats: Stats, vector: torch.Tensor, layout: str):
         self.stats = stats
         self.vector = vector
-        self.layout = layout  # "cheap", "counts", "finite", "sampled", "bool", "int"
+        self.layout = layout  # see `fill`
 
 
 class Meter:
@@ -251,22 +271,25 @@ class Meter:
         if reason is not None:
             return Stats("na", tensor.numel(), shown, note=reason)
         numel = tensor.numel()
+        measuring = self.rung in ("exact", "sampled")
         if tensor.dtype == torch.bool:
-            if self.rung not in ("exact", "sampled"):
+            if not measuring:
                 return Stats("na", numel, False, note="bool")
             return self._start(Stats("bool", numel, shown), tensor.count_nonzero().to(torch.float64)[None], "bool", live)
         if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
-            if self.rung != "exact" and self.rung != "sampled":
+            if not measuring:
                 return Stats("na", numel, False, note=str(tensor.dtype))
-            return self._start(Stats("exact", numel, shown), cheap_vector(tensor.double()), "int", live)
+            vector = finite_vector(tensor.double(), torch.float64, tensor.dim())
+            return self._start(Stats("exact", numel, shown), vector, "int", live)
         f = as_float(tensor, tensor.dtype)
         dtype = vector_dtype(f.device)
         if self.rung == "sampled":
             return self._sampled(f, numel, shown, live)
         if self.rung == "exact":
+            stats = Stats("exact", numel, shown)
             if live:
-                return self._start(Stats("exact", numel, shown), cheap_vector(f), "cheap", live, f)
-            return self._start(Stats("exact", numel, shown), finite_vector(f, dtype), "finite", live)
+                return self._start(stats, cheap_vector(f), "moments", live, lambda: finite_vector(f, dtype, f.dim()))
+            return self._start(stats, finite_vector(f, dtype, f.dim()), "finite", live)
         # tracking only ("off" or "reuse"): counts, shown by "reuse"
         return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f, dtype), "counts", live)
 
@@ -275,20 +298,26 @@ class Meter:
         sample = torch.take(f, sample_indices(numel, f.device)) if numel > SAMPLE_SIZE else f.reshape(-1)
         stats = Stats("sampled", numel, shown)
         stats.sampled = sample.numel()
-        parts = [finite_vector(sample, dtype)] + ([count_vector(f, dtype)] if self.tracking else [])
-        return self._start(stats, torch.cat(parts), "sampled", live)
-
-    def _start(self, stats: Stats, vector: torch.Tensor, layout: str, live: bool, tensor=None) -> Stats:
+        counts = [count_vector(f, dtype)] if self.tracking else []
+        full = lambda: torch.cat([finite_vector(sample, dtype, 1)] + counts)  # noqa: E731
         if live:
-            values = vector.tolist()
-            self.reads += 1
-            if layout == "cheap" and not all(map(math.isfinite, values)):
-                values = finite_vector(tensor, vector.dtype).tolist()  # non-finite: count them while we can
-                self.reads += 1
-                layout = "finite"
-            fill(stats, values, layout, self.tracking)
-        else:
+            return self._start(stats, torch.cat([cheap_vector(sample)] + counts), "sampled-moments", live, full)
+        return self._start(stats, full(), "sampled", live)
+
+    def _start(self, stats: Stats, vector: torch.Tensor, layout: str, live: bool, refine=None) -> Stats:
+        """Read `vector` now (`live`) or at the end of the forward. A "moments" vector is cheap
+        but only meaningful when finite: if it is not, `refine()` measures again, masking
+        non-finite values and counting them, while the tensor is still at hand."""
+        if not live:
             self.pending.append(Pending(stats, vector, layout))
+            return stats
+        values = vector.tolist()
+        self.reads += 1
+        if layout.endswith("moments") and not all(map(math.isfinite, values[:4])):
+            values = refine().tolist()
+            self.reads += 1
+            layout = "finite" if layout == "moments" else "sampled"
+        fill(stats, values, layout, self.tracking)
         return stats
 
     def flush(self) -> None:
@@ -316,29 +345,35 @@ class Meter:
 
 
 def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:
-    """Store a read vector in `stats`; `layout` says what the vector holds."""
+    """Store a read vector in `stats`; `layout` says what the vector holds:
+
+    "bool" [true count], "counts" [nan, +inf, -inf], "moments" (a `cheap_vector`, all finite),
+    "finite" / "int" (a `finite_vector` of a float / integer tensor), "sampled" / "sampled-moments"
+    (a `finite_vector` / `cheap_vector` of the sample, then the tensor's counts when tracking).
+    """
     if layout == "bool":
         stats.max = int(values[0])
         return
     if layout == "counts":
         stats.nan, stats.posinf, stats.neginf = (int(v) for v in values)
         return
-    if layout == "int":
-        stats.min, stats.max = int(values[0]), int(values[1])
-        stats.mean, stats.sd = values[2], values[3]
-        return
-    stats.min, stats.max, stats.mean, stats.sd = values[:4]
-    if layout == "cheap":  # every value finite (else it would have been re-measured)
+    if layout == "moments":
+        stats.min, stats.max, stats.mean, stats.sd = values[:4]
         stats.nan = stats.posinf = stats.neginf = 0
+        return
+    if layout == "sampled-moments":  # a finite sample, then the tensor's counts when tracking
+        stats.min, stats.max, stats.mean, stats.sd = values[:4]
+        if tracking and len(values) >= 7:
+            stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[4:7])
+        return
+    stats.min, stats.max, stats.mean, stats.sd = moments(values)
+    counts = [int(v) for v in values[6:9]]
+    if layout == "int":
+        stats.min, stats.max = int(stats.min), int(stats.max)  # integers are always finite: no counts
     elif layout == "finite":
-        stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[4:7])
-        if stats.nan + stats.posinf + stats.neginf == stats.numel:  # nothing finite to summarise
-            stats.min = stats.max = stats.mean = stats.sd = None
+        stats.nan, stats.posinf, stats.neginf = counts
     elif layout == "sampled":
-        seen = sum(values[4:7])
-        if seen:
+        if sum(counts):
             stats.note = "(non-finite values in the sample)"
-        if seen >= stats.sampled:  # nothing finite in the sample to summarise
-            stats.min = stats.max = stats.mean = stats.sd = None
-        if tracking and len(values) >= 10:
-            stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[7:10])
+        if tracking and len(values) >= 12:
+            stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[9:12])

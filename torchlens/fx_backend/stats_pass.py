@@ -20,7 +20,7 @@ from torch.fx.proxy import GraphAppendingTracer
 from ..stats import Stats, StatsGroup, as_float, count_vector, fill, finite_vector, vector_dtype
 from .plan import GraphPlan
 
-LAYOUT_SIZES = {"finite": 7, "counts": 3, "int": 4, "bool": 1}
+LAYOUT_SIZES = {"finite": 9, "counts": 3, "int": 9, "bool": 1}
 
 # Per plan op: None (no statistics), else one layout per tensor output (see `_vector_for`).
 Slots = List[Optional[Tuple[str, ...]]]
@@ -96,14 +96,14 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     if not (fake.dtype.is_floating_point or fake.dtype.is_complex):
         if not measuring:
             return "skip:" + str(fake.dtype).replace("torch.", ""), None
-        return "int", finite_vector(output.double(), dtype)[:4]
+        return "int", finite_vector(output.double(), dtype, fake.dim())
     values = as_float(output, fake.dtype)
     if not measuring:
         return "counts", count_vector(values, dtype)
     if isinstance(numel, int):
-        return "finite", finite_vector(values, dtype)
+        return "finite", finite_vector(values, dtype, fake.dim())
     padded = torch.cat([values.reshape(-1), values.new_full((1,), float("nan"))])
-    return "finite+pad", finite_vector(padded, dtype)
+    return "finite+pad", finite_vector(padded, dtype, 1)
 
 
 def read_stats(slots: Slots, values: Sequence[float], rung: str, tracking: bool, numels) -> List:
@@ -136,6 +136,6 @@ def _read_one(layout: str, numel: int, values: Sequence[float], rung: str, track
     stats = Stats(kind, numel, rung == "reuse" if base == "counts" else shown)
     chunk = list(values[:size])
     if layout.endswith("+pad"):
-        chunk[4] -= 1  # the NaN that was appended
+        chunk[6] -= 1  # the NaN that was appended
     fill(stats, chunk, base, tracking)
     return stats, size
