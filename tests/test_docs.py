@@ -38,7 +38,7 @@ def tool_available(name: str) -> bool:
 
 def test_docs_have_tested_fences():
     pages = {param.values[0].name for param in collect()}
-    assert {"coming-from-torchsnooper.md", "narration.md", "compiled.md", "crashes.md", "compare.md"} <= pages
+    assert {"coming-from-torchsnooper.md", "narration.md", "compiled.md", "crashes.md", "compare.md", "statistics.md"} <= pages
 
 
 @pytest.mark.parametrize("page,line,tags,code", list(collect()))
