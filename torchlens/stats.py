@@ -289,7 +289,10 @@ class Meter:
             stats = Stats("exact", numel, shown)
             if live:
                 return self._start(stats, cheap_vector(f), "moments", live, lambda: finite_vector(f, dtype, f.dim()))
-            return self._start(stats, finite_vector(f, dtype, f.dim()), "finite", live)
+            # Read later, when the tensor is gone: its counts come along, and a tensor that turns
+            # out to hold non-finite values reports them without min/max/mean/sd (masking every
+            # tensor in case it does would cost several times more, on every op).
+            return self._start(stats, torch.cat([cheap_vector(f), count_vector(f, dtype)]), "moments+counts", live)
         # tracking only ("off" or "reuse"): counts, shown by "reuse"
         return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f, dtype), "counts", live)
 
@@ -348,6 +351,7 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
     """Store a read vector in `stats`; `layout` says what the vector holds:
 
     "bool" [true count], "counts" [nan, +inf, -inf], "moments" (a `cheap_vector`, all finite),
+    "moments+counts" (a `cheap_vector`, trusted only if the counts that follow are zero),
     "finite" / "int" (a `finite_vector` of a float / integer tensor), "sampled" / "sampled-moments"
     (a `finite_vector` / `cheap_vector` of the sample, then the tensor's counts when tracking).
     """
@@ -360,6 +364,11 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
     if layout == "moments":
         stats.min, stats.max, stats.mean, stats.sd = values[:4]
         stats.nan = stats.posinf = stats.neginf = 0
+        return
+    if layout == "moments+counts":
+        stats.nan, stats.posinf, stats.neginf = (int(v) for v in values[4:7])
+        if not stats.nonfinite:
+            stats.min, stats.max, stats.mean, stats.sd = values[:4]
         return
     if layout == "sampled-moments":  # a finite sample, then the tensor's counts when tracking
         stats.min, stats.max, stats.mean, stats.sd = values[:4]

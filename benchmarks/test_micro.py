@@ -1,0 +1,81 @@
+"""Micro-benchmarks of the hot paths (pytest-benchmark):
+
+    python -m pytest benchmarks/test_micro.py --benchmark-only
+
+Each one times a single unit of per-op work: rendering one line, writing one line to each kind of
+sink, the eager capture of one op (with and without narration), and the statistics of one tensor.
+They are not part of the test suite (`tests/`), and carry no thresholds: compare runs over time.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import torchlens as tl
+from torchlens import grammar
+from torchlens.events import OP, Event, Scope, TensorMeta
+from torchlens.narrator import Narrator
+from torchlens.sinks import open_sink
+from torchlens.stats import Meter
+
+ROOT = Scope("", "Model", None)
+BLOCK = Scope("blocks.3.mlp.fc", "Linear", Scope("blocks.3.mlp", "MLP", Scope("blocks.3", "Block", ROOT)))
+EVENT = Event(OP, 1234, "linear", BLOCK, (TensorMeta((8, 64, 768), torch.float32, torch.device("cpu")),),
+              "transformers/models/gpt2/modeling_gpt2.py:312")
+
+
+def test_render_one_op_line(benchmark):
+    benchmark(grammar.render_event, EVENT, True, False)
+
+
+def test_narrate_one_event_through_the_narrator(benchmark):
+    narrator = Narrator(tl.options.NarrationOptions(sink=lambda line: None, sites=True))
+    benchmark(narrator.feed, EVENT)
+
+
+@pytest.mark.parametrize("kind", ["path", "stream", "callable", "logger"])
+def test_write_one_line_to_a_sink(benchmark, kind, tmp_path):
+    target = {
+        "path": str(tmp_path / "bench.log"),
+        "stream": io.StringIO(),
+        "callable": lambda line: None,
+        "logger": logging.getLogger("torchlens.bench.silent"),
+    }[kind]
+    sink = open_sink(target)
+    line = grammar.render_event(EVENT, True, False)
+    benchmark(sink.write, line)
+    sink.close()
+
+
+class Loop(nn.Module):
+    """1000 ops of one kind: time per op = time per call / 1000."""
+
+    def forward(self, x):
+        for _ in range(1000):
+            x = torch.relu(x)
+        return x
+
+
+@pytest.mark.parametrize("narrate", [False, True], ids=["record", "narrate-file"])
+def test_eager_capture_of_1000_ops(benchmark, narrate, tmp_path):
+    model, x = Loop(), torch.randn(16)
+    target = str(tmp_path / "ops.log") if narrate else None
+    benchmark(lambda: tl.record(model, x, narrate=target))
+
+
+def test_plain_eager_1000_ops_for_reference(benchmark):
+    model, x = Loop(), torch.randn(16)
+    benchmark(model, x)
+
+
+@pytest.mark.parametrize("rung,tracking", [("off", True), ("exact", False), ("sampled", False)])
+@pytest.mark.parametrize("size", [4096, 1 << 20], ids=["4k", "1M"])
+def test_statistics_of_one_tensor_read_live(benchmark, rung, tracking, size):
+    tensor = torch.randn(size)
+    meter = Meter(rung, tracking)
+    benchmark(meter.measure, tensor, True)
