@@ -129,6 +129,8 @@ class Mode:
         self.times: List[float] = []
         self.error: Optional[str] = None
         self.lines = 0
+        self.inner = 1
+        self.retaken = 0
         self.first_call_s: Optional[float] = None
         self.peak_bytes: Optional[int] = None
 
@@ -205,29 +207,75 @@ def count_lines(mode: Mode) -> None:
 
 
 def measure(modes: List[Mode], warmup: int, rounds: int) -> None:
-    """Run every mode once per round, in turn, and keep each call's wall time."""
+    """Take one sample of every mode per round, in an order rotated each round.
+
+    A sample is the mean time of enough consecutive calls to last about 20 ms. On a shared machine
+    a sample during which other processes kept a core busy is taken again (after a pause): with
+    torch's threads spinning on every core, a neighbour slows a forward by an order of magnitude,
+    and a median over such samples would measure the neighbour.
+    """
     live = [m for m in modes if m.run is not None]
     for _ in range(warmup):
         for mode in live:
-            _timed(mode, record=False)
-    for _ in range(rounds):
-        for mode in live:
+            _sample(mode, 1)
+    for mode in live:
+        mode.inner = _inner_count(mode)
+    for index in range(rounds):
+        order = live[index % len(live):] + live[:index % len(live)] if live else []
+        for mode in order:
             if mode.run is not None:
-                _timed(mode, record=True)
+                mode.times.append(_guarded_sample(mode))
             if mode.log is not None:
                 open(mode.log, "w").close()  # keep files small; truncating is outside the timing
 
 
-def _timed(mode: Mode, record: bool) -> None:
+def _inner_count(mode: Mode, target_s: float = 0.02) -> int:
+    if mode.run is None:
+        return 1
+    elapsed = _sample(mode, 1) or target_s
+    return max(1, min(50, int(target_s / elapsed)))
+
+
+def _guarded_sample(mode: Mode, tries: int = 6) -> Optional[float]:
+    for attempt in range(tries):
+        busy, own = _busy_seconds(), _own_seconds()
+        start = time.perf_counter()
+        elapsed = _sample(mode, mode.inner)
+        wall = time.perf_counter() - start
+        foreign = (_busy_seconds() - busy) - (_own_seconds() - own)
+        if elapsed is None or foreign <= max(0.3 * wall, 0.03) or attempt == tries - 1:
+            return elapsed
+        mode.retaken += 1
+        time.sleep(0.3 * (attempt + 1))
+    return None
+
+
+def _sample(mode: Mode, calls: int) -> Optional[float]:
+    """Mean seconds per call over `calls` calls; None (and the mode marked failed) if it raised."""
     try:
         start = time.perf_counter()
-        mode.run()
-        elapsed = time.perf_counter() - start
+        for _ in range(calls):
+            mode.run()
+        return (time.perf_counter() - start) / calls
     except Exception as exc:  # a mode that fails is reported as failed
         mode.fail(exc)
-        return
-    if record:
-        mode.times.append(elapsed)
+        return None
+
+
+def _busy_seconds() -> float:
+    """CPU seconds every process has spent busy since boot (all cores; /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 @contextlib.contextmanager
@@ -316,24 +364,33 @@ def summarise(modes: List[Mode]) -> List[Dict]:
     by_name = {m.name: m for m in modes}
     rows = []
     for mode in modes:
-        median = statistics.median(mode.times) if mode.times and mode.error is None else None
+        ok = mode.error is None and mode.times and None not in mode.times
+        median = statistics.median(mode.times) if ok else None
         base = by_name.get(mode.baseline) if mode.baseline else None
-        base_median = statistics.median(base.times) if base and base.times and base.error is None else None
+        base_ok = base is not None and base.error is None and base.times and None not in base.times
+        base_median = statistics.median(base.times) if base_ok else None
+        multiplier = None
+        if median is not None and base_median is not None:
+            # the median of per-round ratios: each round's pair ran close together, so drift cancels
+            multiplier = statistics.median(a / b for a, b in zip(mode.times, base.times))
         row = {
             "mode": mode.name,
             "description": mode.description,
             "baseline": mode.baseline,
             "median_ms": None if median is None else median * 1e3,
-            "multiplier": None if median is None or base_median is None else median / base_median,
+            "multiplier": multiplier,
+            "ratio_of_medians": None if multiplier is None else median / base_median,
             "lines": mode.lines,
             "us_per_line": None,
             "first_call_s": mode.first_call_s,
             "peak_mb": None if mode.peak_bytes is None else mode.peak_bytes / 2**20,
             "rounds": len(mode.times),
+            "calls_per_sample": mode.inner,
+            "samples_retaken": mode.retaken,
             "error": mode.error,
         }
-        if median is not None and base_median is not None and mode.lines:
-            row["us_per_line"] = (median - base_median) / mode.lines * 1e6
+        if multiplier is not None and mode.lines:
+            row["us_per_line"] = (multiplier - 1) * base_median / mode.lines * 1e6
         rows.append(row)
     return rows
 
@@ -386,7 +443,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8; quick: 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 30; quick: 5)")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile modes")
     parser.add_argument("--models", default=None, help="comma-separated subset of the model names")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -408,7 +465,7 @@ def main(argv=None) -> int:
             print(f"benchmarking {name} batch {batch} on {args.device} ...", file=sys.stderr, flush=True)
             result = bench_model(name, make_model, make_input, batch, args.device, args.warmup, rounds,
                                  compiled=not args.no_compile)
-            if not args.no_compile and batch == batches[0]:
+            if not args.no_compile and batch == batches[0] and not (args.quick and results):
                 result["cold_compile_s"] = {kind: cold_compile(name, batch, args.device, args.quick, kind)
                                             for kind in ("plain", "torchlens")}
             results.append(result)

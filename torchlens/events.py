@@ -64,38 +64,37 @@ class Scope:
         return f"Scope({self.path!r}, {self.type_name})"
 
 
-class TensorMeta:
-    """What narration shows of a tensor without reading its payload: shape, dtype, device.
+class TensorMeta(tuple):
+    """What narration shows of a tensor without reading its payload: (shape, dtype, device).
 
     `shape` holds ints, or strings for symbolic sizes when a compiled graph is narrated with
     `symbolic_shapes=True`. `dtype` and `device` are the torch objects themselves; the grammar
-    abbreviates them.
+    abbreviates them. A tuple, so that hashing and comparing it (rendering memoises on it) is fast.
     """
 
-    __slots__ = ("shape", "dtype", "device")
+    __slots__ = ()
 
-    def __init__(self, shape, dtype, device):
-        self.shape = shape
-        self.dtype = dtype
-        self.device = device
+    def __new__(cls, shape, dtype, device):
+        return tuple.__new__(cls, (shape, dtype, device))
 
     @classmethod
     def of(cls, tensor) -> "TensorMeta":
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+        return tuple.__new__(cls, (tensor.shape, tensor.dtype, tensor.device))
 
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, TensorMeta)
-            and tuple(self.shape) == tuple(other.shape)
-            and self.dtype == other.dtype
-            and self.device == other.device
-        )
+    @property
+    def shape(self):
+        return self[0]
 
-    def __hash__(self) -> int:
-        return hash((tuple(self.shape), self.dtype, str(self.device)))
+    @property
+    def dtype(self):
+        return self[1]
+
+    @property
+    def device(self):
+        return self[2]
 
     def __repr__(self) -> str:
-        return f"TensorMeta({list(self.shape)}, {self.dtype}, {self.device})"
+        return f"TensorMeta({list(self[0])}, {self[1]}, {self[2]})"
 
 
 class Event:

@@ -33,6 +33,9 @@ _DTYPE_NAMES = {}
 _DEVICE_NAMES = {}
 _META_TEXTS = {}
 _OP_COLUMNS = {}
+_OP_BODIES = {}
+_MODULE_LINES = {}
+_CACHE_LIMIT = 1 << 16
 _INDENTS = ["  " * d for d in range(64)]
 
 
@@ -114,11 +117,10 @@ def render_event(event: Event, sites: bool = False, normalize: bool = False, fol
     if kind is OP or kind is INPUT:
         return render_op(event, sites, normalize)
     scope = event.scope
-    indent = _INDENTS[scope.depth - 1] if scope.depth > 0 else ""
     if kind is ENTER:
-        return f"{indent}> {scope.path} ({scope.type_name})"
+        return _module_lines(scope)[0]
     if kind is EXIT:
-        line = f"{indent}< {scope.path}"
+        line = _module_lines(scope)[1]
         if folded:
             line += f"  [{folded} op{'s' if folded != 1 else ''} folded]"
         return line
@@ -127,20 +129,48 @@ def render_event(event: Event, sites: bool = False, normalize: bool = False, fol
     raise ValueError(f"unknown event kind {kind!r}")
 
 
+def _module_lines(scope) -> tuple:
+    """A module's enter and exit lines, rendered once per (path, class)."""
+    key = (scope.path, scope.type_name)
+    lines = _MODULE_LINES.get(key)
+    if lines is None:
+        indent = _INDENTS[scope.depth - 1] if scope.depth > 0 else ""
+        lines = (f"{indent}> {scope.path} ({scope.type_name})", f"{indent}< {scope.path}")
+        if len(_MODULE_LINES) < _CACHE_LIMIT:
+            _MODULE_LINES[key] = lines
+    return lines
+
+
 def render_op(event: Event, sites: bool, normalize: bool) -> str:
-    depth = event.scope.depth
-    line = _INDENTS[depth] + _tag("#" + str(event.ordinal)) + _op_column(event.op) + metas_text(event.outputs, normalize)
-    if event.kind is INPUT:
-        line += "  " + event.label
-    elif depth:
-        line += "  @" + event.scope.path
-    if sites and event.site:
-        line += "  " + site_text(event.site, normalize)
+    """`#N op shapes @module site | stats`. Everything after the ordinal depends only on the op,
+    its outputs' metadata, its module and site: memoised, since a forward repeats them."""
+    site = event.site if sites else None
+    key = (event.op, event.outputs, event.scope.path, event.label, site, normalize)
+    try:
+        body = _OP_BODIES[key]
+    except KeyError:
+        body = _op_body(event, site, normalize)
+        if len(_OP_BODIES) < _CACHE_LIMIT:
+            _OP_BODIES[key] = body
+    except TypeError:  # an unhashable (symbolic) size
+        body = _op_body(event, site, normalize)
+    line = _INDENTS[event.scope.depth] + ("#%-4d " % event.ordinal) + body
     if event.stats is not None:
         stats = event.stats.render()
         if stats:
             line += "  | " + stats
     return line
+
+
+def _op_body(event: Event, site, normalize: bool) -> str:
+    body = _op_column(event.op) + metas_text(event.outputs, normalize)
+    if event.kind is INPUT:
+        body += "  " + event.label
+    elif event.scope.depth:
+        body += "  @" + event.scope.path
+    if site:
+        body += "  " + site_text(site, normalize)
+    return body
 
 
 def render_note(text: str) -> str:

@@ -30,6 +30,7 @@ class Narrator:
         self._sites = options.sites
         self._normalize = options.normalize
         self._quiet = options.on_error_only
+        self._plain = self._select is None and self._depth is None and self._max_lines is None and not self._quiet
         self._disabled = False
         self._captured = None  # lines held back while a block is being rendered for its cache
         self.begin_pass()
@@ -60,6 +61,10 @@ class Narrator:
             self.inputs += 1
         elif kind is ENTER:
             self.module_calls += 1
+        if self._plain and event.stats is None:  # the common case, on every event: print it
+            self.lines_written += 1
+            self._write(grammar.render_event(event, self._sites, self._normalize))
+            return
         if self._quiet:
             return
         if self._select is not None and not self._select(event):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -24,16 +25,39 @@ class ScopeTable:
 
     def __init__(self, root: Optional[torch.nn.Module]):
         self.root_scope = Scope("", type(root).__name__ if root is not None else "<compiled>", None)
+        self._root = root
         self._names: Dict[int, str] = {}
-        if root is not None:
-            for name, module in root.named_modules():
-                self._names.setdefault(id(module), name)
+        self._refs: Dict[int, weakref.ref] = {}
         self._interned: Dict[Tuple, Scope] = {}
+        self._calls: Dict[Tuple[int, int], Tuple[Scope, weakref.ref]] = {}
         self._keep = [root]
+        self._index()
+
+    @classmethod
+    def for_model(cls, root: torch.nn.Module) -> "ScopeTable":
+        """The table of `root`, kept between captures of the same model (building it walks every
+        module; a repeated forward then finds each call's scope with one lookup)."""
+        table = _tables.get(root)
+        if table is None:
+            table = _tables[root] = cls(root)
+        return table
+
+    def _index(self) -> None:
+        """(Re)read the module names from the root: done again when a module turns up that the
+        table has not seen, in case the model was changed since."""
+        if self._root is None:
+            return
+        self._names.clear()
+        self._refs.clear()
+        for name, module in self._root.named_modules():
+            if id(module) not in self._names:
+                self._names[id(module)] = name
+                self._refs[id(module)] = weakref.ref(module)
 
     def knows(self, module) -> bool:
         """Whether `module` is the root or one of its submodules."""
-        return id(module) in self._names
+        ref = self._refs.get(id(module))
+        return ref is not None and ref() is module
 
     @property
     def paths(self):
@@ -47,17 +71,38 @@ class ScopeTable:
         class under its caller: `attn.<Linear>`.
         """
         parent = parent or self.root_scope
-        name = self._names.get(id(module))
+        call = self._calls.get((id(module), id(parent)))  # the common case: a call seen before
+        if call is not None and call[1]() is module:
+            return call[0]
+        name = self._name(module)
         if name == "":
             return self.root_scope
         if name is None:
             label = f"<{type(module).__name__}>"
-            name = self._names[id(module)] = f"{parent.path}.{label}" if parent.path else label
-            self._keep.append(module)  # its id names it now: keep it alive
-        return self._child(parent, name, name, type(module).__name__)
+            name = f"{parent.path}.{label}" if parent.path else label
+        scope = self._child(parent, name, name, type(module).__name__)
+        self._calls[(id(module), id(parent))] = (scope, weakref.ref(module))
+        return scope
+
+    def _name(self, module) -> Optional[str]:
+        """The module's path under the root (None for a module that is not part of it)."""
+        ref = self._refs.get(id(module))
+        if ref is None or ref() is not module:
+            self._index()  # a module the table has not seen: the model may have changed
+            ref = self._refs.get(id(module))
+            if ref is None or ref() is not module:
+                return None
+        return self._names[id(module)]
 
     def path_of(self, module) -> Optional[str]:
-        return self._names.get(id(module))
+        """The path of `module` as its calls are named (an unknown module: `caller.<Type>`)."""
+        ref = self._refs.get(id(module))
+        if ref is not None and ref() is module:
+            return self._names[id(module)]
+        for (module_id, _), (scope, call_ref) in self._calls.items():
+            if module_id == id(module) and call_ref() is module:
+                return scope.path
+        return None
 
     def scope_of_stack(self, frame) -> Scope:
         """The scope of the innermost module of the model whose code runs on the Python stack
@@ -118,6 +163,8 @@ class ScopeTable:
             scope = self._interned[chain_key] = Scope(path, type_name, parent, key)
         return scope
 
+
+_tables: "weakref.WeakKeyDictionary[torch.nn.Module, ScopeTable]" = weakref.WeakKeyDictionary()
 
 _MAX_FRAMES = 64
 

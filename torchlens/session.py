@@ -61,10 +61,20 @@ class Session:
         return self._measured(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label), value)
 
     def add_op(self, op: str, metas, site=None, stats=None, value=None) -> Event:
-        """Record an op, with its `stats`, or with its output `value` for the meter to measure."""
+        """Record an op, with its `stats`, or with its output `value` for the meter to measure.
+
+        The hot path of every capture: kept flat on purpose (the common case, no meter and no
+        unwound modules, is three attribute checks, an append and the narrator).
+        """
         self.ordinal += 1
         self.failed_call = None
-        return self._measured(Event(OP, self.ordinal, op, self.scope, metas, site, stats, None), value)
+        event = Event(OP, self.ordinal, op, self.scope, metas, site, stats, None)
+        if self.meter is not None or self._unwound:
+            return self._measured(event, value)
+        self.events.append(event)
+        if self.narrator is not None:
+            self.narrator.feed(event)
+        return event
 
     def _measured(self, event: Event, value) -> Event:
         meter = self.meter

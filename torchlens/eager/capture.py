@@ -30,6 +30,7 @@ from ..scopes import ScopeTable
 
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
+_get_ident = threading.get_ident
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
@@ -62,16 +63,21 @@ class CaptureMode(TorchFunctionMode):
         except BaseException as exc:
             capture.op_raised(func, args, kwargs, exc)
             raise
-        capture.op_done(func, args, kwargs, out)
+        kind = type(out)
+        if kind is _Tensor or kind is tuple or kind is list or isinstance(out, _Tensor):
+            capture.op_done(func, out)  # sizes, dtypes, bools: not ops, and frequent
         return out
+
+
+_meta = TensorMeta.of
 
 
 def output_metas(out):
     """TensorMeta of each tensor an op returned, or None when it returned no tensor."""
     if type(out) is _Tensor or isinstance(out, _Tensor):
-        return (TensorMeta(out.shape, out.dtype, out.device),)
+        return (_meta(out),)
     if type(out) is tuple or type(out) is list:
-        metas = tuple(TensorMeta(t.shape, t.dtype, t.device) for t in out if isinstance(t, _Tensor))
+        metas = tuple(_meta(t) for t in out if isinstance(t, _Tensor))
         return metas or None
     return None
 
@@ -96,7 +102,7 @@ class EagerCapture:
         self.sites = session.settings.sites
         self.observers = tuple(observers)  # called as observer(event, tensors) after each op
         self.paused = False
-        self.thread = threading.get_ident()
+        self.thread = _get_ident()
         self._mode = CaptureMode(self)
         self._handles = []
         self._active = False
@@ -122,13 +128,13 @@ class EagerCapture:
 
     # -- what the mode reports ------------------------------------------------------------------
 
-    def op_done(self, func, args, kwargs, out) -> None:
+    def op_done(self, func, out) -> None:
         metas = output_metas(out)
         if metas is None:
             return
         try:
             site = find_user_site(sys._getframe(2)) if self.sites else None
-            event = self.session.add_op(op_name(func), metas, site, value=out)
+            event = self.session.add_op(op_name(func), metas, site, None, out)
             for observe in self.observers:
                 observe(event, out)
         except Exception as exc:
@@ -147,12 +153,12 @@ class EagerCapture:
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
-        if _is_compiling() or self.paused or threading.get_ident() != self.thread:
+        if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
         try:
             session = self.session
             scope = self.scopes.module_scope(module, session.scope)
-            if scope.parent is not None:
+            if scope.parent is not None:  # the root's own call is the whole pass, not a module line
                 session.enter(scope)
         except Exception as exc:
             self.paused = True
@@ -160,7 +166,7 @@ class EagerCapture:
         return None
 
     def _post_hook(self, module, args, output):
-        if _is_compiling() or self.paused or threading.get_ident() != self.thread:
+        if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
         try:
             session = self.session

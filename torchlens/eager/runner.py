@@ -30,7 +30,7 @@ class EagerPass:
     def __init__(self, model: nn.Module, settings: Settings, narrator: Optional[Narrator], header=None,
                  observers=()):
         self.model = model
-        self.scopes = ScopeTable(model)
+        self.scopes = ScopeTable.for_model(model)
         check_selection(settings, self.scopes.paths)
         self.session = Session(settings, self.scopes.root_scope, narrator, header)
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)

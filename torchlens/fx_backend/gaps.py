@@ -30,7 +30,7 @@ class GapCapture:
         self.paused = False
         self.ops = 0  # ops recorded between graphs, for the footer
 
-    def op_done(self, func, args, kwargs, out) -> None:
+    def op_done(self, func, out) -> None:
         metas = output_metas(out)
         if metas is None:
             return
