@@ -13,7 +13,11 @@ _module = torch.nn.modules.module
 
 
 def leftover_state():
-    """Everything capture could leave behind in torch, as comparable values."""
+    """Everything capture could leave behind in torch (and torchlens's own per-thread state), as
+    comparable values."""
+    import sys
+
+    runtime = sys.modules.get("torchlens.fx_backend.runtime")
     return (
         len(_module._global_forward_pre_hooks),
         len(_module._global_forward_hooks),
@@ -21,6 +25,7 @@ def leftover_state():
         len(_module._global_backward_hooks),
         len(torch.overrides._get_current_function_mode_stack()),
         torch._C._len_torch_dispatch_stack(),
+        runtime is not None and runtime.active_run() is not None,
     )
 
 
@@ -93,24 +98,22 @@ def ordinals(text: str):
 
 
 def check_nesting(text: str):
-    """Assert that `>`/`<` lines balance and that indentation follows module depth. Returns the
-    maximum depth seen."""
+    """Assert that `>`/`<` lines balance and that indentation follows the depth of module calls:
+    two spaces per module open around the line. Returns the deepest nesting seen."""
     stack = []
     deepest = 0
     for line in text.splitlines():
         if m := ENTER_LINE.match(line):
-            depth = m.group("path").count(".") + 1
-            assert len(m.group("indent")) == 2 * (depth - 1), line
+            assert len(m.group("indent")) == 2 * len(stack), line
             stack.append(m.group("path"))
-            deepest = max(deepest, depth)
+            deepest = max(deepest, len(stack))
         elif m := EXIT_LINE.match(line):
             assert stack and stack[-1] == m.group("path"), f"unbalanced exit: {line!r} with open {stack}"
-            assert len(m.group("indent")) == 2 * (m.group("path").count(".")), line
             stack.pop()
+            assert len(m.group("indent")) == 2 * len(stack), line
         elif m := OP_LINE.match(line):
             at = re.search(r"  @(\S+)", line)
-            depth = at.group(1).count(".") + 1 if at else 0
-            assert len(m.group("indent")) == 2 * depth, line
+            assert len(m.group("indent")) == 2 * len(stack), line
             if stack:
                 assert at and (at.group(1) == stack[-1]), f"op {line!r} outside its module {stack[-1]}"
     assert not stack, f"modules never closed: {stack}"

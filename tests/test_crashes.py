@@ -272,3 +272,24 @@ def test_sigkill_mid_forward_leaves_every_narrated_line_on_disk(script, tmp_path
     assert result.returncode == -9, result.stderr[-2000:]
     ops = [line.split()[1] for line in op_lines(path.read_text())]
     assert ops == ["input", "linear", "relu"], path.read_text()
+
+
+def test_a_graph_that_changes_its_inputs_in_place_is_not_replayed():
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, idx):
+            self.calls.add_(1)  # state a replay would change a second time
+            return self.embed(idx)
+
+    model = Counts()
+    compiled = tl.compile(model, compiler="eager")
+    compiled(torch.tensor([1, 2]))
+    exc = _fail(lambda: compiled(torch.tensor([1, 99])))
+    assert model.calls.item() == 2, "the failing call counted once, and was not replayed"
+    tail = exc.partial_trace.narrate(last=3)
+    assert "not replayed: the graph changes its inputs in place" in tail
+    assert "!! attempted" in tail.splitlines()[-1]

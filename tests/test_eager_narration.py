@@ -38,8 +38,9 @@ def test_tiny_narrates_input_linear_relu_with_sites():
 
 def test_transformer_and_conv_net_nest_module_lines_by_module_depth():
     text, rec = narrate_to_string(tiny_gpt(), tokens())
-    assert check_nesting(text) == 4  # blocks.0.attn.qkv: blocks (1) . 0 (2) . attn (3) . qkv (4)
-    assert "      > blocks.0.attn.qkv (Linear)" in text
+    # blocks.0 (1) calls attn (2) calls qkv (3): the ModuleList `blocks` is never called itself
+    assert check_nesting(text) == 3
+    assert "> blocks.0 (Block)" in text.splitlines() and "    > blocks.0.attn.qkv (Linear)" in text
     text, _ = narrate_to_string(conv_net(), images())
     assert check_nesting(text) == 2
     assert "  > block.conv1 (Conv2d)" in text
@@ -56,7 +57,7 @@ def test_events_carry_module_depth_meta_and_kind():
     kinds = {e.kind for e in rec.events}
     assert kinds == set(tl.EventKind)
     qkv = next(e for e in rec.events if e.module == "blocks.1.attn.qkv" and e.kind is tl.EventKind.OP)
-    assert qkv.op == "linear" and qkv.depth == 4
+    assert qkv.op == "linear" and qkv.depth == 3
     assert qkv.outputs[0] == tl.TensorMeta((2, 5, 96), torch.float32, torch.device("cpu"))
     first = rec.events[0]
     assert first.kind is tl.EventKind.INPUT and first.label == "idx" and first.ordinal == 1
@@ -246,13 +247,13 @@ def test_max_lines_stops_with_one_note_and_the_footer_counts_the_rest():
 
 def test_depth_folds_deeper_ops_into_their_ancestor():
     full, rec = narrate_to_string(tiny_gpt(), tokens())
-    text, _ = narrate_to_string(tiny_gpt(), tokens(), depth=3)
+    text, _ = narrate_to_string(tiny_gpt(), tokens(), depth=2)
     assert "> blocks.0.attn (Attention)" in text and "blocks.0.attn.qkv" not in text
     folded_attn = len([e for e in rec.ops if e.module.startswith("blocks.0.attn.")])
     attn_exit = next(line for line in text.splitlines() if line.strip().startswith("< blocks.0.attn"))
     assert attn_exit.endswith(f"[{folded_attn} ops folded]")
-    deeper = len([e for e in rec.ops if e.depth > 3])
-    assert f"{deeper} folded (depth=3)" in text.splitlines()[-1]
+    deeper = len([e for e in rec.ops if e.depth > 2])
+    assert f"{deeper} folded (depth=2)" in text.splitlines()[-1]
     # ordinals stay global: the ops still shown keep their full-transcript numbers
     assert set(ordinals(text)) <= set(ordinals(full))
     assert check_nesting(text)
@@ -268,7 +269,7 @@ def test_in_module_narrates_one_subtree_with_its_enter_line_and_global_ordinals(
     full, rec = narrate_to_string(tiny_gpt(), tokens())
     text, _ = narrate_to_string(tiny_gpt(), tokens(), select=tl.in_module("blocks.1.attn"))
     body = text.splitlines()[:-1]
-    assert body[0] == "    > blocks.1.attn (Attention)" and body[-1] == "    < blocks.1.attn"
+    assert body[0] == "  > blocks.1.attn (Attention)" and body[-1] == "  < blocks.1.attn"
     expected = [e.ordinal for e in rec.ops if e.module.startswith("blocks.1.attn")]
     assert ordinals(text) == expected and expected[0] > 20
     full_lines = {OP_LINE.match(l).group("ordinal"): l for l in op_lines(full)}
@@ -290,7 +291,7 @@ def test_selectors_compose_and_plain_predicates_work():
 def test_narrate_select_after_the_fact():
     rec = tl.record(tiny_gpt(), tokens())
     text = rec.narrate(select=tl.in_module("blocks.1.mlp"))
-    assert text.splitlines()[0] == "    > blocks.1.mlp (MLP)"
+    assert text.splitlines()[0] == "  > blocks.1.mlp (MLP)"
     assert repr(text) == str(text)  # prints as the transcript at a prompt
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -301,3 +302,19 @@ def test_stats_on_module_outputs_measures_only_the_last_op_of_each_module_call()
     assert len(measured) < len(ops) / 2
     with pytest.raises(tl.errors.OptionValueError, match="'ops' or 'module_outputs'"):
         tl.compile(tiny_gpt(), stats_on="modules")
+
+
+def test_compiled_statistics_of_data_dependent_sizes_empty_or_not():
+    class Positions(nn.Module):
+        def forward(self, x):
+            return torch.nonzero(x > 100) + 1  # an unbacked size, zero for small inputs
+
+    for scale, expected in ((1, None), (300, "| min=")):
+        lines = []
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), warnings.catch_warnings():
+            warnings.simplefilter("error", tl.errors.NarrationWarning)
+            tl.compile(Positions(), narrate=lines.append, value_stats="exact", on_nonfinite="track",
+                       compiler="eager")(torch.randn(5, generator=torch.Generator().manual_seed(0)) * scale)
+        add = next(line for line in lines if " add " in line)
+        assert (expected in add) if expected else ("|" not in add), add
+        assert lines[-1].endswith("no non-finite values")

@@ -6,17 +6,18 @@
 See the README and docs/ for the guide.
 """
 
-from . import debug, errors, fx_backend, options, recording
-from .fx_backend import registration as _registration  # noqa: F401  (loads fx_backend.registration)
+from . import debug, errors, options, recording
 from .api import compile, record, trace
-from .events import Event, EventKind, TensorMeta
+from .events import Attempt, Event, EventKind, Scope, TensorMeta
+from .fx_backend.registration import register_without_entry_point as _register
 from .recording import PartialTrace, Recording, Trace
 from .selectors import in_module
+from .stats import Stats, StatsGroup
 
+# `compile` is left out of __all__ so that `from torchlens import *` does not shadow the builtin.
 __all__ = [
     "record",
     "trace",
-    "compile",
     "in_module",
     "options",
     "recording",
@@ -28,7 +29,11 @@ __all__ = [
     "Event",
     "EventKind",
     "TensorMeta",
+    "Scope",
+    "Attempt",
+    "Stats",
+    "StatsGroup",
 ]
 __version__ = "0.1.0"
 
-fx_backend.registration.register_without_entry_point()
+_register()  # from a source checkout, where no installed entry point names the backend

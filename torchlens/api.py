@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from torch import nn
 
-from .errors import ModelTypeError, OptionTypeError, suggest
+from .errors import OptionTypeError, OptionValueError, suggest
 from .options import make_settings
-from .records import Recording, Trace
+from .results import Recording, Trace
 from .eager.runner import run_eager
 from .eager.structure import check_model, forward_signature
-from .eager.values import DEFAULT_MAX_BYTES
+from .values import DEFAULT_MAX_BYTES
 
 _RECORD_KEYWORDS = ("narrate", "value_stats", "on_nonfinite")
 _TRACE_KEYWORDS = _RECORD_KEYWORDS + ("keep_on_cpu", "max_bytes")
@@ -51,18 +50,21 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS + ("compiled",), "tl.trace")
     if not isinstance(keep_on_cpu, bool):
         raise OptionTypeError(f"tl.trace(keep_on_cpu=...) takes True or False, got {keep_on_cpu!r}")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-        raise OptionTypeError(f"tl.trace(max_bytes=...) takes a byte count >= 0 or None (no limit), got {max_bytes!r}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)):
+        raise OptionTypeError(f"tl.trace(max_bytes=...) takes a byte count or None (no limit), got {max_bytes!r}")
+    if max_bytes is not None and max_bytes < 0:
+        raise OptionValueError(f"tl.trace(max_bytes={max_bytes}): must be >= 0 (or None for no limit)")
     if compiled is not False:
-        from .fx_backend.config import make_config
+        from .fx_backend.config import OPTION_KEYS, make_config
+        from .fx_backend.entry import trace_compiled
 
         options = _compiled_options(compiled)
         ours = {key: options.pop(key) for key in ("live", "compiler", "stats_on") if key in options}
+        for key in set(options) & set(OPTION_KEYS):
+            raise OptionTypeError(f"tl.trace(compiled=...): {key!r} is a keyword of tl.trace itself; pass it there")
         config = make_config(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
                              max_bytes=max_bytes, **ours)
-        compiled_model = _compile_with(model, config, options)
-        compiled_model(*args, **kwargs)
-        return compiled_model.torchlens.last_recording
+        return trace_compiled(model, args, kwargs, config, options)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
                              max_bytes=max_bytes)
     return run_eager(model, args, kwargs, settings)
@@ -88,26 +90,10 @@ def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
     recording.
     """
     from .fx_backend.config import make_config
+    from .fx_backend.entry import compile_model
 
     config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler, stats_on=stats_on)
-    return _compile_with(model, config, torch_compile_kwargs)
-
-
-def _compile_with(model, config, torch_compile_kwargs: dict):
-    """`torch.compile` with a torchlens backend bound to a runtime for `model`, hooked before its
-    first call."""
-    from .fx_backend.registration import Backend, install
-    from .fx_backend.runtime import CompiledRuntime, module_of
-
-    if "backend" in torch_compile_kwargs:
-        raise OptionTypeError("tl.compile chooses the backend itself; name the compiler underneath with compiler=")
-    if not callable(model):
-        raise ModelTypeError(f"tl.compile takes an nn.Module or a function, got {type(model).__name__}")
-    runtime = CompiledRuntime(config, model if isinstance(model, nn.Module) else module_of(model))
-    compiled = torch.compile(model, backend=Backend(runtime), **torch_compile_kwargs)
-    install(compiled, runtime)
-    compiled.torchlens = runtime
-    return compiled
+    return compile_model(model, config, torch_compile_kwargs)
 
 
 def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) -> None:

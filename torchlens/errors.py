@@ -8,6 +8,7 @@ value, ...), and its message names the argument, what it accepts and, where one 
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Iterable
 
 
@@ -31,6 +32,10 @@ class UnknownModuleError(TorchlensError, LookupError, ValueError):
     """A selector names a module path the model does not have."""
 
 
+class RecorderStateError(TorchlensError, RuntimeError):
+    """A `Recorder` was entered while already active."""
+
+
 class TraceBudgetError(TorchlensError, MemoryError):
     """`tl.trace` would keep more tensor bytes than its `max_bytes` budget allows."""
 
@@ -51,6 +56,15 @@ class CompareInputError(TorchlensError, TypeError):
 
 class NarrationWarning(UserWarning):
     """Narration was turned off mid-run (a sink failed, or torchlens hit an internal error)."""
+
+
+def warn_safely(message: str, stacklevel: int = 3) -> None:
+    """`warnings.warn(message, NarrationWarning)`, dropped if warnings are turned into errors:
+    a warning about torchlens must never become the exception the user sees."""
+    try:
+        warnings.warn(message, NarrationWarning, stacklevel=stacklevel)
+    except Exception:
+        pass
 
 
 def suggest(name: str, choices: Iterable[str], limit: int = 3) -> str:

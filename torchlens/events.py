@@ -33,9 +33,10 @@ OUTPUT = EventKind.OUTPUT
 class Scope:
     """A module's place in the hierarchy: its dotted path, class name, depth and parent.
 
-    The root module has path "" and depth 0; `blocks.0.attn` has depth 3, whether or not the
-    container `blocks` was itself called. Scopes are interned per capture, so two events in the same
-    module share one `Scope` object.
+    The root module has path "" and depth 0. Depth counts module *calls*: `blocks.0.attn` called by
+    `blocks.0` called by the root has depth 2, since the container `blocks` is never called itself;
+    a module that lives elsewhere in the tree but is called from inside `blocks.0` nests under it.
+    Scopes are interned per capture, so two events in the same module call share one `Scope`.
 
     `key` tells module *calls* apart: it is the path, with `@N` added for the N-th re-entry of a
     module within one compiled graph (`proj(proj(x))`), so two consecutive calls of the same module
@@ -48,7 +49,7 @@ class Scope:
         self.path = path
         self.type_name = type_name
         self.parent = parent  # the enclosing module that was *called* (a ModuleList never is)
-        self.depth = path.count(".") + 1 if path else 0
+        self.depth = 0 if parent is None else parent.depth + 1
         self.key = path if key is None else key
 
     def chain(self) -> Tuple["Scope", ...]:

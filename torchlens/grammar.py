@@ -36,7 +36,7 @@ _OP_COLUMNS = {}
 _OP_BODIES = {}
 _MODULE_LINES = {}
 _CACHE_LIMIT = 1 << 16
-_INDENTS = ["  " * d for d in range(64)]
+_INDENTS = ["  " * d for d in range(256)]  # deeper than any real module tree
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,8 +130,8 @@ def render_event(event: Event, sites: bool = False, normalize: bool = False, fol
 
 
 def _module_lines(scope) -> tuple:
-    """A module's enter and exit lines, rendered once per (path, class)."""
-    key = (scope.path, scope.type_name)
+    """A module's enter and exit lines, rendered once per (path, class, depth of the call)."""
+    key = (scope.path, scope.type_name, scope.depth)
     lines = _MODULE_LINES.get(key)
     if lines is None:
         indent = _INDENTS[scope.depth - 1] if scope.depth > 0 else ""
@@ -145,7 +145,7 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
     """`#N op shapes @module site | stats`. Everything after the ordinal depends only on the op,
     its outputs' metadata, its module and site: memoised, since a forward repeats them."""
     site = event.site if sites else None
-    key = (event.op, event.outputs, event.scope.path, event.label, site, normalize)
+    key = (event.op, event.outputs, event.scope.path, event.scope.depth, event.label, site, normalize)
     try:
         body = _OP_BODIES[key]
     except KeyError:

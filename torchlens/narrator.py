@@ -7,11 +7,10 @@ events to a fresh narrator with an in-memory sink. That is why the two are byte-
 
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional, Sequence
 
 from . import grammar
-from .errors import NarrationWarning
+from .errors import warn_safely
 from .events import ENTER, EXIT, INPUT, OP, Attempt, Event
 from .options import NarrationOptions
 from .sinks import ListSink, Sink, open_sink
@@ -83,8 +82,10 @@ class Narrator:
                 if depth > self._depth:
                     return
                 folded = self._folded.pop(event.scope.key, 0)
-        self._emit(grammar.render_event(event, self._sites, self._normalize, folded))
-        if event.stats is not None and event.stats.nonfinite and not self._nonfinite_noted:
+        printed = self._emit(grammar.render_event(event, self._sites, self._normalize, folded))
+        # Only for a printed line: its statistics were read when it was printed, so the note
+        # appears after the fact exactly when it appeared live.
+        if printed and event.stats is not None and event.stats.nonfinite and not self._nonfinite_noted:
             self._nonfinite_noted = True
             self._emit(grammar.render_failure(first_nonfinite_text(event)))
 
@@ -175,16 +176,17 @@ class Narrator:
 
     # -- output ---------------------------------------------------------------------------------
 
-    def _emit(self, line: str) -> None:
-        """A narrated line: counted against `max_lines`."""
+    def _emit(self, line: str) -> bool:
+        """A narrated line: counted against `max_lines`. Returns whether it was printed."""
         if self._max_lines is not None and self.lines_written >= self._max_lines:
             self.lines_suppressed += 1
             if not self._limit_noted:
                 self._limit_noted = True
                 self._write(grammar.render_note(f"max_lines={self._max_lines} reached: narration stops here; the run goes on"))
-            return
+            return False
         self.lines_written += 1
         self._write(line)
+        return True
 
     def _write(self, line: str) -> None:
         if self._prefix:
@@ -209,21 +211,13 @@ class Narrator:
 
     def _sink_failed(self, exc: Exception) -> None:
         self._disabled = True
-        warnings.warn(
-            f"torchlens narration turned off: the sink raised {type(exc).__name__}: {exc}",
-            NarrationWarning,
-            stacklevel=3,
-        )
-
-    @property
-    def disabled(self) -> bool:
-        return self._disabled
+        warn_safely(f"torchlens narration turned off: the sink raised {type(exc).__name__}: {exc}", stacklevel=4)
 
     def close(self) -> None:
         try:
             self.sink.close()
         except Exception as exc:
-            warnings.warn(f"torchlens could not close its sink: {exc}", NarrationWarning, stacklevel=2)
+            warn_safely(f"torchlens could not close its sink: {exc}")
 
 
 def first_nonfinite_text(event: Event) -> str:

@@ -149,15 +149,18 @@ def resolve_narrate(narrate):
 
 
 def check_value_stats(value) -> str:
-    if value not in VALUE_STATS or not isinstance(value, str):
-        hint = suggest(value, VALUE_STATS) if isinstance(value, str) else ""
-        raise OptionValueError(f"value_stats={value!r}{hint}: accepted are {describe_choices(VALUE_STATS)}")
+    if not isinstance(value, str):
+        raise OptionTypeError(f"value_stats= takes one of {describe_choices(VALUE_STATS)}, got {value!r}")
+    if value not in VALUE_STATS:
+        raise OptionValueError(f"value_stats={value!r}{suggest(value, VALUE_STATS)}: accepted are {describe_choices(VALUE_STATS)}")
     return value
 
 
 def check_on_nonfinite(value):
-    if value is not None and (not isinstance(value, str) or value not in ON_NONFINITE):
-        hint = suggest(value, ("track", "raise")) if isinstance(value, str) else ""
+    if value is not None and not isinstance(value, str):
+        raise OptionTypeError(f"on_nonfinite= takes one of {describe_choices(ON_NONFINITE)}, got {value!r}")
+    if value is not None and value not in ON_NONFINITE:
+        hint = suggest(value, ("track", "raise"))
         raise OptionValueError(f"on_nonfinite={value!r}{hint}: accepted are {describe_choices(ON_NONFINITE)}")
     return value
 

@@ -1,6 +1,6 @@
 """Recordings and the `Recorder` context manager (`tl.recording.Recorder`)."""
 
 from .eager.recorder import Recorder
-from .records import PartialTrace, Recording, Trace, Transcript
+from .results import PartialTrace, Recording, Trace, Transcript
 
 __all__ = ["Recorder", "Recording", "Trace", "PartialTrace", "Transcript"]

@@ -25,12 +25,11 @@ class ScopeTable:
 
     def __init__(self, root: Optional[torch.nn.Module]):
         self.root_scope = Scope("", type(root).__name__ if root is not None else "<compiled>", None)
-        self._root = root
+        self._root = weakref.ref(root) if root is not None else None  # a table never keeps a model alive
         self._names: Dict[int, str] = {}
         self._refs: Dict[int, weakref.ref] = {}
         self._interned: Dict[Tuple, Scope] = {}
         self._calls: Dict[Tuple[int, int], Tuple[Scope, weakref.ref]] = {}
-        self._keep = [root]
         self._index()
 
     @classmethod
@@ -45,11 +44,12 @@ class ScopeTable:
     def _index(self) -> None:
         """(Re)read the module names from the root: done again when a module turns up that the
         table has not seen, in case the model was changed since."""
-        if self._root is None:
+        root = self._root() if self._root is not None else None
+        if root is None:
             return
         self._names.clear()
         self._refs.clear()
-        for name, module in self._root.named_modules():
+        for name, module in root.named_modules():
             if id(module) not in self._names:
                 self._names[id(module)] = name
                 self._refs[id(module)] = weakref.ref(module)

@@ -9,14 +9,13 @@ balanced, stores the events, hands each one to the live narrator, and at the end
 from __future__ import annotations
 
 import traceback
-import warnings
 from typing import List, Optional
 
-from .errors import NarrationWarning, NonFiniteError
+from .errors import NonFiniteError, warn_safely
 from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
 from .narrator import Narrator
 from .options import Settings
-from .records import PartialTrace, Recording, Trace
+from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 from .stats import Meter
 
@@ -50,10 +49,12 @@ class Session:
     def record(self, event: Event) -> Event:
         if self._unwound:
             self._recover()
+        return self._append(event)
+
+    def _append(self, event: Event) -> Event:
         self.events.append(event)
-        narrator = self.narrator
-        if narrator is not None:
-            narrator.feed(event)
+        if self.narrator is not None:
+            self.narrator.feed(event)
         return event
 
     def add_input(self, label: str, metas, site=None, value=None) -> Event:
@@ -80,7 +81,7 @@ class Session:
         meter = self.meter
         if meter is not None and value is not None:
             live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
-            event.stats = meter.measure_output(value, live)
+            event.stats = meter.measure_output(value, live)  # never raises: "n/a" when it cannot
         self.record(event)
         if self.raise_on_nonfinite and event.stats is not None and event.stats.nonfinite:
             raise NonFiniteError(nonfinite_message(event))
@@ -125,9 +126,7 @@ class Session:
         self._record_exit(scope)
 
     def _record_exit(self, scope: Scope) -> None:
-        self.events.append(event := Event(EXIT, self.ordinal, scope.type_name, scope))
-        if self.narrator is not None:
-            self.narrator.feed(event)
+        self._append(Event(EXIT, self.ordinal, scope.type_name, scope))
         self.scope = scope.parent
 
     def _recover(self) -> None:
@@ -135,10 +134,7 @@ class Session:
         unwound, self._unwound = self._unwound, []
         self.failed_call = None
         for scope in unwound:
-            event = Event(EXIT, self.ordinal, scope.type_name, scope)
-            self.events.append(event)
-            if self.narrator is not None:
-                self.narrator.feed(event)
+            self._append(Event(EXIT, self.ordinal, scope.type_name, scope))
 
     def move_to(self, target: Scope) -> None:
         """Record the exits and enters that take the open module stack to `target`.
@@ -161,7 +157,7 @@ class Session:
             self.enter(scope)
         self.scope = target
 
-    def replay(self, events, ordinal: int, scope: Scope, narration_cache: dict) -> None:
+    def append_segment(self, events, ordinal: int, scope: Scope, narration_cache: dict) -> None:
         """Append a run of events recorded before in exactly this situation (same ordinal, same
         open module), leaving the session as recording them one by one would have."""
         if self._unwound:
@@ -200,23 +196,27 @@ class Session:
 
         Never raises: a problem here is reported as a warning and the user's exception goes on.
         """
-        self._settle_stats()
-        attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc)
-        error = error_summary(exc)
-        partial = PartialTrace(
-            events=self.events,
-            output=None,
-            settings=self.settings,
-            header=self.header,
-            footer_extra=[],
-            values=self.values,
-            attempt=attempt,
-            error=error,
-        )
-        if self.narrator is not None:
-            self.narrator.fail(self.events, attempt, error)
-        attach(exc, partial)
-        return partial
+        try:
+            self._settle_stats()
+            attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc)
+            error = error_summary(exc)
+            partial = PartialTrace(
+                events=self.events,
+                output=None,
+                settings=self.settings,
+                header=self.header,
+                footer_extra=[],
+                values=self.values,
+                attempt=attempt,
+                error=error,
+            )
+            if self.narrator is not None:
+                self.narrator.fail(self.events, attempt, error)
+            attach(exc, partial)
+            return partial
+        except Exception as inner:
+            internal_error("building the partial trace", inner)
+            return None
 
     def _settle_stats(self) -> None:
         """Read what statistics are still on the device, and summarise tracking in the footer."""
@@ -256,7 +256,10 @@ def _in_chain(target: BaseException, exc: BaseException) -> bool:
 
 
 def error_summary(exc: BaseException) -> str:
-    message = str(exc).strip().splitlines()
+    try:
+        message = str(exc).strip().splitlines()
+    except Exception:  # an exception whose message itself fails
+        message = ["<message could not be rendered>"]
     first = message[0] if message else ""
     if len(first) > 240:
         first = first[:237] + "..."
@@ -303,10 +306,11 @@ def nonfinite_message(event: Event) -> str:
 
 
 def internal_error(what: str, exc: BaseException) -> None:
-    """Report a failure inside torchlens without disturbing the user's run."""
-    warnings.warn(
+    """Report a failure inside torchlens without disturbing the user's run: a warning, which must
+    not itself become an exception (under `-W error` it would replace the user's own)."""
+    warn_safely(
         f"torchlens: {what} failed ({type(exc).__name__}: {exc}); narration is incomplete for this run",
-        NarrationWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
+
 

@@ -36,14 +36,16 @@ class FileSink(Sink):
         self.path = os.fspath(path)
         self._fd = None
 
-    def write(self, line: str) -> None:
+    def _open(self) -> int:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(self._fd, (line + "\n").encode("utf-8"))
+        return self._fd
+
+    def write(self, line: str) -> None:
+        os.write(self._fd if self._fd is not None else self._open(), (line + "\n").encode("utf-8"))
 
     def write_block(self, lines) -> None:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._open()
         data = "".join(line + "\n" for line in lines).encode("utf-8")
         while data:  # os.write may write less than asked for a large block
             data = data[os.write(self._fd, data):]
@@ -124,7 +126,12 @@ def open_sink(target) -> Sink:
 
 
 def is_sink_target(obj) -> bool:
-    """Whether `open_sink` knows what to do with `obj` (used to validate options)."""
+    """Whether `open_sink` knows what to do with `obj` (used to validate options). A selector is
+    callable but is not a sink: `NarrationOptions(select=...)` is where it goes."""
+    from .selectors import Selector
+
+    if isinstance(obj, Selector):
+        return False
     return (
         obj is None
         or obj is True

@@ -52,18 +52,18 @@ class Stats:
     found. Counts are None when not measured (a sample never measures them).
     """
 
-    __slots__ = ("kind", "numel", "min", "max", "mean", "sd", "nan", "posinf", "neginf", "sampled", "note",
-                 "shown", "part_of")
+    __slots__ = ("kind", "numel", "min", "max", "mean", "sd", "nan", "posinf", "neginf", "true", "sampled",
+                 "note", "shown")
 
     def __init__(self, kind: str, numel: int = 0, shown: bool = True, note: str = ""):
         self.kind = kind
         self.numel = numel
         self.min = self.max = self.mean = self.sd = None
         self.nan = self.posinf = self.neginf = None
+        self.true = None  # bool tensors: how many elements are True
         self.sampled = 0
         self.note = note
         self.shown = shown
-        self.part_of = None
 
     @property
     def nonfinite(self) -> bool:
@@ -85,7 +85,7 @@ class Stats:
         if kind == "counts":
             return self.counts_text()
         if kind == "bool":
-            return f"true={fmt(self.max)}/{self.numel}"
+            return f"true={self.true}/{self.numel if self.numel is not None else '?'}"
         if kind == "sampled":
             text = " ".join(f"{name}~={fmt(value)}" for name, value in self._values())
             text += f" sampled={self.sampled}/{self.numel}"
@@ -133,12 +133,36 @@ class StatsGroup:
 
 # -- what to compute ---------------------------------------------------------------------------
 
+_INTEGERS = {dtype for dtype in (getattr(torch, name, None) for name in (
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")) if dtype is not None}
+
+
+def measures(rung: str, tracking: bool) -> bool:
+    """Whether a run computes any statistics at all."""
+    return tracking or rung in ("sampled", "exact")
+
+
+def value_kind(dtype: torch.dtype) -> Optional[str]:
+    """"float" (every floating and complex dtype, half to float8), "int", "bool", or None for
+    dtypes whose values cannot be reduced (quantized, packed sub-byte types)."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype in _INTEGERS:
+        return "int"
+    if (dtype.is_floating_point or dtype.is_complex) and "_x" not in str(dtype):  # not a packed float4 pair
+        return "float"
+    return None
+
+
 def applicable(tensor: torch.Tensor) -> Optional[str]:
-    """Why statistics cannot be computed for this tensor (meta, empty, sparse), or None."""
+    """Why statistics cannot be computed for this tensor (meta, empty, sparse, an unsupported
+    dtype), or None when they can."""
     if tensor.device.type == "meta":
         return "meta"
     if tensor.layout != torch.strided:
         return str(tensor.layout).replace("torch.", "")
+    if value_kind(tensor.dtype) is None:
+        return str(tensor.dtype).replace("torch.", "")
     if tensor.numel() == 0:
         return "empty"
     return None
@@ -257,7 +281,7 @@ class Meter:
 
     @property
     def active(self) -> bool:
-        return self.tracking or self.rung in ("sampled", "exact")
+        return measures(self.rung, self.tracking)
 
     def measure_output(self, out, live: bool):
         """Stats of an op's output (a tensor, or a StatsGroup for several)."""
@@ -266,23 +290,29 @@ class Meter:
         return StatsGroup([self.measure(t, live) for t in out if isinstance(t, torch.Tensor)])
 
     def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
+        """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
+        try:
+            return self._measure(tensor, live)
+        except Exception as exc:
+            return Stats("na", tensor.numel(), self.rung != "off", note=f"{type(exc).__name__} measuring {tensor.dtype}")
+
+    def _measure(self, tensor: torch.Tensor, live: bool) -> Stats:
         shown = self.rung != "off"
         reason = applicable(tensor)
         if reason is not None:
             return Stats("na", tensor.numel(), shown, note=reason)
         numel = tensor.numel()
         measuring = self.rung in ("exact", "sampled")
-        if tensor.dtype == torch.bool:
-            if not measuring:
-                return Stats("na", numel, False, note="bool")
-            return self._start(Stats("bool", numel, shown), tensor.count_nonzero().to(torch.float64)[None], "bool", live)
-        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
-            if not measuring:
-                return Stats("na", numel, False, note=str(tensor.dtype))
-            vector = finite_vector(tensor.double(), torch.float64, tensor.dim())
+        kind = value_kind(tensor.dtype)
+        dtype = vector_dtype(tensor.device)
+        if kind != "float" and not measuring:  # tracking only: integers and bools are always finite
+            return Stats("na", numel, False, note=kind)
+        if kind == "bool":
+            return self._start(Stats("bool", numel, shown), tensor.count_nonzero().to(dtype)[None], "bool", live)
+        if kind == "int":
+            vector = finite_vector(tensor.to(dtype), dtype, tensor.dim())
             return self._start(Stats("exact", numel, shown), vector, "int", live)
         f = as_float(tensor, tensor.dtype)
-        dtype = vector_dtype(f.device)
         if self.rung == "sampled":
             return self._sampled(f, numel, shown, live)
         if self.rung == "exact":
@@ -356,7 +386,7 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
     (a `finite_vector` / `cheap_vector` of the sample, then the tensor's counts when tracking).
     """
     if layout == "bool":
-        stats.max = int(values[0])
+        stats.true = int(values[0])
         return
     if layout == "counts":
         stats.nan, stats.posinf, stats.neginf = (int(v) for v in values)
@@ -378,7 +408,8 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
     stats.min, stats.max, stats.mean, stats.sd = moments(values)
     counts = [int(v) for v in values[6:9]]
     if layout == "int":
-        stats.min, stats.max = int(stats.min), int(stats.max)  # integers are always finite: no counts
+        if stats.min is not None:  # integers are always finite: no counts
+            stats.min, stats.max = int(stats.min), int(stats.max)
     elif layout == "finite":
         stats.nan, stats.posinf, stats.neginf = counts
     elif layout == "sampled":

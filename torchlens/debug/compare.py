@@ -38,7 +38,7 @@ import torch
 from ..errors import CompareInputError, OptionTypeError, OptionValueError
 from ..events import Event
 from ..grammar import dtype_name, shape_text
-from ..records import PartialTrace, Recording, Trace
+from ..results import PartialTrace, Recording, Trace
 
 # (rtol, atol) per dtype, used where compare() is not given rtol= / atol=. They are looser than
 # torch.testing's single-op defaults because a trace compares values after many ops, and rounding

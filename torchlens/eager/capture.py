@@ -29,6 +29,7 @@ from ..naming import op_name
 from ..scopes import ScopeTable
 
 _Tensor = torch.Tensor
+_Size = torch.Size
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -64,7 +65,7 @@ class CaptureMode(TorchFunctionMode):
             capture.op_raised(func, args, kwargs, exc)
             raise
         kind = type(out)
-        if kind is _Tensor or kind is tuple or kind is list or isinstance(out, _Tensor):
+        if kind is _Tensor or (kind is not _Size and isinstance(out, (tuple, list, _Tensor))):
             capture.op_done(func, out)  # sizes, dtypes, bools: not ops, and frequent
         return out
 
@@ -76,7 +77,7 @@ def output_metas(out):
     """TensorMeta of each tensor an op returned, or None when it returned no tensor."""
     if type(out) is _Tensor or isinstance(out, _Tensor):
         return (_meta(out),)
-    if type(out) is tuple or type(out) is list:
+    if isinstance(out, (tuple, list)):  # named tuples too: torch.max(x, dim) gives values and indices
         metas = tuple(_meta(t) for t in out if isinstance(t, _Tensor))
         return metas or None
     return None
@@ -93,50 +94,35 @@ def input_metas(args, kwargs):
     return tuple(metas)
 
 
-class EagerCapture:
-    """Installs the mode and module hooks for one forward and reports to its `Session`."""
+class OpReporter:
+    """What `CaptureMode` reports each torch call to: records it as an op in the session.
 
-    def __init__(self, session: Session, scopes: ScopeTable, observers=()):
+    Subclasses decide which module an op belongs to: eager capture knows it from module hooks
+    (the session's current scope), the compiled path's gap capture reads it from the stack.
+    """
+
+    def __init__(self, session: Session, observers=()):
         self.session = session
-        self.scopes = scopes
         self.sites = session.settings.sites
-        self.observers = tuple(observers)  # called as observer(event, tensors) after each op
+        self.observers = tuple(observers)  # called as observer(event, output) after each op
         self.paused = False
-        self.thread = _get_ident()
-        self._mode = CaptureMode(self)
-        self._handles = []
-        self._active = False
+        self.ops = 0
 
-    # -- lifecycle ------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._handles = [
-            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
-            torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
-        ]
-        self._mode.__enter__()
-        self._active = True
-
-    def stop(self) -> None:
-        """Remove the hooks and the mode. Safe to call twice, and after a failed start."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._active:
-            self._active = False
-            remove_mode(self._mode)
-
-    # -- what the mode reports ------------------------------------------------------------------
+    def locate(self, frame) -> None:
+        """Bring the session's open module to the one the call at `frame` runs in."""
 
     def op_done(self, func, out) -> None:
         metas = output_metas(out)
         if metas is None:
             return
         try:
-            site = find_user_site(sys._getframe(2)) if self.sites else None
+            frame = sys._getframe(2)  # 0: here, 1: the mode, 2: the code that called the op
+            self.locate(frame)
+            site = find_user_site(frame) if self.sites else None
             event = self.session.add_op(op_name(func), metas, site, None, out)
             for observe in self.observers:
                 observe(event, out)
+            self.ops += 1
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise  # a deliberate stop (on_nonfinite="raise", a trace budget): the run ends here
@@ -145,36 +131,68 @@ class EagerCapture:
 
     def op_raised(self, func, args, kwargs, exc) -> None:
         try:
-            site = find_user_site(sys._getframe(2))  # a failure is rare: always worth its site
+            frame = sys._getframe(2)
+            self.locate(frame)
+            site = find_user_site(frame)  # a failure is rare: always worth its site
             self.session.op_failed(op_name(func), input_metas(args, kwargs), site, exc)
         except Exception as inner:
             internal_error("describing the failed op", inner)
+
+
+class EagerCapture(OpReporter):
+    """Installs the mode and module hooks for one forward and reports to its `Session`."""
+
+    def __init__(self, session: Session, scopes: ScopeTable, observers=()):
+        super().__init__(session, observers)
+        self.scopes = scopes
+        self.thread = _get_ident()
+        self._mode = CaptureMode(self)
+        self._handles = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        keep_out_of_dynamo()
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Remove the hooks and the mode. Safe to call twice, and after a start cut short."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        remove_mode(self._mode)  # a no-op when the mode is not on the stack
 
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
         if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
+        self.paused = True  # a sink may call torch: that is not the model's op
         try:
             session = self.session
             scope = self.scopes.module_scope(module, session.scope)
             if scope.parent is not None:  # the root's own call is the whole pass, not a module line
                 session.enter(scope)
+            self.paused = False
         except Exception as exc:
-            self.paused = True
             internal_error("recording a module enter", exc)
         return None
 
     def _post_hook(self, module, args, output):
         if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
+        self.paused = True
         try:
             session = self.session
             scope = session.open_scope(self.scopes.path_of(module))
             if scope is not None:
-                session.exit(scope, output is None and unwinding())
+                session.exit(scope, unwinding())
+            self.paused = False
         except Exception as exc:
-            self.paused = True
             internal_error("recording a module exit", exc)
         return None
 
@@ -215,4 +233,13 @@ def exclude_from_dynamo(*functions) -> None:
                 skip(fn.__code__)
 
 
-exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)
+_excluded = False
+
+
+def keep_out_of_dynamo() -> None:
+    """Exclude the capture's entry points from dynamo, once dynamo is loaded (it cannot compile
+    anything before; importing it just for this would cost eager users a second)."""
+    global _excluded
+    if not _excluded and "torch._dynamo" in sys.modules:
+        _excluded = True
+        exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)

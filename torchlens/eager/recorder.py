@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import List, Optional
+import collections
+from typing import Deque, Optional
 
 from torch import nn
 
 from ..narrator import Narrator
-from ..records import Recording
+from ..results import Recording
+from ..errors import OptionValueError, RecorderStateError
 from ..options import Settings, make_settings
 from ..session import internal_error
 from .capture import unwinding
-from .runner import EagerPass
+from .runner import EagerRun
 from .structure import check_model, check_selection
 
 
@@ -31,23 +33,29 @@ class Recorder:
             model(y)
         rec.recordings[1].narrate(last=10)
 
-    `recordings` holds one `Recording` per pass (a `PartialTrace` for a pass that failed).
+    `recordings` holds one `Recording` per pass (a `PartialTrace` for a pass that failed), each with
+    its forward's output: over a long loop pass `keep=N` to keep only the last N (the pass numbers
+    go on counting).
     """
 
-    def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None):
+    def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
+                 keep: Optional[int] = None):
         check_model(model, "Recorder")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise OptionValueError(f"Recorder(keep=...) takes a number of passes >= 1, or None for all; got {keep!r}")
         self.model = model
         self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite)
         check_selection(self.settings, [name for name, _ in model.named_modules()])
-        self.recordings: List[Recording] = []
+        self.recordings: Deque[Recording] = collections.deque(maxlen=keep)
+        self.passes = 0
         self._narrator: Optional[Narrator] = None
         self._handles = []
-        self._run: Optional[EagerPass] = None
+        self._run: Optional[EagerRun] = None
         self._thread = None
 
     def __enter__(self) -> "Recorder":
         if self._handles:
-            raise RuntimeError("this Recorder is already active; a Recorder can be entered once at a time")
+            raise RecorderStateError("this Recorder is already active: leave its `with` block before entering it again")
         if self.settings.narration is not None:
             self._narrator = Narrator(self.settings.narration)
         self._thread = threading.get_ident()
@@ -65,7 +73,9 @@ class Recorder:
         if run is not None:  # a pass cut short by something forward hooks do not see (KeyboardInterrupt)
             try:
                 if exc is not None:
-                    self.recordings.append(run.abort(exc))
+                    self._keep(run.abort(exc))
+            except Exception as inner:
+                internal_error("ending an interrupted pass", inner)
             finally:
                 run.close()
         if self._narrator is not None:
@@ -73,16 +83,16 @@ class Recorder:
             self._narrator = None
         return False
 
-    @property
-    def passes(self) -> int:
-        return len(self.recordings)
+    def _keep(self, recording) -> None:
+        if recording is not None:
+            self.recordings.append(recording)
 
     def _begin(self, module, args, kwargs):
         if self._run is not None or threading.get_ident() != self._thread:
             return None  # a nested call of the model inside its own forward is part of the pass
         try:
-            number = len(self.recordings) + 1
-            self._run = EagerPass(self.model, self.settings, self._narrator, header=f"pass {number}")
+            self.passes += 1
+            self._run = EagerRun(self.model, self.settings, self._narrator, header=f"pass {self.passes}")
             self._run.begin(args, kwargs)
         except Exception as exc:
             if self._run is not None:
@@ -99,10 +109,7 @@ class Recorder:
             return None
         self._run = None
         try:
-            if output is None and unwinding():
-                self.recordings.append(run.abort(sys.exc_info()[1]))
-            else:
-                self.recordings.append(run.end(output))
+            self._keep(run.abort(sys.exc_info()[1]) if unwinding() else run.end(output))
         except Exception as exc:
             internal_error("ending a pass", exc)
         finally:

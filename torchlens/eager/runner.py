@@ -9,19 +9,19 @@ from torch import nn
 
 from ..events import TensorMeta
 from ..narrator import Narrator
-from ..records import Recording
+from ..results import Recording
 from ..options import Settings
-from ..session import Session
+from ..session import Session, internal_error
 from ..stats import Meter
 from .capture import EagerCapture
 from ..scopes import ScopeTable
 from .structure import check_selection, named_inputs, named_outputs
-from .values import ValueKeeper
+from ..values import ValueKeeper
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-class EagerPass:
+class EagerRun:
     """Session + capture for one forward: `begin(args, kwargs)`, then `end(output)` or `abort(exc)`.
 
     `close()` always runs afterwards (it is idempotent) and leaves no hook or mode behind.
@@ -43,17 +43,28 @@ class EagerPass:
         self.capture = EagerCapture(self.session, self.scopes, observers)
 
     def begin(self, args: tuple, kwargs: dict) -> None:
-        for label, tensor in named_inputs(self.model, args, kwargs):
-            event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
-            for observe in self.observers:
-                observe(event, tensor)
+        try:
+            for label, tensor in named_inputs(self.model, args, kwargs):
+                event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
+                for observe in self.observers:
+                    observe(event, tensor)
+        except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise  # a trace budget exceeded by the inputs alone
+            internal_error("recording the forward's inputs", exc)
         self.capture.start()
 
     def end(self, output) -> Recording:
+        """The recording of the forward that returned `output`. A failure of torchlens here must not
+        turn the user's successful forward into an error: it is reported and a bare recording kept."""
         self.capture.stop()
-        for label, tensor in named_outputs(output):
-            self.session.add_output(label, (TensorMeta.of(tensor),))
-        return self.session.finish(output)
+        try:
+            for label, tensor in named_outputs(output):
+                self.session.add_output(label, (TensorMeta.of(tensor),))
+            return self.session.finish(output)
+        except Exception as exc:
+            internal_error("finishing the recording", exc)
+            return Recording(self.session.events, output, self.session.settings)
 
     def abort(self, exc: BaseException):
         self.capture.stop()
@@ -69,7 +80,7 @@ def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings, h
     """Run `model(*args, **kwargs)` once under capture and return its recording."""
     narrator = Narrator(settings.narration) if settings.narration is not None else None
     try:
-        run = EagerPass(model, settings, narrator, header)
+        run = EagerRun(model, settings, narrator, header)
         try:
             run.begin(args, kwargs)
             output = model(*args, **kwargs)

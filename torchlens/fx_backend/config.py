@@ -35,9 +35,9 @@ class CompileConfig:
 def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",
                 stats_on="ops", keep_values=False, keep_on_cpu=False, max_bytes=None) -> CompileConfig:
     if not isinstance(live, bool):
-        raise OptionTypeError(f"live= takes True or False, got {live!r}")
+        raise OptionTypeError(f"compiled option live= takes True or False, got {live!r}")
     if stats_on not in STATS_ON:
-        raise OptionValueError(f"stats_on={stats_on!r}: accepted are {describe_choices(STATS_ON)}")
+        raise OptionValueError(f"compiled option stats_on={stats_on!r}: accepted are {describe_choices(STATS_ON)}")
     check_compiler(compiler)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=keep_values,
                              keep_on_cpu=keep_on_cpu, max_bytes=max_bytes)

@@ -59,12 +59,18 @@ def end_call_with(frame, cleanup: Callable[[], None]) -> bool:
     return True
 
 
-def result_of_call():
-    """Called from a cleanup: the value the wrapper call is returning (None if it failed)."""
+def call_outcome():
+    """Called from a cleanup: (whether the wrapper call succeeded, the value it returns).
+
+    Read from the wrapper's own locals, not from `sys.exc_info()`: a cleanup runs in a `finally`,
+    where `exc_info` also reports an exception the *caller* is handling (a compiled model called
+    inside an `except` block). Without the frame: judged by `exc_info` after all.
+    """
     frame = find_call_frame()
-    if frame is None or not frame.f_locals.get("call_succeeded", False):
-        return None
-    return frame.f_locals.get("result")
+    if frame is None:
+        return sys.exc_info()[1] is None, None
+    succeeded = bool(frame.f_locals.get("call_succeeded", False))
+    return succeeded, frame.f_locals.get("result") if succeeded else None
 
 
 def context_of_compiled(compiled) -> Optional[Any]:

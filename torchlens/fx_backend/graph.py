@@ -4,6 +4,10 @@
   ops are recorded and narrated in one go. Outputs are exactly the inner compiler's.
 - live: the graph runs op by op (eagerly) with a narration node after each op, so every line is in
   the sink as soon as its op completes — what survives a hard crash inside compiled code.
+
+Nothing here may break the user's model: if planning or instrumenting a graph fails, the graph is
+compiled as dynamo captured it and runs without narration (with one warning); if narrating a call
+fails, the call's result is returned all the same.
 """
 
 from __future__ import annotations
@@ -14,29 +18,27 @@ from typing import Callable, Optional
 from torch import fx
 
 from ..session import internal_error
+from ..stats import measures
 from .config import inner_compile
+from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
-from .stats_pass import add_stats_output, module_outputs, wants_stats
-from .values_pass import add_value_outputs, split_values
 from .runtime import CompiledRun, CompiledRuntime, active_run
+from .stats_pass import add_stats_output, module_outputs
+from .values_pass import add_value_outputs, split_values
 
 
 class CompiledGraph:
     """Callable dynamo runs in place of one captured graph."""
 
-    def __init__(self, runtime: CompiledRuntime, plan: GraphPlan, fn: Callable, live: bool,
-                 replay_copy: fx.GraphModule):
+    def __init__(self, runtime: CompiledRuntime, plan: GraphPlan, live: bool, replay_copy: fx.GraphModule):
         self.runtime = runtime
         self.plan = plan
-        self.fn = fn
+        self.fn: Callable = None  # type: ignore[assignment]  # set once the graph is compiled
         self.live = live
         self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
         self.slots = None  # with statistics: what the graph's extra output holds, per plan op
         self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
-        self._live_run: Optional[CompiledRun] = None
-        self._live_shapes = None
-        self._live_frame = None
 
     def __call__(self, *args):
         run = active_run()
@@ -45,25 +47,35 @@ class CompiledGraph:
         return self._call(run, args, sys._getframe(1))
 
     def _call(self, run: CompiledRun, args, caller):
-        run.graph_calls += 1
-        frame_scope = run.frame_scope(self.plan, caller)
-        if self.live:
-            self._start_live(run, args, frame_scope)
+        prepared = self._prepare(run, args, caller)
         with run.graph_running():  # the capture of code between graphs steps aside for all of this
             try:
                 out = self.fn(*args)
             except Exception as exc:
-                run.graph_failed(self, args, frame_scope, exc)
+                if prepared is not None:
+                    graph_failed(run, self, args, prepared, exc)
                 raise
             out, vector, kept = self._split_outputs(out)
-            if not self.live:
+            if prepared is not None and not self.live:
                 try:
-                    run.add_plan(self.plan, args, frame_scope, vector, self.slots, kept)
+                    run.add_plan(self.plan, args, prepared, vector, self.slots, kept)
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
                     internal_error("narrating a compiled graph", exc)
         return out
+
+    def _prepare(self, run: CompiledRun, args, caller):
+        """The module this call runs in (None if it cannot be told: the call is then not narrated)."""
+        try:
+            run.graph_calls += 1
+            scope = run.scope_of_call(self.plan, caller)
+            if self.live:
+                run.start_live(self, args, scope)
+            return scope
+        except Exception as exc:
+            internal_error("preparing to narrate a compiled graph", exc)
+            return None
 
     def _split_outputs(self, out):
         """The graph's own outputs, its statistics vector and its kept values (per plan op)."""
@@ -85,27 +97,20 @@ class CompiledGraph:
             out = self._call(run, args, sys._getframe(2))
         except BaseException as exc:
             run.fail(exc)
-            run.close()
             raise
-        run.finish(None)
-        run.close()
+        else:
+            run.finish(None)
+        finally:
+            run.close()
         return out
-
-    # -- live mode ------------------------------------------------------------------------------
-
-    def _start_live(self, run: CompiledRun, args, frame_scope) -> None:
-        self._live_run = run
-        plan = self.plan
-        self._live_shapes = plan.resolver.resolve(args) if plan.resolver is not None else None
-        self._live_frame = frame_scope
 
     def emit(self, index: int, value) -> None:
         """Called by the graph right after its `index`-th op completed, with its output (live mode)."""
-        run = self._live_run
+        run = active_run()
         if run is None:
             return
         try:
-            run.add_plan_ops(self.plan, self._live_frame, self._live_shapes, index, index + 1, values=[value])
+            run.emit_live(self, index, value)
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise
@@ -123,21 +128,38 @@ def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int, ob
     return gm
 
 
-def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, mode: Optional[str] = None) -> CompiledGraph:
-    """The backend's work for one graph: plan it, compile it, wrap it."""
-    # The frame being compiled is called by frames still on the stack: their modules are its scope.
-    plan = build_plan(gm, runtime.scopes, runtime.scopes.scope_of_stack(sys._getframe(1)))
-    config = runtime.config
+def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, mode: Optional[str] = None):
+    """The backend's work for one graph: plan it, instrument it, compile it, wrap it.
+
+    Errors of the compiler underneath are the user's and propagate; errors of torchlens's own
+    planning fall back to compiling the untouched graph without narration.
+    """
+    pristine = untouched_copy(gm)
+    try:
+        # The frame being compiled is called by frames still on the stack: their modules are its scope.
+        plan = build_plan(gm, runtime.scopes, runtime.scopes.scope_of_stack(sys._getframe(1)))
+        graph = CompiledGraph(runtime, plan, runtime.config.live, replay_copy=pristine)
+        target = _instrument(runtime, graph, gm)
+    except Exception as exc:
+        internal_error("planning a compiled graph (it runs without narration)", exc)
+        return inner_compile(runtime.config.compiler, untouched_copy(pristine), example_inputs, mode)
+    if graph.live:
+        graph.fn = target
+    else:
+        graph.fn = inner_compile(runtime.config.compiler, target, example_inputs, mode)
+    return graph
+
+
+def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModule):
+    """Add what the options ask for to `gm`: narration calls (live), kept values, statistics."""
+    config, plan = runtime.config, graph.plan
     settings = config.settings
-    graph = CompiledGraph(runtime, plan, fn=None, live=config.live, replay_copy=untouched_copy(gm))  # type: ignore[arg-type]
-    if config.live:
-        graph.fn = instrument_live(gm, plan, graph.emit).forward
-        return graph
+    if graph.live:
+        return instrument_live(gm, plan, graph.emit).forward
     if settings.keep_values:
         graph.kept_counts = add_value_outputs(gm, plan)
     tracking = settings.on_nonfinite is not None
-    if wants_stats(settings.value_stats, tracking):
+    if measures(settings.value_stats, tracking):
         only = module_outputs(plan) if config.stats_on == "module_outputs" else None
         graph.slots = add_stats_output(gm, plan, settings.value_stats, tracking, only)
-    graph.fn = inner_compile(config.compiler, gm, example_inputs, mode)
-    return graph
+    return gm

@@ -59,7 +59,7 @@ class Segment:
 class GraphPlan:
     """The ops of one graph, plus how to resolve their modules and concrete sizes per call.
 
-    `frame_scope` is the module whose frame was compiled when that is the root (always the same
+    `fixed_scope` is the module whose frame was compiled when that is the root (always the same
     module); otherwise it is None and the module is read from the caller at each call, since
     dynamo may reuse the graph for another instance of the same module class.
     """
@@ -70,7 +70,7 @@ class GraphPlan:
         self.ops = ops
         self.resolver = resolver
         self.compiled_in = compiled_in  # the module whose frame was compiled (at compile time)
-        self.frame_scope = compiled_in if compiled_in.parent is None else None
+        self.fixed_scope = compiled_in if compiled_in.parent is None else None
         self.by_node = {op.node: op for op in ops}
         dynamic = [op.index for op in ops if op.exprs is not None]
         self.dynamic_position = {index: position for position, index in enumerate(dynamic)}
@@ -89,8 +89,6 @@ class GraphPlan:
             self.segments.clear()
         self.segments[key] = Segment(events, ordinal, scope)
 
-    def __len__(self) -> int:
-        return len(self.ops)
 
 
 def _tensors(value):

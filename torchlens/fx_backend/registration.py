@@ -12,17 +12,19 @@ from typing import Optional
 
 import torch
 
-from . import dynamo_seams
-from .config import CompileConfig, config_from_options
-from .graph import compile_graph
-from .runtime import CompiledRuntime, module_of
-
 NAME = "torchlens"
 _RUNTIME_ATTR = "_torchlens_runtime"
+
+# The compiled path imports dynamo and inductor (seconds): this module imports them only when a
+# backend is actually used, so that `import torchlens` stays cheap for eager use.
 
 
 def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
     """The dynamo backend: narrate the graph, then compile it with the inner compiler."""
+    from . import dynamo_seams
+    from .config import config_from_options
+    from .graph import compile_graph
+
     frame = dynamo_seams.find_call_frame()
     ctx = dynamo_seams.context_of_frame(frame)
     runtime = getattr(ctx, _RUNTIME_ATTR, None)
@@ -31,8 +33,11 @@ def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optiona
     return compile_graph(runtime, gm, example_inputs, mode)
 
 
-def runtime_for(ctx, frame, config: CompileConfig) -> CompiledRuntime:
+def runtime_for(ctx, frame, config):
     """Create the runtime of a compiled model the first time the backend sees it."""
+    from . import dynamo_seams
+    from .runtime import CompiledRuntime, module_of
+
     fn = dynamo_seams.call_of_frame(frame)[0] if frame is not None else None
     runtime = CompiledRuntime(config, module_of(fn))
     if ctx is not None and dynamo_seams.add_enter_hook(ctx, runtime.enter):
@@ -44,17 +49,19 @@ def runtime_for(ctx, frame, config: CompileConfig) -> CompiledRuntime:
 class Backend:
     """The backend object `tl.compile` hands to `torch.compile`, bound to one runtime."""
 
-    def __init__(self, runtime: CompiledRuntime):
+    def __init__(self, runtime):
         self.runtime = runtime
 
     def __call__(self, gm, example_inputs, *, mode: Optional[str] = None, options=None):
-        if options:
-            raise TypeError("tl.compile takes torchlens options as keywords, not options=")
-        return compile_graph(self.runtime, gm, example_inputs, mode)
+        from .graph import compile_graph
+
+        return compile_graph(self.runtime, gm, example_inputs, mode)  # options= is refused up front
 
 
-def install(compiled, runtime: CompiledRuntime) -> None:
+def install(compiled, runtime) -> None:
     """Hook a runtime to what `torch.compile` returned, before its first call."""
+    from . import dynamo_seams
+
     ctx = dynamo_seams.context_of_compiled(compiled)
     if ctx is None or not dynamo_seams.add_enter_hook(ctx, runtime.enter):
         return  # graphs still narrate, each call of a graph as a forward of its own

@@ -17,9 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import fx
 
-from ..events import Scope, TensorMeta
-from ..sites import site_from_stack_trace
-from .plan import node_op_name
+from ..events import TensorMeta
 
 _RANDOM_OPS = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal", "dropout", "uniform")
 
@@ -68,7 +66,8 @@ def locate_failure(gm: fx.GraphModule, args) -> Located:
     """Replay `gm` on `args`; return the node that raises (None if the replay does not fail)."""
     caveats = replay_caveats(gm)
     locator = _Locator(gm)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):  # the user's generators are untouched
         try:
             locator.run(*args)
         except Exception:
@@ -78,11 +77,54 @@ def locate_failure(gm: fx.GraphModule, args) -> Located:
     return Located(None, (), caveats + ["the replay ran without error, so the failing op is unknown"])
 
 
+def why_not_replay(gm: fx.GraphModule, exc: BaseException) -> Optional[str]:
+    """A reason not to replay this failure, or None when a replay is safe.
+
+    A replay runs the graph again: not after the device faulted (it would fail anywhere) or ran out
+    of memory (it would likely run out again), and not when the graph changes its own inputs in
+    place (batch-norm statistics in training, a cache), which a replay would change a second time.
+    """
+    text = str(exc)
+    if "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text:
+        return "the device reported the error and cannot run a replay"
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in text:
+        return "the graph ran out of memory; a replay would likely run out again"
+    if mutates_inputs(gm):
+        return "the graph changes its inputs in place, which a replay would do a second time"
+    return None
+
+
+def mutates_inputs(gm: fx.GraphModule) -> bool:
+    """Whether an in-place op of the graph writes into one of its inputs (or a view of one)."""
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and _is_in_place(_target_name(node)) and node.args:
+            target = node.args[0]
+            while isinstance(target, fx.Node) and target.op != "placeholder" and target.args:
+                if not _is_view(_target_name(target)):
+                    break
+                target = target.args[0]
+            if isinstance(target, fx.Node) and target.op == "placeholder":
+                return True
+    return False
+
+
+_VIEWS = ("view", "reshape", "transpose", "permute", "expand", "squeeze", "unsqueeze", "getitem", "narrow",
+          "select", "as_strided", "t", "flatten", "unflatten", "detach", "contiguous")
+
+
+def _is_view(name: str) -> bool:
+    return name in _VIEWS
+
+
+def _is_in_place(name: str) -> bool:
+    return (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "copy_") or name.startswith("__i")
+
+
 def replay_caveats(gm: fx.GraphModule) -> List[str]:
     """What may make a replay differ from the failed call, read from the graph."""
     caveats = []
     names = [_target_name(node) for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
-    if any(name.endswith("_") and not name.endswith("__") or name in ("setitem", "copy_") for name in names):
+    if any(_is_in_place(name) for name in names):
         caveats.append("the graph mutates tensors in place; the replay saw them after any mutation the failed call made")
     if any(name.startswith(_RANDOM_OPS) for name in names):
         caveats.append("the graph draws random numbers; the replay drew its own")
@@ -92,38 +134,3 @@ def replay_caveats(gm: fx.GraphModule) -> List[str]:
 def _target_name(node: fx.Node) -> str:
     target = node.target
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
-
-
-_NOT_LOCATED = "<compiled graph>"
-
-
-def locate_in_graph(graph, args, frame_scope: Scope, run, exc: BaseException):
-    """The attempted op of a failed graph call, for the session.
-
-    Returns (ops of the plan that completed before it, op name, scope, site, input metas, notes).
-    """
-    arg_metas = tuple(TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor))
-    if _device_fault(exc):
-        note = "the device reported the error: a replay cannot run on a faulted device, so the op inside the graph is not located"
-        return None, _NOT_LOCATED, frame_scope, None, arg_metas, [note]
-    located = locate_failure(graph.replay_copy, args)  # the caller keeps the gap capture out of this
-    notes = ["located by replaying the compiled graph op by op"] + [f"replay caveat: {c}" for c in located.caveats]
-    if located.node is None:
-        return None, _NOT_LOCATED, frame_scope, None, arg_metas, notes
-    node, plan = located.node, graph.plan
-    order = {n.name: i for i, n in enumerate(graph.replay_copy.graph.nodes)}
-    position = order.get(node.name, 0)
-    completed = sum(1 for op in plan.ops if order.get(op.node, -1) < position)
-    table = run.runtime.scopes
-    plan_op = plan.by_node.get(node.name)
-    if plan_op is not None:
-        return completed, plan_op.op, plan.op_scopes(table, frame_scope)[plan_op.index], plan_op.site, located.inputs, notes
-    modules = table.relative_stack(node.meta.get("nn_module_stack"), plan.compiled_in.path)
-    scope = table.resolve(frame_scope, modules)
-    site = site_from_stack_trace(node.meta.get("stack_trace"))
-    return completed, node_op_name(node, graph.replay_copy), scope, site, located.inputs, notes
-
-
-def _device_fault(exc: BaseException) -> bool:
-    text = str(exc)
-    return "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text

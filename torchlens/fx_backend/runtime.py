@@ -9,7 +9,6 @@ by one ordinal sequence, then the outputs and the footer (or, on failure, the pa
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import sys
 import threading
@@ -18,69 +17,80 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..eager.capture import CaptureMode, remove_mode
-from ..eager.runner import run_eager
-from ..eager.values import ValueKeeper
-from ..eager.structure import named_arguments, named_outputs
+from ..eager.capture import CaptureMode, keep_out_of_dynamo, remove_mode
+from ..eager.structure import check_selection, named_arguments, named_outputs
 from ..events import Scope, TensorMeta
 from ..grammar import plural
 from ..narrator import Narrator
-from ..options import make_settings
-from ..records import Recording
+from ..results import Recording
+from ..scopes import ScopeTable
 from ..session import Session, internal_error
 from ..stats import Meter
+from ..values import ValueKeeper
 from . import dynamo_seams
 from .config import CompileConfig
+from .failures import locate_by_running_eagerly
 from .gaps import GapCapture
-from ..scopes import ScopeTable
 from .plan import GraphPlan
-from .replay import locate_in_graph
 from .stats_pass import read_stats
 
 _local = threading.local()
+keep_out_of_dynamo()  # the compiled path is dynamo: it is loaded by now
 
 
 def active_run() -> Optional["CompiledRun"]:
     return getattr(_local, "run", None)
 
 
-class CompiledRuntime:
-    """Options, module names and history shared by every forward of one compiled model.
+@contextlib.contextmanager
+def quiet_runs():
+    """No run is active inside the block (its compiled calls narrate nothing into the outer run)."""
+    saved, _local.run = active_run(), None
+    try:
+        yield
+    finally:
+        _local.run = saved
 
-    `last_recording` is the most recent forward's `Recording`; `recordings` keeps the last few.
+
+class CompiledRuntime:
+    """Options, module names and forward count shared by every forward of one compiled model.
+
+    `last_recording` is the most recent forward's `Recording` (only the last is kept: its output
+    and any kept values stay alive as long as it does).
     """
 
-    def __init__(self, config: CompileConfig, root: Optional[nn.Module] = None, keep: int = 8):
+    def __init__(self, config: CompileConfig, root: Optional[nn.Module] = None):
         self.config = config
-        self.root = root
         self.scopes = ScopeTable(root)
+        if root is not None:
+            check_selection(config.settings, self.scopes.paths)
         self.passes = 0
-        self.recordings = collections.deque(maxlen=keep)
-
-    @property
-    def last_recording(self) -> Optional[Recording]:
-        return self.recordings[-1] if self.recordings else None
+        self.last_recording: Optional[Recording] = None
+        self.last_graph_calls = 0
 
     # -- forward boundaries ---------------------------------------------------------------------
 
     def enter(self) -> Callable[[], None]:
         """Dynamo's enter hook: begin a run for this call; return the cleanup that ends it."""
-        frame = dynamo_seams.find_call_frame()
-        current = active_run()
-        if current is not None and current.abandon_on_next_begin:
-            current.finish(None)  # a first call whose end could not be hooked: close it now
-            current.close()
-            current = None
-        if frame is None or current is not None:
-            return _nothing  # a compiled callable called inside a forward already being narrated
-        fn, args, kwargs = dynamo_seams.call_of_frame(frame)
-        run = self.begin(fn, args, kwargs, push_mode=True)
-        return run.cleanup if run is not None else _nothing
+        try:
+            frame = dynamo_seams.find_call_frame()
+            current = active_run()
+            if current is not None and not current.in_progress():
+                current.abandon()  # its call ended without its cleanup (a first call, or dynamo raised)
+                current = None
+            if frame is None or current is not None:
+                return _nothing  # a compiled callable called inside a forward already being narrated
+            fn, args, kwargs = dynamo_seams.call_of_frame(frame)
+            run = self.begin(fn, args, kwargs, push_mode=True, call_frame=frame)
+            return run.cleanup if run is not None else _nothing
+        except Exception as exc:
+            internal_error("starting a compiled forward", exc)
+            return _nothing
 
-    def begin(self, fn, args, kwargs, push_mode: bool) -> Optional["CompiledRun"]:
+    def begin(self, fn, args, kwargs, push_mode: bool, call_frame=None) -> Optional["CompiledRun"]:
         try:
             self.passes += 1
-            run = CompiledRun(self, header=f"pass {self.passes}")
+            run = CompiledRun(self, header=f"pass {self.passes}", call_frame=call_frame)
             run.begin(fn, args, kwargs, push_mode)
             return run
         except Exception as exc:
@@ -96,15 +106,16 @@ class CompiledRuntime:
         if active_run() is not None:
             return
         fn, args, kwargs = dynamo_seams.call_of_frame(frame)
-        run = self.begin(fn, args, kwargs, push_mode=False)  # dynamo is tracing: the stack is its own
+        run = self.begin(fn, args, kwargs, push_mode=False, call_frame=frame)  # dynamo is tracing
         if run is None:
             return
-        run.mode_adopted = run._mode_pushed = dynamo_seams.adopt_mode_for_this_compile(run.mode)
+        run.mode_pushed = dynamo_seams.adopt_mode_for_this_compile(run.mode)
         if not dynamo_seams.end_call_with(frame, run.cleanup):
-            run.abandon_on_next_begin = True
+            run.call_frame = None  # ended when the next call begins
 
-    def record(self, recording: Recording) -> None:
-        self.recordings.append(recording)
+    def record(self, recording: Recording, graph_calls: int) -> None:
+        self.last_recording = recording
+        self.last_graph_calls = graph_calls
 
 
 def _nothing() -> None:
@@ -114,8 +125,9 @@ def _nothing() -> None:
 class CompiledRun:
     """One compiled forward: its session, narrator and the capture of code between graphs."""
 
-    def __init__(self, runtime: CompiledRuntime, header: Optional[str]):
+    def __init__(self, runtime: CompiledRuntime, header: Optional[str], call_frame=None):
         self.runtime = runtime
+        self.call_frame = call_frame  # dynamo's wrapper frame running this call
         settings = runtime.config.settings
         self.narrator = Narrator(settings.narration) if settings.narration is not None else None
         self.session = Session(settings, runtime.scopes.root_scope, self.narrator, header)
@@ -124,12 +136,12 @@ class CompiledRun:
             self.session.meter = meter  # ops between graphs, and every op in live mode
         self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
                        if settings.keep_values else None)
-        self.gaps = GapCapture(self.session, runtime.scopes, settings.sites, self.keeper)
+        self.gaps = GapCapture(self.session, runtime.scopes, self.keeper)
         self.mode = CaptureMode(self.gaps)
-        self.mode_adopted = False
-        self.abandon_on_next_begin = False
+        self.mode_pushed = False
         self.graph_calls = 0
-        self._mode_pushed = False
+        self.call = (None, (), {})
+        self._live = {}  # live mode: per graph, (sizes, module) of its call in progress
         self._done = False
 
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
@@ -140,8 +152,17 @@ class CompiledRun:
                 self.keeper(event, tensor)
         if push_mode:
             self.mode.__enter__()
-            self._mode_pushed = True
+            self.mode_pushed = True
         _local.run = self
+
+    def in_progress(self) -> bool:
+        """Whether the call this run narrates is still on the stack."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame is self.call_frame:
+                return True
+            frame = frame.f_back
+        return False
 
     # -- graphs ---------------------------------------------------------------------------------
 
@@ -153,8 +174,8 @@ class CompiledRun:
         such as inductor's extern kernels, then cost nothing extra); otherwise it is paused.
         """
         mode = self.mode
-        lifted = self._mode_pushed and torch._C._len_torch_function_stack() > 0 and \
-            torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is mode
+        depth = torch._C._len_torch_function_stack()
+        lifted = self.mode_pushed and depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
         if lifted:
             torch._C._pop_torch_function_stack()
         else:
@@ -167,11 +188,11 @@ class CompiledRun:
             else:
                 self.gaps.paused = False
 
-    def frame_scope(self, plan: GraphPlan, caller) -> Scope:
-        """The module the graph runs in for this call."""
-        return plan.frame_scope or self.runtime.scopes.scope_of_stack(caller)
+    def scope_of_call(self, plan: GraphPlan, caller) -> Scope:
+        """The module the graph runs in for this call (read from the caller unless it is fixed)."""
+        return plan.fixed_scope or self.runtime.scopes.scope_of_stack(caller)
 
-    def add_plan(self, plan: GraphPlan, args, frame_scope: Scope, stats_vector=None, slots=None, kept=None) -> None:
+    def add_plan(self, plan: GraphPlan, args, scope: Scope, stats_vector=None, slots=None, kept=None) -> None:
         """Record (and narrate) the ops a graph call performed, in order.
 
         A graph called again in the same situation — same ordinal, same open module, same frame,
@@ -182,29 +203,31 @@ class CompiledRun:
         session = self.session
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
         if stats_vector is not None or kept is not None:
-            stats = None
-            if stats_vector is not None:
-                metas = self.op_metas(plan, concrete, 0, len(plan.ops))
-                numels = [tuple(_numel(meta.shape) for meta in op_metas) for op_metas in metas]
-                settings = session.settings
-                values = session.meter.read_along(stats_vector)  # with what was measured since the last graph
-                stats = read_stats(slots, values, settings.value_stats, settings.on_nonfinite is not None, numels)
-            self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops), stats=stats, kept=kept)
+            stats = self._read_stats(plan, concrete, stats_vector, slots) if stats_vector is not None else None
+            self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept)
             return
-        key = (session.ordinal, session.scope, frame_scope, None if concrete is None else tuple(concrete))
+        key = (session.ordinal, session.scope, scope, None if concrete is None else tuple(concrete))
         segment = plan.segments.get(key)
         if segment is not None:
-            session.replay(segment.events, segment.ordinal, segment.scope, segment.narration)
+            session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
             return
         start = len(session.events)
-        self.add_plan_ops(plan, frame_scope, concrete, 0, len(plan.ops))
+        self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops))
         plan.remember(key, session.events[start:], session.ordinal, session.scope)
 
-    def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int):
+    def _read_stats(self, plan: GraphPlan, concrete, vector, slots):
+        """The graph's statistics, read to the host once, with what was measured since the last graph."""
+        concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
+        numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
+        settings = self.session.settings
+        values = self.session.meter.read_along(vector)
+        return read_stats(slots, values, settings.value_stats, settings.on_nonfinite is not None, numels)
+
+    def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
         """The output metadata of plan ops [start, stop) in this call: concrete sizes where they
         are dynamic, unless `symbolic_shapes` asks for the symbols."""
         narration = self.session.settings.narration
-        symbolic = narration is not None and narration.symbolic_shapes
+        symbolic = not concrete_only and narration is not None and narration.symbolic_shapes
         result = []
         for op in plan.ops[start:stop]:
             metas = op.metas
@@ -214,17 +237,16 @@ class CompiledRun:
             result.append(metas)
         return result
 
-    def add_plan_ops(self, plan: GraphPlan, frame_scope: Scope, concrete, start: int, stop: int,
+    def add_plan_ops(self, plan: GraphPlan, scope: Scope, concrete, start: int, stop: int,
                      stats=None, values=None, kept=None) -> None:
         """Record plan ops [start, stop): with `stats` read from the graph, or with `values` (the
         ops' outputs, in live mode) for the eager meter to measure and the keeper to keep; `kept`
         are the outputs a graph returned for `tl.trace(..., compiled=True)`."""
         session = self.session
-        scopes = plan.op_scopes(self.runtime.scopes, frame_scope)
+        scopes = plan.op_scopes(self.runtime.scopes, scope)
         for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
-            scope = scopes[op.index]
-            if scope is not session.scope:
-                session.move_to(scope)
+            if scopes[op.index] is not session.scope:
+                session.move_to(scopes[op.index])
             value = None if values is None else values[offset]
             event = session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index], value=value)
             if self.keeper is not None:
@@ -232,16 +254,33 @@ class CompiledRun:
                 if output is not None:
                     self.keeper(event, output)
 
+    # -- live mode ------------------------------------------------------------------------------
+
+    def start_live(self, graph, args, scope: Scope) -> None:
+        plan = graph.plan
+        concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
+        self._live[graph] = (concrete, scope, [-1])
+
+    def emit_live(self, graph, index: int, value) -> None:
+        """Record op `index` of `graph`, which just completed (live mode)."""
+        concrete, scope, last = self._live[graph]
+        last[0] = index
+        self.add_plan_ops(graph.plan, scope, concrete, index, index + 1, values=[value])
+
+    def live_progress(self, graph) -> int:
+        """Index of the last op of `graph` narrated in this call (-1: none)."""
+        return self._live[graph][2][0] if graph in self._live else -1
+
     # -- ending ---------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
         """Dynamo's cleanup for the call: finish or fail the run. Never raises."""
-        exc = sys.exc_info()[1]
         try:
-            if exc is not None:
-                self.fail(exc)
+            succeeded, result = dynamo_seams.call_outcome()
+            if succeeded:
+                self.finish(result)
             else:
-                self.finish(dynamo_seams.result_of_call())
+                self.fail(sys.exc_info()[1] or RuntimeError("the compiled call failed"))
         except Exception as inner:
             internal_error("ending a compiled forward", inner)
         finally:
@@ -253,49 +292,26 @@ class CompiledRun:
             self.session.add_output(label, (TensorMeta.of(tensor),))
         self.session.footer_extra.append(self.footer_note())
         recording = self.session.finish(output)
-        self.runtime.record(recording)
+        self.runtime.record(recording, self.graph_calls)
         return recording
 
-    def graph_failed(self, graph, args, frame_scope: Scope, exc: BaseException) -> None:
-        """A compiled graph raised: find the op by replaying the graph, record what ran before it."""
-        try:
-            failure = locate_in_graph(graph, args, frame_scope, self, exc)
-            if failure is None:
-                return
-            completed, op, scope, site, inputs, notes = failure
-            if completed is not None and not graph.live:
-                plan = graph.plan
-                concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
-                self.add_plan_ops(plan, frame_scope, concrete, 0, completed)
-            self.session.move_to(scope)  # the enter lines of the op's modules, as eager would show
-            self.session.op_failed(op, inputs, site, exc, scope, notes)
-        except Exception as inner:
-            internal_error("locating the failure in a compiled graph", inner)
+    def fail(self, exc: BaseException):
+        self.pop_mode()
+        if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+            locate_by_running_eagerly(self, exc)
+        partial = self.session.fail(exc)
+        self.runtime.record(partial, self.graph_calls)
+        return partial
 
-    def locate_by_running_eagerly(self, exc: BaseException) -> None:
-        """Dynamo raised while tracing (a shape error found on fake tensors, often after a
-        recompile with new sizes): no graph ran, so there is nothing to replay. Running the forward
-        eagerly under capture fails at the same op, with its modules and inputs.
-
-        Not done for a model in training mode, where running the forward again would update state
-        such as batch-norm statistics a second time; the tail then names the user's line only.
-        """
-        fn, args, kwargs = self.call
-        model = module_of(fn)
-        if model is None or any(m.training for m in model.modules()):
-            return
+    def abandon(self) -> None:
+        """Close a run whose call ended without its cleanup: what it recorded is kept as is."""
         try:
-            run_eager(model, args, kwargs, make_settings(None))
-        except Exception as eager_exc:
-            partial = getattr(eager_exc, "partial_trace", None)
-            attempt = getattr(partial, "attempt", None)
-            if attempt is None or attempt.op is None:
-                return
-            session = self.session
-            session.events[:] = partial.events
-            session.ordinal, session.scope = attempt.ordinal - 1, attempt.scope
-            note = "dynamo raised while tracing; located by running the forward eagerly"
-            session.op_failed(attempt.op, attempt.inputs, attempt.site, exc, attempt.scope, (note,))
+            self.session.footer_extra.append("the call ended without torchlens seeing it end")
+            self.finish(None)
+        except Exception as exc:
+            internal_error("closing an unfinished compiled forward", exc)
+        finally:
+            self.close()
 
     def footer_note(self) -> str:
         """How the forward ran: compiled graph calls, and ops dynamo ran eagerly between them."""
@@ -304,32 +320,28 @@ class CompiledRun:
             note += f", {plural(self.gaps.ops, 'op')} run eagerly between graphs"
         return note
 
-    def fail(self, exc: BaseException):
-        self.pop_mode()
-        if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
-            self.locate_by_running_eagerly(exc)
-        partial = self.session.fail(exc)
-        self.runtime.record(partial)
-        return partial
-
     def pop_mode(self) -> None:
-        if self._mode_pushed:
-            self._mode_pushed = False
+        if self.mode_pushed:
+            self.mode_pushed = False
             remove_mode(self.mode)
 
     def close(self) -> None:
         self.pop_mode()
         if getattr(_local, "run", None) is self:
             _local.run = None
+        self._live.clear()
         if self.narrator is not None and not self._done:
             self._done = True
             self.narrator.close()
 
 
-def _numel(shape) -> int:
+def _numel(shape) -> Optional[int]:
+    """Element count of a concrete shape (None when a size is only known symbolically)."""
     count = 1
     for size in shape:
-        count *= size if isinstance(size, int) else 0
+        if not isinstance(size, int):
+            return None
+        count *= size
     return count
 
 
@@ -339,4 +351,3 @@ def module_of(fn) -> Optional[nn.Module]:
     if isinstance(owner, nn.Module):
         return getattr(owner, "_orig_mod", owner)
     return fn if isinstance(fn, nn.Module) else None
-

@@ -9,6 +9,7 @@ Symbols no input determines (unbacked sizes from `nonzero`) stay symbolic on the
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import sympy
@@ -50,7 +51,7 @@ class ShapeResolver:
 
     def __init__(self, exprs: Sequence[Tuple[Tuple, ...]], sources: Dict[sympy.Symbol, str]):
         self.source = self._generate(exprs, sources)
-        namespace: Dict[str, object] = {}
+        namespace: Dict[str, object] = {"math": math, "torch": torch}  # what the printer's output uses
         exec(compile(self.source, "<torchlens shape resolver>", "exec"), namespace)
         self.resolve: Callable[[Sequence], List] = namespace["resolve"]  # type: ignore[assignment]
 

@@ -17,17 +17,13 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from ..stats import Stats, StatsGroup, as_float, count_vector, fill, finite_vector, vector_dtype
+from ..stats import Stats, StatsGroup, as_float, count_vector, fill, finite_vector, value_kind, vector_dtype
 from .plan import GraphPlan
 
 LAYOUT_SIZES = {"finite": 9, "counts": 3, "int": 9, "bool": 1}
 
 # Per plan op: None (no statistics), else one layout per tensor output (see `_vector_for`).
 Slots = List[Optional[Tuple[str, ...]]]
-
-
-def wants_stats(rung: str, tracking: bool) -> bool:
-    return tracking or rung in ("sampled", "exact")
 
 
 def module_outputs(plan: GraphPlan) -> List[int]:
@@ -47,7 +43,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     nodes = {node.name: node for node in graph.nodes}
     chosen = set(range(len(plan.ops)) if only is None else only)
     slots: Slots = [None] * len(plan.ops)
-    vectors = []
+    vectors, devices = [], []
     for op in plan.ops:
         if op.index not in chosen:
             continue
@@ -63,11 +59,15 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
                 layouts.append(layout)
                 if vector is not None:
                     vectors.append(vector.reshape(-1))
+                    devices.append(fake.device)
         slots[op.index] = tuple(layouts)
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     with graph.inserting_before(output_node):
         if vectors:
-            stacked = torch.cat(vectors)
+            # One vector, on the device most of them are on (a few stray ones, such as a CPU
+            # `arange` in a CUDA model, are moved): one read per graph call.
+            home = max(set(devices), key=devices.count)
+            stacked = torch.cat([v if d == home else v.to(home) for v, d in zip(vectors, devices)])
         else:
             stacked = fx.Proxy(graph.call_function(torch.zeros, (0,)), tracer)
     results = output_node.args[0]
@@ -86,24 +86,27 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     """
     if fake.layout != torch.strided:
         return "na:" + str(fake.layout).replace("torch.", ""), None
+    kind = value_kind(fake.dtype)
+    if kind is None:
+        return "na:" + str(fake.dtype).replace("torch.", ""), None
     numel = fake.numel()
     if isinstance(numel, int) and numel == 0:
         return "na:empty", None
     dtype = vector_dtype(fake.device)
     measuring = rung in ("sampled", "exact")
-    if fake.dtype == torch.bool:
-        return ("bool", output.sum().to(dtype)) if measuring else ("skip:bool", None)
-    if not (fake.dtype.is_floating_point or fake.dtype.is_complex):
-        if not measuring:
-            return "skip:" + str(fake.dtype).replace("torch.", ""), None
-        return "int", finite_vector(output.double(), dtype, fake.dim())
-    values = as_float(output, fake.dtype)
-    if not measuring:
-        return "counts", count_vector(values, dtype)
+    if kind != "float" and not measuring:
+        return "skip:" + kind, None
+    if kind == "bool":
+        return "bool", output.sum().to(dtype)
+    values = output.to(dtype) if kind == "int" else as_float(output, fake.dtype)
+    layout = "int" if kind == "int" else "finite" if measuring else "counts"
+    if layout == "counts":
+        return layout, count_vector(values, dtype)
     if isinstance(numel, int):
-        return "finite", finite_vector(values, dtype, fake.dim())
+        return layout, finite_vector(values, dtype, fake.dim())
+    # A dynamic size that may be zero: one NaN appended keeps the reductions defined.
     padded = torch.cat([values.reshape(-1), values.new_full((1,), float("nan"))])
-    return "finite+pad", finite_vector(padded, dtype, 1)
+    return layout + "+pad", finite_vector(padded, dtype, 1)
 
 
 def read_stats(slots: Slots, values: Sequence[float], rung: str, tracking: bool, numels) -> List:

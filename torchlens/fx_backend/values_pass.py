@@ -1,9 +1,10 @@
 """Keeping op values in compiled graphs (`tl.trace(..., compiled=True)`): each op's output becomes an
 extra graph output.
 
-Returning a value forces inductor to materialise it, which can change what it fuses and so move a
-result by an ulp; that is the price of seeing compiled numerics op by op, and `tl.debug.compare`
-tolerances are far wider than that.
+Each value is copied right after its op (so later in-place ops of the graph do not change it) and
+returned; this forces inductor to materialise it, which can change what it fuses and so move a
+result by an ulp — the price of seeing compiled numerics op by op, far inside `tl.debug.compare`'s
+tolerances.
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ def add_value_outputs(gm: fx.GraphModule, plan: GraphPlan) -> List[int]:
     nodes = {node.name: node for node in graph.nodes}
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     kept, counts = [], []
-    with graph.inserting_before(output_node):
-        for op in plan.ops:
-            node = nodes[op.node]
-            value = node.meta["example_value"]
+    for op in plan.ops:
+        node = nodes[op.node]
+        value = node.meta["example_value"]
+        # A copy taken right after the op: a later in-place op of the graph (`x += y`) must not
+        # change what is kept, as the eager trace's copies are taken at op time too.
+        with graph.inserting_before(node.next):
             if isinstance(value, torch.Tensor):
-                outputs = [node]
+                outputs = [graph.call_function(torch.clone, (node,))]
             else:
-                outputs = [graph.call_function(operator.getitem, (node, i))
+                outputs = [graph.call_function(torch.clone, (graph.call_function(operator.getitem, (node, i)),))
                            for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
-            kept.extend(outputs)
-            counts.append(len(outputs))
+        kept.extend(outputs)
+        counts.append(len(outputs))
     results = output_node.args[0]
     results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
     output_node.args = (results + tuple(kept),)

@@ -1,4 +1,6 @@
-"""What a capture returns: `Recording`, `Trace` (a recording that kept values) and `PartialTrace`.
+"""What the captures return: `Recording`, `Trace` (a recording that kept values) and `PartialTrace`.
+
+(The public module for these is `torchlens.recording`, which also holds `Recorder`.)
 
 All three render their transcript after the fact through the same narrator the live run used, so
 `recording.narrate()` is byte-identical to what live narration printed.
@@ -9,10 +11,20 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import grammar
+from .errors import OptionTypeError, OptionValueError
 from .events import INPUT, OP, Attempt, Event
 from .narrator import failure_block, render_lines
 from .options import NarrationOptions
 from .selectors import as_selector
+
+
+def _check_last(last) -> None:
+    if last is None:
+        return
+    if isinstance(last, bool) or not isinstance(last, int):
+        raise OptionTypeError(f"narrate(last=...) takes a number of lines or None (all), got {last!r}")
+    if last < 0:
+        raise OptionValueError(f"narrate(last={last}): must be >= 0")
 
 
 class Transcript(str):
@@ -53,7 +65,7 @@ class Recording:
 
     @property
     def ops(self) -> List[Event]:
-        return [e for e in self.events if e.kind is OP or e.kind is INPUT]
+        return [e for e in self.events if e.is_op]
 
     @property
     def value_stats(self) -> str:
@@ -70,7 +82,9 @@ class Recording:
         options = self.settings.narration or NarrationOptions()
         changes = {"on_error_only": False}
         if select is not None:
-            changes["select"] = as_selector(select)
+            changes["select"] = selector = as_selector(select)
+            # the modules this forward called: the paths a selector can name after the fact
+            selector.check_paths({e.scope.path for e in self.events} | {""})
         changes.update({k: v for k, v in overrides.items() if v is not None})
         return options.replace(**changes)
 
@@ -81,6 +95,7 @@ class Recording:
         `last=N` keeps the last N lines; `select=` narrows it (a selector or predicate);
         `normalize=` and `prefix=` override the run's options.
         """
+        _check_last(last)
         options = self._options(select, normalize=normalize, prefix=prefix)
         lines = render_lines(self.events, options.replace(prefix=""), self.header, self.footer_extra)
         if last is not None:
@@ -131,6 +146,7 @@ class PartialTrace(Recording):
     def narrate(self, last: Optional[int] = None, select=None, *, normalize: Optional[bool] = None,
                 prefix: Optional[str] = None) -> Transcript:
         """The tail (`last=N` lines), or with no `last` exactly what live narration printed."""
+        _check_last(last)
         options = self._options(select, normalize=normalize, prefix=prefix)
         if last is None:
             live = self.settings.narration

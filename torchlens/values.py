@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import TraceBudgetError
+from .errors import TraceBudgetError
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 

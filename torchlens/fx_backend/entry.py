@@ -1,0 +1,71 @@
+"""`tl.compile` and `tl.trace(..., compiled=True)`: torch.compile with a torchlens backend bound to a
+runtime for the model, hooked to the compiled callable before its first call."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict
+
+import torch
+from torch import nn
+
+from ..errors import ModelTypeError, OptionTypeError, suggest, warn_safely
+from ..results import Trace
+from .config import OPTION_KEYS, CompileConfig
+from .registration import Backend, install
+from .runtime import CompiledRuntime, module_of
+
+TORCH_COMPILE_KEYWORDS = ("fullgraph", "dynamic", "mode", "disable")
+
+
+def check_torch_compile_kwargs(kwargs: dict, entry: str) -> None:
+    """Keywords meant for torch.compile: a typo is a typed error that lists what is accepted."""
+    for key in kwargs:
+        if key == "backend":
+            raise OptionTypeError(f"{entry} chooses the backend itself; name the compiler underneath with compiler=")
+        if key == "options":
+            raise OptionTypeError(f"{entry} takes torchlens options as keywords ({', '.join(OPTION_KEYS)}), not options=")
+        if key not in TORCH_COMPILE_KEYWORDS:
+            accepted = OPTION_KEYS + TORCH_COMPILE_KEYWORDS
+            raise OptionTypeError(f"{entry} got an unknown keyword {key!r}{suggest(key, accepted)}; accepted: "
+                                  f"{', '.join(OPTION_KEYS)} (torchlens) and {', '.join(TORCH_COMPILE_KEYWORDS)} "
+                                  "(torch.compile)")
+
+
+def compile_model(model, config: CompileConfig, torch_compile_kwargs: dict, backend: Backend = None):
+    """`torch.compile(model, backend=<torchlens for this model>, **torch_compile_kwargs)`, hooked."""
+    if not callable(model):
+        raise ModelTypeError(f"tl.compile takes an nn.Module or a function, got {type(model).__name__}")
+    check_torch_compile_kwargs(torch_compile_kwargs, "tl.compile")
+    if backend is None:
+        backend = Backend(CompiledRuntime(config, model if isinstance(model, nn.Module) else module_of(model)))
+    compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
+    install(compiled, backend.runtime)
+    compiled.torchlens = backend.runtime
+    return compiled
+
+
+# One backend per (model, what shapes the compiled graphs): dynamo keeps compiled graphs per backend,
+# so tracing the same model again reuses them instead of recompiling (and, after a few, giving up).
+_trace_backends: "weakref.WeakKeyDictionary[nn.Module, Dict[tuple, Backend]]" = weakref.WeakKeyDictionary()
+
+
+def trace_compiled(model: nn.Module, args, kwargs, config: CompileConfig, torch_compile_kwargs: dict) -> Trace:
+    """Run `model` once compiled, keeping each op's value; return the trace."""
+    check_torch_compile_kwargs(torch_compile_kwargs, "tl.trace(compiled=...)")
+    settings = config.settings
+    key = (settings.value_stats, settings.on_nonfinite, settings.keep_on_cpu, settings.max_bytes, config.live,
+           config.compiler, config.stats_on, tuple(sorted(torch_compile_kwargs.items())))
+    backends = _trace_backends.setdefault(model, {})
+    backend = backends.get(key)
+    if backend is None:
+        backend = backends[key] = Backend(CompiledRuntime(config, model))
+    backend.runtime.config = config  # this call's narration; the graphs are instrumented alike
+    compiled = compile_model(model, config, torch_compile_kwargs, backend)
+    compiled(*args, **kwargs)
+    runtime = backend.runtime
+    trace, runtime.last_recording = runtime.last_recording, None  # the trace is the caller's now
+    if runtime.last_graph_calls == 0:
+        warn_safely("tl.trace(compiled=True): dynamo compiled no graph for this call, so the values are "
+                    "eager ones; torch._dynamo.explain(model)(...) says why")
+    return trace
