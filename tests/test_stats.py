@@ -142,10 +142,10 @@ def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values():
     live = tl.record(Holes(), x, value_stats="exact", narrate=lambda line: None).ops[-1].stats
     assert (live.min, live.max, live.mean, live.nan) == (0, 2, 1, 3)
     assert live.sd == pytest.approx(1.0)
-    assert live.render() == "min=0 max=2 mean=1 sd=1 nan=3"
+    assert str(live) == "min=0 max=2 mean=1 sd=1 nan=3"
     # read at the end of the forward, the tensor is gone: the counts are exact, the rest not claimed
     later = tl.record(Holes(), x, value_stats="exact").ops[-1].stats
-    assert (later.nan, later.min, later.mean) == (3, None, None) and later.render() == "nan=3"
+    assert (later.nan, later.min, later.mean) == (3, None, None) and str(later) == "nan=3"
     finite = tl.record(Holes(), x - 10, value_stats="exact").ops[-1].stats
     assert (finite.min, finite.max, finite.nan) == (-10, -5, 0)
 

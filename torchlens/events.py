@@ -12,7 +12,7 @@ captured op, and construction cost is on the hot path.
 from __future__ import annotations
 
 import enum
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 
 class EventKind(str, enum.Enum):
@@ -143,6 +143,64 @@ class Event:
     def __repr__(self) -> str:
         where = f" @{self.scope.path}" if self.scope.path else ""
         return f"Event({self.kind.value} #{self.ordinal} {self.op}{where})"
+
+
+class Stats:
+    """What was measured of one tensor, and how: evidence-qualified statistics.
+
+    `kind` is "exact", "sampled", "counts" (non-finite tracking only), "bool" or "na" (not
+    applicable: meta, empty, or non-numeric tensors; `note` says why). `shown` is False when only
+    tracking asked for it: the op line then shows nothing, but the first non-finite op is still
+    found. Counts are None when not measured (a sample never measures them).
+    """
+
+    __slots__ = ("kind", "numel", "min", "max", "mean", "sd", "nan", "posinf", "neginf", "true", "sampled",
+                 "note", "shown")
+
+    def __init__(self, kind: str, numel: int = 0, shown: bool = True, note: str = ""):
+        self.kind = kind
+        self.numel = numel
+        self.min = self.max = self.mean = self.sd = None
+        self.nan = self.posinf = self.neginf = None
+        self.true = None  # bool tensors: how many elements are True
+        self.sampled = 0
+        self.note = note
+        self.shown = shown
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.nan or self.posinf or self.neginf)
+
+    def __str__(self) -> str:
+        """The statistics segment of the op's line (`min=0 max=2 mean=1 sd=1 finite`)."""
+        from .grammar import stats_text
+
+        return stats_text(self)
+
+    def __repr__(self) -> str:
+        return f"Stats({str(self) or self.kind})"
+
+
+class StatsGroup:
+    """Statistics of a multi-output op: one `Stats` per tensor output."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[Stats]):
+        self.parts = tuple(parts)
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(part.nonfinite for part in self.parts)
+
+    @property
+    def shown(self) -> bool:
+        return any(part.shown for part in self.parts)
+
+    def __str__(self) -> str:
+        from .grammar import stats_text
+
+        return stats_text(self)
 
 
 class Attempt:

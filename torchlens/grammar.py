@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, TensorMeta
+from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, StatsGroup, TensorMeta
 
 TAG_WIDTH = 6
 OP_WIDTH = 14
@@ -36,6 +36,7 @@ _OP_COLUMNS = {}
 _OP_BODIES = {}
 _MODULE_LINES = {}
 _CACHE_LIMIT = 1 << 16
+_INF = float("inf")
 _INDENTS = ["  " * d for d in range(256)]  # deeper than any real module tree
 
 
@@ -156,7 +157,7 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
         body = _op_body(event, site, normalize)
     line = _INDENTS[event.scope.depth] + ("#%-4d " % event.ordinal) + body
     if event.stats is not None:
-        stats = event.stats.render()
+        stats = stats_text(event.stats)
         if stats:
             line += "  | " + stats
     return line
@@ -171,6 +172,65 @@ def _op_body(event: Event, site, normalize: bool) -> str:
     if site:
         body += "  " + site_text(site, normalize)
     return body
+
+
+def op_ref(ordinal: int, op: str, path: str) -> str:
+    """`#57 log @blocks.1`: how notes, errors and footers point at an op."""
+    return f"#{ordinal} {op} @{path}" if path else f"#{ordinal} {op}"
+
+
+def fmt(value) -> str:
+    """Compact numbers: 4 significant digits, no trailing noise (`0.08`, `-2.115`, `1.2e+06`)."""
+    if isinstance(value, int):
+        return str(value)
+    if value != value:
+        return "nan"
+    if value in (_INF, -_INF):
+        return "inf" if value > 0 else "-inf"
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    return format(value, ".4g")
+
+
+def counts_text(stats) -> str:
+    """`nan=3 +inf=1`, `finite`, or what was not measured (a `Stats` or `StatsGroup`)."""
+    if isinstance(stats, StatsGroup):
+        return " ; ".join(counts_text(part) for part in stats.parts)
+    if stats.nan is None:
+        return "finiteness not measured"
+    parts = [f"{label}={count}" for label, count in (("nan", stats.nan), ("+inf", stats.posinf), ("-inf", stats.neginf))
+             if count]
+    return " ".join(parts) if parts else "finite"
+
+
+def stats_text(stats) -> str:
+    """The statistics segment of a line, evidence-qualified: `=` measured over every element, `~=`
+    estimated from a sample (with its size); only what measured every element says `finite`."""
+    if isinstance(stats, StatsGroup):
+        rendered = [stats_text(part) for part in stats.parts]
+        return " ; ".join(rendered) if any(rendered) else ""
+    if not stats.shown:
+        return ""
+    kind = stats.kind
+    if kind == "na":
+        return f"stats n/a ({stats.note})"
+    if kind == "counts":
+        return counts_text(stats)
+    if kind == "bool":
+        return f"true={stats.true}/{stats.numel if stats.numel is not None else '?'}"
+    values = [(name, value) for name, value in (("min", stats.min), ("max", stats.max), ("mean", stats.mean),
+                                                ("sd", stats.sd)) if value is not None]
+    if kind == "sampled":
+        text = " ".join(f"{name}~={fmt(value)}" for name, value in values) + f" sampled={stats.sampled}/{stats.numel}"
+        if stats.note:
+            text += f" {stats.note}"
+        if stats.nan is not None:  # counted over every element by non-finite tracking
+            text += f" {counts_text(stats)}"
+        return text
+    text = " ".join(f"{name}={fmt(value)}" for name, value in values)
+    if stats.nan is None:  # an integer tensor: always finite, nothing to count
+        return text
+    return f"{text} {counts_text(stats)}" if text else counts_text(stats)
 
 
 def render_note(text: str) -> str:

@@ -1,8 +1,10 @@
 """A narration: events in, lines out, through selection, depth folding and `max_lines`.
 
-The narrator is a pure function of the event sequence and the options. Live narration feeds it
-events as the forward runs; a recording renders its transcript after the fact by feeding the same
-events to a fresh narrator with an in-memory sink. That is why the two are byte-identical.
+What the narrator prints depends only on the event sequence and the options. Live narration feeds
+it events as the forward runs; a recording renders its transcript after the fact by feeding the
+same events to a fresh narrator with an in-memory sink. That is why the two are byte-identical.
+(Statistics of a line are read before the line is printed; those of a line not printed may be read
+later, at the end of the forward, and so the narrator only acts on statistics of printed lines.)
 """
 
 from __future__ import annotations
@@ -221,8 +223,8 @@ class Narrator:
 
 
 def first_nonfinite_text(event: Event) -> str:
-    where = f" @{event.scope.path}" if event.scope.path else ""
-    return f"first non-finite output: #{event.ordinal} {event.op}{where}  {event.stats.counts_text()}"
+    return f"first non-finite output: {grammar.op_ref(event.ordinal, event.op, event.scope.path)}  " \
+           f"{grammar.counts_text(event.stats)}"
 
 
 def render_lines(events: Sequence[Event], options: NarrationOptions, header=None, footer_extra=None) -> List[str]:

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from .errors import NonFiniteError, warn_safely
 from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
+from .grammar import counts_text, op_ref
 from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording, Trace
@@ -233,7 +234,7 @@ class Session:
             if first is None:
                 self.footer_extra.append("no non-finite values")
             else:
-                self.footer_extra.append("first non-finite: " + short_ref(first))
+                self.footer_extra.append("first non-finite: " + op_ref(first.ordinal, first.op, first.scope.path))
 
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
@@ -292,16 +293,10 @@ def attach(exc: BaseException, partial: PartialTrace) -> None:
         pass
 
 
-def short_ref(event: Event) -> str:
-    """`#57 log @blocks.1` — how notes point at an op."""
-    where = f" @{event.scope.path}" if event.scope.path else ""
-    return f"#{event.ordinal} {event.op}{where}"
-
-
 def nonfinite_message(event: Event) -> str:
     site = f" ({event.site})" if event.site else ""
-    return (f"on_nonfinite='raise': {short_ref(event)}{site} produced non-finite values "
-            f"({event.stats.counts_text()}); every op before it was finite. The partial trace is "
+    return (f"on_nonfinite='raise': {op_ref(event.ordinal, event.op, event.scope.path)}{site} produced non-finite "
+            f"values ({counts_text(event.stats)}); every op before it was finite. The partial trace is "
             f"attached as exc.partial_trace; on_nonfinite='track' records the run without stopping.")
 
 

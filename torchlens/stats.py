@@ -24,111 +24,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .events import Stats, StatsGroup
+
 SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
 
 _inf = float("inf")
-
-
-def fmt(value) -> str:
-    """Compact numbers: 4 significant digits, no trailing noise (`0.08`, `-2.115`, `1.2e+06`)."""
-    if isinstance(value, int):
-        return str(value)
-    if value != value:
-        return "nan"
-    if value in (_inf, -_inf):
-        return "inf" if value > 0 else "-inf"
-    if value == int(value) and abs(value) < 1e6:
-        return str(int(value))
-    return format(value, ".4g")
-
-
-class Stats:
-    """What was measured of one tensor, and how: evidence-qualified statistics.
-
-    `kind` is "exact", "sampled", "counts" (non-finite tracking only), "bool" or "na" (not
-    applicable: meta, empty, or non-numeric tensors; `note` says why). `shown` is False when only
-    tracking asked for it: the op line then shows nothing, but the first non-finite op is still
-    found. Counts are None when not measured (a sample never measures them).
-    """
-
-    __slots__ = ("kind", "numel", "min", "max", "mean", "sd", "nan", "posinf", "neginf", "true", "sampled",
-                 "note", "shown")
-
-    def __init__(self, kind: str, numel: int = 0, shown: bool = True, note: str = ""):
-        self.kind = kind
-        self.numel = numel
-        self.min = self.max = self.mean = self.sd = None
-        self.nan = self.posinf = self.neginf = None
-        self.true = None  # bool tensors: how many elements are True
-        self.sampled = 0
-        self.note = note
-        self.shown = shown
-
-    @property
-    def nonfinite(self) -> bool:
-        return bool(self.nan or self.posinf or self.neginf)
-
-    def counts_text(self) -> str:
-        if self.nan is None:
-            return "finiteness not measured"
-        parts = [f"{label}={count}" for label, count in (("nan", self.nan), ("+inf", self.posinf), ("-inf", self.neginf))
-                 if count]
-        return " ".join(parts) if parts else "finite"
-
-    def render(self) -> str:
-        if not self.shown:
-            return ""
-        kind = self.kind
-        if kind == "na":
-            return f"stats n/a ({self.note})"
-        if kind == "counts":
-            return self.counts_text()
-        if kind == "bool":
-            return f"true={self.true}/{self.numel if self.numel is not None else '?'}"
-        if kind == "sampled":
-            text = " ".join(f"{name}~={fmt(value)}" for name, value in self._values())
-            text += f" sampled={self.sampled}/{self.numel}"
-            if self.note:
-                text += f" {self.note}"
-            if self.nan is not None:  # counted over every element by non-finite tracking
-                text += f" {self.counts_text()}"
-            return text
-        text = " ".join(f"{name}={fmt(value)}" for name, value in self._values())
-        if self.nan is None:  # an integer tensor: always finite, nothing to count
-            return text
-        return f"{text} {self.counts_text()}" if text else self.counts_text()
-
-    def _values(self):
-        values = (("min", self.min), ("max", self.max), ("mean", self.mean), ("sd", self.sd))
-        return [(name, value) for name, value in values if value is not None]
-
-    def __repr__(self) -> str:
-        return f"Stats({self.render() or self.kind})"
-
-
-class StatsGroup:
-    """Statistics of a multi-output op: one `Stats` per tensor output."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: Sequence[Stats]):
-        self.parts = tuple(parts)
-
-    @property
-    def nonfinite(self) -> bool:
-        return any(part.nonfinite for part in self.parts)
-
-    @property
-    def shown(self) -> bool:
-        return any(part.shown for part in self.parts)
-
-    def counts_text(self) -> str:
-        return " ; ".join(part.counts_text() for part in self.parts)
-
-    def render(self) -> str:
-        rendered = [part.render() for part in self.parts]
-        return " ; ".join(rendered) if any(rendered) else ""
 
 
 # -- what to compute ---------------------------------------------------------------------------
@@ -375,6 +276,10 @@ class Meter:
             fill(item.stats, values[start:start + size], item.layout, self.tracking)
             start += size
         return values[:vector.numel()]
+
+
+# The length of each vector layout `fill` reads (the compiled path slices its one output by these).
+VECTOR_SIZES = {"finite": 9, "int": 9, "counts": 3, "bool": 1, "moments": 4, "moments+counts": 7}
 
 
 def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import TraceBudgetError
+from .grammar import op_ref
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 
@@ -36,9 +37,8 @@ class ValueKeeper:
         tensors = (out,) if isinstance(out, torch.Tensor) else tuple(t for t in out if isinstance(t, torch.Tensor))
         size = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
         if self.max_bytes is not None and self.total + size > self.max_bytes:
-            where = f" @{event.scope.path}" if event.scope.path else ""
             raise TraceBudgetError(
-                f"tl.trace stopped at #{event.ordinal} {event.op}{where}: keeping its output would make "
+                f"tl.trace stopped at {op_ref(event.ordinal, event.op, event.scope.path)}: keeping its output would make "
                 f"{_fmt_bytes(self.total + size)} of kept values, over max_bytes={self.max_bytes} "
                 f"({_fmt_bytes(self.max_bytes)}). Pass a larger max_bytes= (None for no limit), "
                 f"keep_on_cpu=True to keep them in host memory, or use tl.record, which keeps no values."

@@ -3,8 +3,12 @@
 At compile time each FX graph dynamo captured is read into a narration plan (`plan.py`); at run
 time each graph call records and narrates its plan, and the eager substrate's capture mode covers
 what runs between graphs (`gaps.py`). One forward of the compiled model is one run (`runtime.py`),
-with one ordinal sequence across graphs. What relies on dynamo internals is in `dynamo_seams.py`.
+with one ordinal sequence across graphs. A failed graph is located by replay (`replay.py`,
+`failures.py`). What relies on dynamo's runtime structures is in `dynamo_seams.py`; the format of
+its `nn_module_stack` metadata is read by `torchlens.scopes`.
 
-The seam with the eager substrate is small: `CaptureMode` and `remove_mode` from
-`eager.capture`, and the argument/output naming of `eager.structure`.
+The seam with the eager substrate: the capture mode and its reporting (`CaptureMode`,
+`OpReporter`, `remove_mode`, `keep_out_of_dynamo` from `eager.capture`), the argument and output
+naming and selection checks of `eager.structure`, and `eager.runner.run_eager`, with which a
+forward dynamo failed to trace is run again eagerly to find the failing op.
 """

@@ -1,4 +1,4 @@
-"""Every place the compiled path relies on how dynamo works inside, in one file.
+"""Where the compiled path relies on dynamo's runtime structures (its wrapper, its mode stack).
 
 The backend contract (`backend(gm, example_inputs)`) tells a backend nothing about forward passes,
 the module being compiled, or the code dynamo runs eagerly between graphs. Narrating a whole forward

@@ -17,10 +17,9 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from ..stats import Stats, StatsGroup, as_float, count_vector, fill, finite_vector, value_kind, vector_dtype
+from ..stats import VECTOR_SIZES, Stats, StatsGroup, as_float, count_vector, fill, finite_vector, value_kind, vector_dtype
 from .plan import GraphPlan
 
-LAYOUT_SIZES = {"finite": 9, "counts": 3, "int": 9, "bool": 1}
 
 # Per plan op: None (no statistics), else one layout per tensor output (see `_vector_for`).
 Slots = List[Optional[Tuple[str, ...]]]
@@ -134,7 +133,7 @@ def _read_one(layout: str, numel: int, values: Sequence[float], rung: str, track
     if layout.startswith("skip:"):
         return Stats("na", numel, False, note=layout[5:]), 0
     base = layout.split("+")[0]
-    size = LAYOUT_SIZES[base]
+    size = VECTOR_SIZES[base]
     kind = {"counts": "counts", "bool": "bool"}.get(base, "exact")
     stats = Stats(kind, numel, rung == "reuse" if base == "counts" else shown)
     chunk = list(values[:size])
