@@ -1,7 +1,7 @@
 """What narration costs: every torchlens mode against plain eager and plain `torch.compile`.
 
     python benchmarks/snoop_echo_bench.py                # resnet18 and GPT-2, batch 1 and 8
-    python benchmarks/snoop_echo_bench.py --quick        # small models, under two minutes on 2 cores
+    python benchmarks/snoop_echo_bench.py --quick        # small models, few rounds, no cold compiles
 
 All modes of one model and batch run in one process, interleaved round by round after a warm-up, and
 each figure is the median over rounds, so load on the machine hits every mode alike. Multipliers
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
             print(f"benchmarking {name} batch {batch} on {args.device} ...", file=sys.stderr, flush=True)
             result = bench_model(name, make_model, make_input, batch, args.device, args.warmup, rounds,
                                  compiled=not args.no_compile)
-            if not args.no_compile and batch == batches[0] and not (args.quick and results):
+            if not (args.no_compile or args.quick) and batch == batches[0]:
                 result["cold_compile_s"] = {kind: cold_compile(name, batch, args.device, args.quick, kind)
                                             for kind in ("plain", "torchlens")}
             results.append(result)

@@ -254,6 +254,39 @@ def test_compiled_exact_stats_agree_with_eager_and_leave_outputs_alone():
         assert mine.stats.nan == 0
 
 
+class Holes3(nn.Module):
+    """3 NaN, 5 +inf and 7 -inf among 20 values: each count is told apart from the others."""
+
+    def forward(self, x):
+        x = x * 1
+        x = torch.where(x < 3, float("nan"), x)
+        x = torch.where((x >= 3) & (x < 8), float("inf"), x)
+        return torch.where((x >= 8) & (x < 15), -float("inf"), x)
+
+
+def test_compiled_exact_stats_count_each_kind_of_nonfinite_value_as_eager_does():
+    x = torch.arange(20.0)
+    lines = []
+    tl.compile(Holes3(), narrate=lines.append, value_stats="exact", on_nonfinite="track")(x)
+    # as eager statistics read at the end of the forward (not live): counts only for such a tensor
+    eager = tl.record(Holes3(), x, value_stats="exact", on_nonfinite="track").narrate()
+    assert body("\n".join(lines)) == body(eager)
+    last = [line for line in lines if " where " in line][-1]
+    assert last.endswith("| nan=3 +inf=5 -inf=7"), last
+
+
+@pytest.mark.parametrize("numel", [(1 << 17) - 1, 1 << 17, (1 << 24) - 1, 1 << 24])
+def test_lean_counts_are_exact_on_each_side_of_their_limits(numel):
+    from torchlens.stats import count_vector, lean_count_vector
+
+    x = torch.full((numel,), -float("inf"))
+    x[:2], x[2:5] = float("nan"), float("inf")
+    expected = [2, 3, numel - 5]
+    assert lean_count_vector(x, torch.float64, numel).tolist() == count_vector(x, torch.float64).tolist() == expected
+    traced = torch.compile(lambda t: lean_count_vector(t, torch.float64, numel), backend="aot_eager", fullgraph=True)
+    assert traced(x).tolist() == expected
+
+
 def test_compiled_tracking_reads_once_per_graph_call(monkeypatch):
     class TwoGraphs(nn.Module):
         def __init__(self):

@@ -88,18 +88,44 @@ def vector_dtype(device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def cheap_vector(f: torch.Tensor) -> torch.Tensor:
-    """[min, max, mean, sd] over every element, for a line read at once: few reductions, no
-    masking. Only trusted when all four come back finite (else the tensor is re-measured)."""
+def cheap_vector(f, dtype: torch.dtype, numel: int):
+    """[min, max, mean, sd] over every element: two reductions (`var_mean` is one Welford pass), no
+    masking. Only trusted when all four come back finite (else the tensor is re-measured, or its
+    counts are shown instead). Asks nothing of `f`, so it traces into FX graphs as it runs eagerly."""
     mn, mx = torch.aminmax(f)
-    mean = f.mean()
-    sd = torch.linalg.vector_norm(f - mean) / math.sqrt(max(f.numel() - 1, 1))
-    return torch.stack([mn, mx, mean, sd]).to(vector_dtype(f.device))
+    variance, mean = torch.var_mean(f, correction=1 if numel > 1 else 0)
+    return torch.stack([mn, mx, mean, variance.sqrt()]).to(dtype)
 
 
 def count_vector(f, dtype: torch.dtype):
     """[nan, +inf, -inf] counts."""
     return torch.stack([torch.isnan(f).sum(), torch.isposinf(f).sum(), torch.isneginf(f).sum()]).to(dtype)
+
+
+_PACK = float(1 << 17)  # packed counts: 17 bits each, exact in a float64 sum below 2**17 elements
+_FLOAT32_EXACT = 1 << 24  # counts summed in float32 are exact below 2**24 elements
+
+
+def lean_count_vector(f, dtype: torch.dtype, numel: int):
+    """`count_vector` for a compiled graph, where every reduction is a loop of its own and int64
+    sums are not vectorized (measured with inductor on CPU, per tensor of 4k / 1.6M elements:
+    packed 9 / 1900 us, float32 sums 15 / 850 us, int64 sums 22 / 4300 us).
+
+    Small tensors (static `numel` below 2**17) add 1 (NaN), 2**17 (+inf) or 2**34 (-inf) per element
+    into one float64 sum, split again in the graph; larger ones take three float32 sums, and only
+    past 2**24 elements, where float32 would round, three int64 sums. Every path is exact.
+    """
+    if numel < _PACK and dtype == torch.float64:
+        code = torch.isnan(f).to(dtype) + torch.isposinf(f).to(dtype) * _PACK + torch.isneginf(f).to(dtype) * _PACK**2
+        total = code.sum()
+        neginf = torch.floor(total / _PACK**2)
+        rest = total - neginf * _PACK**2
+        posinf = torch.floor(rest / _PACK)
+        return torch.stack([rest - posinf * _PACK, posinf, neginf])
+    if numel < _FLOAT32_EXACT:
+        counts = [mask(f).sum(dtype=torch.float32) for mask in (torch.isnan, torch.isposinf, torch.isneginf)]
+        return torch.stack(counts).to(dtype)
+    return count_vector(f, dtype)
 
 
 def finite_vector(f, dtype: torch.dtype, ndim: int):
@@ -219,11 +245,11 @@ class Meter:
         if self.rung == "exact":
             stats = Stats("exact", numel, shown)
             if live:
-                return self._start(stats, cheap_vector(f), "moments", live, lambda: finite_vector(f, dtype, f.dim()))
+                return self._start(stats, cheap_vector(f, dtype, numel), "moments", live, lambda: finite_vector(f, dtype, f.dim()))
             # Read later, when the tensor is gone: its counts come along, and a tensor that turns
             # out to hold non-finite values reports them without min/max/mean/sd (masking every
             # tensor in case it does would cost several times more, on every op).
-            return self._start(stats, torch.cat([cheap_vector(f), count_vector(f, dtype)]), "moments+counts", live)
+            return self._start(stats, torch.cat([cheap_vector(f, dtype, numel), count_vector(f, dtype)]), "moments+counts", live)
         # tracking only ("off" or "reuse"): counts, shown by "reuse"
         return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f, dtype), "counts", live)
 
@@ -235,7 +261,7 @@ class Meter:
         counts = [count_vector(f, dtype)] if self.tracking else []
         full = lambda: torch.cat([finite_vector(sample, dtype, 1)] + counts)  # noqa: E731
         if live:
-            return self._start(stats, torch.cat([cheap_vector(sample)] + counts), "sampled-moments", live, full)
+            return self._start(stats, torch.cat([cheap_vector(sample, dtype, sample.numel())] + counts), "sampled-moments", live, full)
         return self._start(stats, full(), "sampled", live)
 
     def _start(self, stats: Stats, vector: torch.Tensor, layout: str, live: bool, refine=None) -> Stats:

@@ -17,7 +17,8 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from ..stats import VECTOR_SIZES, Stats, StatsGroup, as_float, count_vector, fill, finite_vector, value_kind, vector_dtype
+from ..stats import (VECTOR_SIZES, Stats, StatsGroup, as_float, cheap_vector, fill, finite_vector, lean_count_vector,
+                     value_kind, vector_dtype)
 from .plan import GraphPlan
 
 
@@ -78,8 +79,8 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     """(layout, vector proxy) for one tensor output.
 
-    Layouts: "finite", "counts", "int", "bool" (see `torchlens.stats.fill`), "finite+pad" when a NaN
-    was appended to keep the reductions of a possibly-empty dynamic-size tensor defined (it is
+    Layouts: "moments+counts", "counts", "int", "bool" (see `torchlens.stats.fill`), "finite+pad" /
+    "int+pad" when a NaN was appended to keep the reductions of a possibly-empty dynamic-size tensor defined (it is
     subtracted again when read), "na:<reason>" when nothing can be measured, "skip:<dtype>" when
     only tracking was asked for and the tensor cannot hold non-finite values.
     """
@@ -97,15 +98,27 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
         return "skip:" + kind, None
     if kind == "bool":
         return "bool", output.sum().to(dtype)
-    values = output.to(dtype) if kind == "int" else as_float(output, fake.dtype)
-    layout = "int" if kind == "int" else "finite" if measuring else "counts"
-    if layout == "counts":
-        return layout, count_vector(values, dtype)
+    if kind == "int":
+        values = output.to(dtype)
+        if isinstance(numel, int):
+            return "int", finite_vector(values, dtype, fake.dim())
+        return "int+pad", _padded_finite_vector(values, dtype)
+    values = as_float(output, fake.dtype)
+    if not measuring:
+        return "counts", lean_count_vector(values, dtype, numel if isinstance(numel, int) else _UNKNOWN)
     if isinstance(numel, int):
-        return layout, finite_vector(values, dtype, fake.dim())
-    # A dynamic size that may be zero: one NaN appended keeps the reductions defined.
+        # As eager's deferred exact statistics: moments, trusted only when the counts are zero.
+        return "moments+counts", torch.cat([cheap_vector(values, dtype, numel), lean_count_vector(values, dtype, numel)])
+    return "finite+pad", _padded_finite_vector(values, dtype)
+
+
+_UNKNOWN = 1 << 62  # a dynamic element count: the int64 sums, exact at any size
+
+
+def _padded_finite_vector(values, dtype):
+    """A dynamic size that may be zero: one NaN appended keeps the reductions defined."""
     padded = torch.cat([values.reshape(-1), values.new_full((1,), float("nan"))])
-    return layout + "+pad", finite_vector(padded, dtype, 1)
+    return finite_vector(padded, dtype, 1)
 
 
 def read_stats(slots: Slots, values: Sequence[float], rung: str, tracking: bool, numels) -> List:
@@ -132,12 +145,13 @@ def _read_one(layout: str, numel: int, values: Sequence[float], rung: str, track
         return Stats("na", numel, shown, note=layout[3:]), 0
     if layout.startswith("skip:"):
         return Stats("na", numel, False, note=layout[5:]), 0
-    base = layout.split("+")[0]
+    padded = layout.endswith("+pad")
+    base = layout[: -len("+pad")] if padded else layout
     size = VECTOR_SIZES[base]
     kind = {"counts": "counts", "bool": "bool"}.get(base, "exact")
     stats = Stats(kind, numel, rung == "reuse" if base == "counts" else shown)
     chunk = list(values[:size])
-    if layout.endswith("+pad"):
+    if padded:
         chunk[6] -= 1  # the NaN that was appended
     fill(stats, chunk, base, tracking)
     return stats, size
