@@ -168,9 +168,19 @@ def compiled_mode(name, description, kwargs, baseline, model, x, log_dir) -> Mod
     return mode
 
 
+# What a cold compile is timed for: plain torch.compile, or tl.compile with these keywords.
+COLD_KINDS = {
+    "plain": None,
+    "torchlens": dict(narrate=os.devnull),
+    "exact": dict(narrate=os.devnull, value_stats="exact"),
+    "exact_modules": dict(narrate=os.devnull, value_stats="exact", stats_on="module_outputs"),
+    "track": dict(on_nonfinite="track"),
+}
+
+
 def cold_compile(model_name: str, batch: int, device: str, quick: bool, kind: str) -> Optional[float]:
     """Seconds for the first call of a freshly compiled model, in a new process with an empty
-    inductor cache: what a user waits for. `kind` is "plain" or "torchlens"."""
+    inductor cache: what a user waits for. `kind` is a key of COLD_KINDS."""
     import subprocess
 
     with tempfile.TemporaryDirectory() as cache:
@@ -188,7 +198,8 @@ def _cold_child(args, models) -> int:
     torch.manual_seed(0)
     model = make_model().eval().to(args.device)
     x = make_input(int(args.batches)).to(args.device)
-    compiled = torch.compile(model) if args.cold == "plain" else tl.compile(model, narrate=os.devnull)
+    keywords = COLD_KINDS[args.cold]
+    compiled = torch.compile(model) if keywords is None else tl.compile(model, **keywords)
     with torch.no_grad():
         start = time.perf_counter()
         compiled(x)
@@ -404,8 +415,8 @@ def table(results: List[Dict]) -> str:
         lines.append(f"\n{result['model']}  batch {result['batch']}  {result['device']}")
         cold = result.get("cold_compile_s")
         if cold:
-            shown = {kind: "failed" if value is None else f"{value:.1f} s" for kind, value in cold.items()}
-            lines.append(f"  cold compile (fresh process and cache): plain {shown['plain']}, torchlens {shown['torchlens']}")
+            shown = ", ".join(f"{kind} {'failed' if value is None else f'{value:.1f} s'}" for kind, value in cold.items())
+            lines.append(f"  cold compile (fresh process and cache): {shown}")
         lines.append(f"  {'mode':22s} {'median ms':>10s} {'x base':>8s} {'lines':>6s} {'us/line':>8s} "
                      f"{'1st call s':>10s} {'peak MB':>8s}  vs")
         for row in result["modes"]:
@@ -447,9 +458,14 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile modes")
     parser.add_argument("--models", default=None, help="comma-separated subset of the model names")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--cold", choices=("plain", "torchlens"), help=argparse.SUPPRESS)
+    parser.add_argument("--cold-kinds", default="plain,torchlens",
+                        help=f"cold compiles to time, from {','.join(COLD_KINDS)} (full runs only)")
+    parser.add_argument("--cold", choices=tuple(COLD_KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    unknown = set(args.cold_kinds.split(",")) - set(COLD_KINDS)
+    if unknown:
+        parser.error(f"unknown --cold-kinds {sorted(unknown)}; choose from {', '.join(COLD_KINDS)}")
     models = build_models(args.quick)
     if args.models:
         wanted = args.models.split(",")
@@ -467,7 +483,7 @@ def main(argv=None) -> int:
                                  compiled=not args.no_compile)
             if not (args.no_compile or args.quick) and batch == batches[0]:
                 result["cold_compile_s"] = {kind: cold_compile(name, batch, args.device, args.quick, kind)
-                                            for kind in ("plain", "torchlens")}
+                                            for kind in args.cold_kinds.split(",")}
             results.append(result)
     report = {"environment": environment(), "quick": args.quick, "rounds": rounds, "results": results}
     print(table(results))

@@ -133,6 +133,46 @@ def test_exact_values_equal_torch_reductions():
     assert re.search(r"\| min=-?[\d.e+-]+ max=[\d.e+-]+ mean=-?[\d.e+-]+ sd=[\d.e+-]+ finite$", line_of(text, "conv2d"))
 
 
+class Reductions(TorchDispatchMode):
+    """Counts the aminmax reductions run: one per tensor the exact statistics actually measure."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.aminmax.default
+        return func(*args, **(kwargs or {}))
+
+
+class Reshapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 6) / 6)
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.weight)  # [3, 4]
+        y = y.view(12).view(4, 3).t()   # views of the same 12 elements: measured once
+        y = y.relu_()                   # changed in place: measured again
+        return y.reshape(12)[:6].sum(0)  # a copy (the view is transposed), half of it, a sum: measured
+
+
+def test_views_of_a_measured_tensor_share_its_statistics_until_it_changes():
+    x = torch.arange(18.0).reshape(3, 6) - 9
+    model = Reshapes().requires_grad_(False)
+    for live in (False, True):
+        with Reductions() as counter:
+            rec = tl.record(model, x, value_stats="exact", narrate=(lambda line: None) if live else None)
+        ops = {event.op: event.stats for event in rec.ops}
+        trace = tl.trace(model, x)
+        for event in rec.ops:
+            value = trace.value(event.ordinal).double()
+            assert event.stats.min == pytest.approx(value.min().item()), (live, event.op)
+            assert event.stats.mean == pytest.approx(value.mean().item()), (live, event.op)
+        assert ops["relu_"].min == 0 and ops["linear"].min < 0
+        assert counter.count == 6, live  # input, linear, relu_, reshape, [:6], sum; not the 3 views
+
+
 def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values():
     class Holes(nn.Module):
         def forward(self, x):

@@ -79,10 +79,10 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     """(layout, vector proxy) for one tensor output.
 
-    Layouts: "moments+counts", "counts", "int", "bool" (see `torchlens.stats.fill`), "finite+pad" /
-    "int+pad" when a NaN was appended to keep the reductions of a possibly-empty dynamic-size tensor defined (it is
-    subtracted again when read), "na:<reason>" when nothing can be measured, "skip:<dtype>" when
-    only tracking was asked for and the tensor cannot hold non-finite values.
+    Layouts: "moments+counts", "counts", "int", "bool" (see `torchlens.stats.fill`); "finite+pad" and
+    "int+pad" when a NaN was appended to keep the reductions of a possibly-empty dynamic-size tensor
+    defined (it is subtracted again when read); "na:<reason>" when nothing can be measured;
+    "skip:<dtype>" when only tracking was asked for and the tensor cannot hold non-finite values.
     """
     if fake.layout != torch.strided:
         return "na:" + str(fake.layout).replace("torch.", ""), None
