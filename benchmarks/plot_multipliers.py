@@ -1,6 +1,6 @@
 """Plot the multipliers a `snoop_echo_bench.py --json` run measured, one panel per model and batch.
 
-    python benchmarks/plot_multipliers.py results.json docs/img/multipliers.png
+    python benchmarks/plot_multipliers.py results.json [more.json ...] docs/img/multipliers.png
 
 Bars are each mode's median time over its baseline's (plain eager for eager modes, plain
 `torch.compile` for compiled ones); dashed lines mark the goals. Failed modes are drawn as a hatched
@@ -54,11 +54,15 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     argv = argv or sys.argv[1:]
-    if len(argv) != 2:
+    if len(argv) < 2:
         print(__doc__)
         return 2
-    with open(argv[0]) as f:
-        plot(json.load(f), argv[1])
+    reports = []
+    for path in argv[:-1]:  # runs of several models (same machine) are drawn side by side
+        with open(path) as f:
+            reports.append(json.load(f))
+    merged = dict(reports[0], results=[result for report in reports for result in report["results"]])
+    plot(merged, argv[-1])
     return 0
 
 

@@ -1,7 +1,7 @@
 """What narration costs: every torchlens mode against plain eager and plain `torch.compile`.
 
     python benchmarks/snoop_echo_bench.py                # resnet18 and GPT-2, batch 1 and 8
-    python benchmarks/snoop_echo_bench.py --quick        # small models, few rounds, no cold compiles
+    python benchmarks/snoop_echo_bench.py --quick        # small models, 3 rounds, no cold compiles: ~3 min
 
 All modes of one model and batch run in one process, interleaved round by round after a warm-up, and
 each figure is the median over rounds, so load on the machine hits every mode alike. Multipliers
@@ -81,11 +81,11 @@ class BasicBlock(nn.Module):
 class SmallResNet(nn.Module):
     """The resnet layout (stem, residual stages, pooled head) at a fraction of resnet18's width."""
 
-    def __init__(self, width: int = 16):
+    def __init__(self, width: int = 8):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
-        self.layer1 = nn.Sequential(BasicBlock(width), BasicBlock(width))
-        self.layer2 = nn.Sequential(BasicBlock(width * 2, 2), BasicBlock(width * 2))
+        self.layer1 = nn.Sequential(BasicBlock(width))
+        self.layer2 = nn.Sequential(BasicBlock(width * 2, 2))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(width * 2, 10)
 
@@ -99,11 +99,11 @@ def build_models(quick: bool):
 
     transformers.logging.set_verbosity_error()
     if quick:
-        gpt_config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
+        gpt_config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
                                              bos_token_id=0, eos_token_id=0)
         return [
             ("small-resnet", lambda: SmallResNet(), lambda b: torch.randn(b, 3, 32, 32)),
-            ("small-gpt2", lambda: transformers.GPT2Model(gpt_config), lambda b: torch.randint(0, 512, (b, 32))),
+            ("small-gpt2", lambda: transformers.GPT2Model(gpt_config), lambda b: torch.randint(0, 512, (b, 16))),
         ]
     import torchvision
 
@@ -178,7 +178,7 @@ COLD_KINDS = {
 }
 
 
-def cold_compile(model_name: str, batch: int, device: str, quick: bool, kind: str) -> Optional[float]:
+def cold_compile(model_name: str, batch: int, device: str, kind: str) -> Optional[float]:
     """Seconds for the first call of a freshly compiled model, in a new process with an empty
     inductor cache: what a user waits for. `kind` is a key of COLD_KINDS."""
     import subprocess
@@ -186,7 +186,7 @@ def cold_compile(model_name: str, batch: int, device: str, quick: bool, kind: st
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         command = [sys.executable, __file__, "--cold", kind, "--models", model_name, "--batches", str(batch),
-                   "--device", device] + (["--quick"] if quick else [])
+                   "--device", device]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         return None
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, few rounds: proves the script works")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8; quick: 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 30; quick: 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default 30; quick: 3)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile modes")
     parser.add_argument("--models", default=None, help="comma-separated subset of the model names")
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
         return _cold_child(args, models)
     torch._dynamo.config.recompile_limit = 64  # every compiled mode compiles the same forward
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,8")).split(",")]
-    rounds = args.rounds or (5 if args.quick else 30)
+    rounds = args.rounds or (3 if args.quick else 30)
     results = []
     for name, make_model, make_input in models:
         for batch in batches:
@@ -482,7 +482,7 @@ def main(argv=None) -> int:
             result = bench_model(name, make_model, make_input, batch, args.device, args.warmup, rounds,
                                  compiled=not args.no_compile)
             if not (args.no_compile or args.quick) and batch == batches[0]:
-                result["cold_compile_s"] = {kind: cold_compile(name, batch, args.device, args.quick, kind)
+                result["cold_compile_s"] = {kind: cold_compile(name, batch, args.device, kind)
                                             for kind in args.cold_kinds.split(",")}
             results.append(result)
     report = {"environment": environment(), "quick": args.quick, "rounds": rounds, "results": results}

@@ -12,26 +12,34 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_quick_side_by_side_benchmark_measures_every_mode(tmp_path):
+def test_quick_side_by_side_benchmark_measures_every_mode_and_plots(tmp_path):
     report_path = tmp_path / "report.json"
-    command = [sys.executable, str(BENCHMARKS / "snoop_echo_bench.py"), "--quick", "--models", "small-resnet",
-               "--rounds", "2", "--warmup", "1", "--json", str(report_path)]
+    command = [sys.executable, str(BENCHMARKS / "snoop_echo_bench.py"), "--quick", "--json", str(report_path)]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_path.read_text())
-    (result,) = report["results"]
-    rows = {row["mode"]: row for row in result["modes"]}
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import snoop_echo_bench as bench
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert set(rows) == {m[0] for m in bench.EAGER_MODES} | {m[0] for m in bench.COMPILED_MODES}
-    for name, row in rows.items():
-        assert row["error"] is None, (name, row["error"])
-        assert row["median_ms"] > 0 and row["rounds"] == 2, row
-        if row["baseline"]:
-            assert row["multiplier"] > 0, row
-    assert rows["fused"]["lines"] >= rows["narrate"]["lines"] > 20  # the compiled footer may add a line
-    assert "small-resnet  batch 1" in done.stdout and "FAILED" not in done.stdout
+    every_mode = {m[0] for m in bench.EAGER_MODES} | {m[0] for m in bench.COMPILED_MODES}
+    assert [r["model"] for r in report["results"]] == ["small-resnet", "small-gpt2"]
+    for result in report["results"]:
+        rows = {row["mode"]: row for row in result["modes"]}
+        assert set(rows) == every_mode
+        for name, row in rows.items():
+            assert row["error"] is None, (result["model"], name, row["error"])
+            assert row["median_ms"] > 0 and row["rounds"] == report["rounds"], row
+            if row["baseline"]:
+                assert row["multiplier"] > 0, row
+        assert rows["fused"]["lines"] >= rows["narrate"]["lines"] > 20  # the compiled footer may add a line
+        assert f"{result['model']}  batch 1" in done.stdout
+    assert "FAILED" not in done.stdout
+
+    plot_path = tmp_path / "multipliers.png"
+    plotted = subprocess.run([sys.executable, str(BENCHMARKS / "plot_multipliers.py"), str(report_path), str(plot_path)],
+                             capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
