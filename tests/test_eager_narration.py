@@ -374,6 +374,8 @@ def test_bad_input_gets_typed_errors_naming_the_argument():
         tl.record(model, x, narate=True)
     with pytest.raises(TypeError, match="sink="):
         NarrationOptions(sink=3.5)
+    with pytest.raises(tl.errors.OptionTypeError, match=r"'stats_on', an option of compiled runs only.*tl.compile"):
+        tl.record(model, x, value_stats="exact", stats_on="module_outputs")
 
 
 def test_an_unknown_module_path_names_the_nearest_paths():

@@ -96,6 +96,9 @@ def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
     return compile_model(model, config, torch_compile_kwargs)
 
 
+_COMPILED_ONLY = ("live", "compiler", "stats_on")  # options of `tl.compile` that eager runs have no use for
+
+
 def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) -> None:
     """A keyword the forward cannot take is most likely a misspelt option: say so, with both lists."""
     if not kwargs:
@@ -107,6 +110,9 @@ def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) 
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
     for name in kwargs:
+        if name in _COMPILED_ONLY and name not in parameters:
+            raise OptionTypeError(f"{entry} got {name!r}, an option of compiled runs only: pass it to "
+                                  f"tl.compile(model, {name}=...) or torch.compile(..., backend='torchlens')")
         if name not in parameters:
             raise OptionTypeError(
                 f"{entry} got {name!r}, which is neither a torchlens option{suggest(name, keywords)} "
