@@ -327,6 +327,39 @@ def test_lean_counts_are_exact_on_each_side_of_their_limits(numel):
     assert traced(x).tolist() == expected
 
 
+class ViewsAroundInPlace(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        a = y.view(-1)      # the same elements as y: shares its statistics
+        y.relu_()           # changed in place: what follows is measured again
+        b = y.transpose(0, 1)
+        return a.sum() + b.contiguous().sum()
+
+
+def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeypatch):
+    from torchlens.fx_backend import stats_pass
+
+    measured = []
+    original = stats_pass._vector_for
+    monkeypatch.setattr(stats_pass, "_vector_for", lambda output, fake, *a: (measured.append(1), original(output, fake, *a))[1])
+    x = torch.arange(-6.0, 6.0).reshape(3, 4)
+    compiled = tl.compile(ViewsAroundInPlace(), value_stats="exact", compiler="eager")
+    compiled(x)
+    ops = compiled.torchlens.last_recording.ops
+    trace = tl.trace(ViewsAroundInPlace(), x)
+    assert [e.op for e in ops] == [e.op for e in trace.ops]
+    for event, eager in zip(ops, trace.ops):
+        value = trace.value(eager.ordinal).double()
+        assert (event.stats.min, event.stats.max) == (value.min().item(), value.max().item()), event.op
+        assert event.stats.mean == pytest.approx(value.mean().item()), event.op
+    by_op = {e.op: e.stats for e in ops}
+    assert by_op["view"] is by_op["mul"] and by_op["view"].min < 0
+    # the graph's transpose reads `mul`'s node, written in place since: measured again, not shared
+    assert by_op["transpose"].min == 0 and by_op["transpose"] is not by_op["mul"]
+    assert by_op["contiguous"] is by_op["transpose"]
+    assert len(measured) == 6  # mul, relu_, transpose, two sums, add (inputs are measured on entry)
+
+
 def test_compiled_tracking_reads_once_per_graph_call(monkeypatch):
     class TwoGraphs(nn.Module):
         def __init__(self):

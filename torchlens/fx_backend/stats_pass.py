@@ -44,11 +44,16 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     chosen = set(range(len(plan.ops)) if only is None else only)
     slots: Slots = [None] * len(plan.ops)
     vectors, devices = [], []
+    measured = {}  # node -> index of its op, for ops measured with one vector of their own
     for op in plan.ops:
         if op.index not in chosen:
             continue
         node = nodes[op.node]
         value = node.meta["example_value"]
+        source = _same_elements_as(node, measured)
+        if source is not None:
+            slots[op.index] = (f"same:{source}",)
+            continue
         with graph.inserting_before(node.next):
             proxy = fx.Proxy(node, tracer)
             outputs = [(proxy, value)] if isinstance(value, torch.Tensor) else [
@@ -61,6 +66,8 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
                     vectors.append(vector.reshape(-1))
                     devices.append(fake.device)
         slots[op.index] = tuple(layouts)
+        if isinstance(value, torch.Tensor) and layouts[0] in ("moments+counts", "counts", "int", "bool"):
+            measured[node] = op.index
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     with graph.inserting_before(output_node):
         if vectors:
@@ -74,6 +81,68 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     output_node.args = ((*results, stacked.node) if isinstance(results, (tuple, list)) else (results, stacked.node),)
     gm.recompile()
     return slots
+
+
+# Ops whose output holds the same elements as their first argument, in another arrangement.
+_REARRANGING_METHODS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "flatten", "unsqueeze",
+                        "squeeze", "clone", "detach", "view_as", "reshape_as"}
+_REARRANGING_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.t, torch.flatten, torch.unsqueeze,
+                          torch.squeeze, torch.clone, torch.detach}
+
+
+def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
+    """The op index whose statistics `node`'s output shares, or None.
+
+    A view, reshape, transpose, `contiguous` or eval-mode dropout of a tensor measured just before
+    holds the same elements, so the same statistics: they are read once, not reduced again (about
+    half of a transformer's ops). Only when nothing in between may have changed the tensor in place.
+    """
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0] not in measured:
+        return None
+    if not (_rearranges(node) or _is_eval_dropout(node)):
+        return None
+    source = node.args[0]
+    value, before = node.meta.get("example_value"), source.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor) or value.dtype != before.dtype:
+        return None
+    numel, numel_before = value.numel(), before.numel()
+    if not isinstance(numel, int) or numel != numel_before:
+        return None
+    between = source.next
+    while between is not node:
+        if _may_mutate(between):
+            return None
+        between = between.next
+    return measured[source]
+
+
+def _rearranges(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _REARRANGING_METHODS
+    return node.op == "call_function" and node.target in _REARRANGING_FUNCTIONS
+
+
+def _is_eval_dropout(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.nn.functional.dropout:
+        return False
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    return training is False
+
+
+def _may_mutate(node: fx.Node) -> bool:
+    """Whether a node may write into an existing tensor: in-place methods and functions
+    (`relu_`, `add_`, `operator.iadd`, `inplace=True`), item assignment, and anything opaque."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return False
+    if node.kwargs.get("inplace") is True or (node.op == "call_module"):
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name == "setitem" or name.startswith("i") and name[1:] in _ARITHMETIC or (
+        name.endswith("_") and not name.endswith("__"))
+
+
+_ARITHMETIC = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+               "matmul"}
 
 
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
@@ -129,6 +198,9 @@ def read_stats(slots: Slots, values: Sequence[float], rung: str, tracking: bool,
     for layouts, counts in zip(slots, numels):
         if layouts is None:
             result.append(None)
+            continue
+        if layouts[0].startswith("same:"):
+            result.append(result[int(layouts[0][5:])])  # the same elements, read once
             continue
         parts = []
         for layout, numel in zip(layouts, counts):
