@@ -137,8 +137,8 @@ def _may_mutate(node: fx.Node) -> bool:
     if node.kwargs.get("inplace") is True or (node.op == "call_module"):
         return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name == "setitem" or name.startswith("i") and name[1:] in _ARITHMETIC or (
-        name.endswith("_") and not name.endswith("__"))
+    in_place_operator = name.startswith("i") and name[1:] in _ARITHMETIC  # operator.iadd, ...
+    return name == "setitem" or in_place_operator or (name.endswith("_") and not name.endswith("__"))
 
 
 _ARITHMETIC = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
