@@ -396,3 +396,14 @@ def test_forward_keyword_arguments_pass_through():
 
     rec = tl.record(Scaled(), torch.ones(2), scale=3.0)
     assert torch.equal(rec.output, torch.full((2,), 3.0))
+
+
+def test_module_names_follow_a_model_changed_between_forwards():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+    x = torch.randn(1, 2)
+    tl.record(model, x)
+    model[1] = torch.nn.ReLU()                      # replaced since the first forward
+    model.add_module("extra", torch.nn.Softplus())  # added since
+    rec = tl.record(model, x, narrate=tl.in_module("extra"))  # a valid selection now
+    assert [(e.op, e.scope.path, e.scope.type_name) for e in rec.ops[1:]] == [
+        ("linear", "0", "Linear"), ("relu", "1", "ReLU"), ("softplus", "extra", "Softplus")]

@@ -30,6 +30,7 @@ class ScopeTable:
         self._refs: Dict[int, weakref.ref] = {}
         self._interned: Dict[Tuple, Scope] = {}
         self._calls: Dict[Tuple[int, int], Tuple[Scope, weakref.ref]] = {}
+        self._unknown: Dict[int, weakref.ref] = {}  # modules not in the root when it was last read
         self._index()
 
     @classmethod
@@ -39,6 +40,8 @@ class ScopeTable:
         table = _tables.get(root)
         if table is None:
             table = _tables[root] = cls(root)
+        else:
+            table._index()  # the model may have changed since: modules swapped, added or removed
         return table
 
     def _index(self) -> None:
@@ -49,6 +52,8 @@ class ScopeTable:
             return
         self._names.clear()
         self._refs.clear()
+        self._calls.clear()  # names may have moved; the interned scopes stay valid
+        self._unknown.clear()
         for name, module in root.named_modules():
             if id(module) not in self._names:
                 self._names[id(module)] = name
@@ -88,9 +93,13 @@ class ScopeTable:
         """The module's path under the root (None for a module that is not part of it)."""
         ref = self._refs.get(id(module))
         if ref is None or ref() is not module:
+            unknown = self._unknown.get(id(module))
+            if unknown is not None and unknown() is module:
+                return None  # created on the fly, already looked for since the last read
             self._index()  # a module the table has not seen: the model may have changed
             ref = self._refs.get(id(module))
             if ref is None or ref() is not module:
+                self._unknown[id(module)] = weakref.ref(module)
                 return None
         return self._names[id(module)]
 
@@ -157,7 +166,7 @@ class ScopeTable:
         return scope
 
     def _child(self, parent: Scope, path: str, key: str, type_name: str) -> Scope:
-        chain_key = (id(parent), key)
+        chain_key = (id(parent), key, type_name)  # a module swapped for another class: a new scope
         scope = self._interned.get(chain_key)
         if scope is None:
             scope = self._interned[chain_key] = Scope(path, type_name, parent, key)
