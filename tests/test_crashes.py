@@ -293,3 +293,19 @@ def test_a_graph_that_changes_its_inputs_in_place_is_not_replayed():
     tail = exc.partial_trace.narrate(last=3)
     assert "not replayed: the graph changes its inputs in place" in tail
     assert "!! attempted" in tail.splitlines()[-1]
+
+
+def test_a_graph_that_adds_into_its_input_is_not_replayed():
+    """`x += y` reaches the graph as `operator.iadd`: replaying it would add twice."""
+    import operator
+
+    from torch import fx
+
+    from torchlens.fx_backend.replay import mutates_inputs
+
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    added = graph.call_function(operator.iadd, (x, y))
+    graph.call_method("relu_", (added,))  # in place on the in-place result: still the input
+    graph.output(graph.call_function(operator.mul, (added, 2)))
+    assert mutates_inputs(fx.GraphModule(torch.nn.Module(), graph))

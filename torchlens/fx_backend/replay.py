@@ -97,10 +97,11 @@ def why_not_replay(gm: fx.GraphModule, exc: BaseException) -> Optional[str]:
 def mutates_inputs(gm: fx.GraphModule) -> bool:
     """Whether an in-place op of the graph writes into one of its inputs (or a view of one)."""
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method") and _is_in_place(_target_name(node)) and node.args:
+        if node.op in ("call_function", "call_method") and is_in_place(target_name(node)) and node.args:
             target = node.args[0]
             while isinstance(target, fx.Node) and target.op != "placeholder" and target.args:
-                if not _is_view(_target_name(target)):
+                name = target_name(target)
+                if not (_is_view(name) or is_in_place(name)):  # an in-place op returns its first argument
                     break
                 target = target.args[0]
             if isinstance(target, fx.Node) and target.op == "placeholder":
@@ -116,21 +117,28 @@ def _is_view(name: str) -> bool:
     return name in _VIEWS
 
 
-def _is_in_place(name: str) -> bool:
-    return (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "copy_") or name.startswith("__i")
+_IN_PLACE_OPERATORS = {"i" + name for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
+                                                 "xor", "lshift", "rshift", "matmul")}
+
+
+def is_in_place(name: str) -> bool:
+    """Whether a graph node's target (by `target_name`) writes into its first argument: `relu_`,
+    `setitem`, `operator.iadd` (how dynamo records `x += y`), `__iadd__`."""
+    return ((name.endswith("_") and not name.endswith("__")) or name == "setitem" or name.startswith("__i")
+            or name in _IN_PLACE_OPERATORS)
 
 
 def replay_caveats(gm: fx.GraphModule) -> List[str]:
     """What may make a replay differ from the failed call, read from the graph."""
     caveats = []
-    names = [_target_name(node) for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
-    if any(_is_in_place(name) for name in names):
+    names = [target_name(node) for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
+    if any(is_in_place(name) for name in names):
         caveats.append("the graph mutates tensors in place; the replay saw them after any mutation the failed call made")
     if any(name.startswith(_RANDOM_OPS) for name in names):
         caveats.append("the graph draws random numbers; the replay drew its own")
     return caveats
 
 
-def _target_name(node: fx.Node) -> str:
+def target_name(node: fx.Node) -> str:
     target = node.target
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))

@@ -20,6 +20,7 @@ from torch.fx.proxy import GraphAppendingTracer
 from ..stats import (VECTOR_SIZES, Stats, StatsGroup, as_float, cheap_vector, fill, finite_vector, lean_count_vector,
                      value_kind, vector_dtype)
 from .plan import GraphPlan
+from .replay import is_in_place, target_name
 
 
 # Per plan op: None (no statistics), else one layout per tensor output (see `_vector_for`).
@@ -53,6 +54,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
         source = _same_elements_as(node, measured)
         if source is not None:
             slots[op.index] = (f"same:{source}",)
+            measured[node] = source  # a chain of views shares one measurement
             continue
         with graph.inserting_before(node.next):
             proxy = fx.Proxy(node, tracer)
@@ -130,19 +132,13 @@ def _is_eval_dropout(node: fx.Node) -> bool:
 
 
 def _may_mutate(node: fx.Node) -> bool:
-    """Whether a node may write into an existing tensor: in-place methods and functions
-    (`relu_`, `add_`, `operator.iadd`, `inplace=True`), item assignment, and anything opaque."""
+    """Whether a node may write into an existing tensor: an in-place op (`replay.is_in_place`),
+    `inplace=True`, or an opaque module call."""
     if node.op in ("placeholder", "get_attr", "output"):
         return False
-    if node.kwargs.get("inplace") is True or (node.op == "call_module"):
+    if node.kwargs.get("inplace") is True or node.op == "call_module":
         return True
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    in_place_operator = name.startswith("i") and name[1:] in _ARITHMETIC  # operator.iadd, ...
-    return name == "setitem" or in_place_operator or (name.endswith("_") and not name.endswith("__"))
-
-
-_ARITHMETIC = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
-               "matmul"}
+    return is_in_place(target_name(node))
 
 
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
