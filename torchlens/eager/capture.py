@@ -108,6 +108,8 @@ class OpReporter:
         self.paused = False
         self.ops = 0
 
+    follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
+
     def locate(self, frame) -> None:
         """Bring the session's open module to the one the call at `frame` runs in."""
 
@@ -116,8 +118,10 @@ class OpReporter:
         if metas is None:
             return
         try:
-            frame = sys._getframe(2)  # 0: here, 1: the mode, 2: the code that called the op
-            self.locate(frame)
+            # the frame only when needed: 0: here, 1: the mode, 2: the code that called the op
+            frame = sys._getframe(2) if self.sites or self.follows_stack else None
+            if self.follows_stack:
+                self.locate(frame)
             site = find_user_site(frame) if self.sites else None
             event = self.session.add_op(op_name(func), metas, site, None, out)
             for observe in self.observers:

@@ -22,5 +22,7 @@ class GapCapture(OpReporter):
         super().__init__(session, [keeper] if keeper is not None else [])
         self.scopes = scopes
 
+    follows_stack = True
+
     def locate(self, frame) -> None:
         self.session.move_to(self.scopes.scope_of_stack(frame))
