@@ -15,6 +15,7 @@ from .values import DEFAULT_MAX_BYTES
 
 _RECORD_KEYWORDS = ("narrate", "value_stats", "on_nonfinite")
 _TRACE_KEYWORDS = _RECORD_KEYWORDS + ("keep_on_cpu", "max_bytes")
+_COMPILED_ONLY = ("live", "compiler", "stats_on")  # options of `tl.compile` that eager runs have no use for
 
 
 def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None, **kwargs) -> Recording:
@@ -59,7 +60,7 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
         from .fx_backend.entry import trace_compiled
 
         options = _compiled_options(compiled)
-        ours = {key: options.pop(key) for key in ("live", "compiler", "stats_on") if key in options}
+        ours = {key: options.pop(key) for key in _COMPILED_ONLY if key in options}
         for key in set(options) & set(OPTION_KEYS):
             raise OptionTypeError(f"tl.trace(compiled=...): {key!r} is a keyword of tl.trace itself; pass it there")
         config = make_config(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
@@ -94,9 +95,6 @@ def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
 
     config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler, stats_on=stats_on)
     return compile_model(model, config, torch_compile_kwargs)
-
-
-_COMPILED_ONLY = ("live", "compiler", "stats_on")  # options of `tl.compile` that eager runs have no use for
 
 
 def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) -> None:
