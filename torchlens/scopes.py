@@ -46,18 +46,23 @@ class ScopeTable:
 
     def _index(self) -> None:
         """(Re)read the module names from the root: done again when a module turns up that the
-        table has not seen, in case the model was changed since."""
+        table has not seen, in case the model was changed since.
+
+        The tables are built aside and swapped in, never cleared in place: a capture in another
+        thread may be reading them (the same model narrated twice at once) and must see either
+        the old names or the new ones, never an empty table.
+        """
         root = self._root() if self._root is not None else None
         if root is None:
             return
-        self._names.clear()
-        self._refs.clear()
-        self._calls.clear()  # names may have moved; the interned scopes stay valid
-        self._unknown.clear()
+        names, refs = {}, {}
         for name, module in root.named_modules():
-            if id(module) not in self._names:
-                self._names[id(module)] = name
-                self._refs[id(module)] = weakref.ref(module)
+            if id(module) not in names:
+                names[id(module)] = name
+                refs[id(module)] = weakref.ref(module)
+        self._names, self._refs = names, refs
+        self._calls = {}  # names may have moved; the interned scopes stay valid
+        self._unknown = {}
 
     def knows(self, module) -> bool:
         """Whether `module` is the root or one of its submodules."""
@@ -91,24 +96,27 @@ class ScopeTable:
 
     def _name(self, module) -> Optional[str]:
         """The module's path under the root (None for a module that is not part of it)."""
-        ref = self._refs.get(id(module))
+        names, refs = self._names, self._refs  # one consistent pair, whatever another thread swaps in
+        ref = refs.get(id(module))
         if ref is None or ref() is not module:
             unknown = self._unknown.get(id(module))
             if unknown is not None and unknown() is module:
                 return None  # created on the fly, already looked for since the last read
             self._index()  # a module the table has not seen: the model may have changed
-            ref = self._refs.get(id(module))
+            names, refs = self._names, self._refs
+            ref = refs.get(id(module))
             if ref is None or ref() is not module:
                 self._unknown[id(module)] = weakref.ref(module)
                 return None
-        return self._names[id(module)]
+        return names.get(id(module))
 
     def path_of(self, module) -> Optional[str]:
         """The path of `module` as its calls are named (an unknown module: `caller.<Type>`)."""
-        ref = self._refs.get(id(module))
+        names, refs = self._names, self._refs
+        ref = refs.get(id(module))
         if ref is not None and ref() is module:
-            return self._names[id(module)]
-        for (module_id, _), (scope, call_ref) in self._calls.items():
+            return names.get(id(module))
+        for (module_id, _), (scope, call_ref) in list(self._calls.items()):
             if module_id == id(module) and call_ref() is module:
                 return scope.path
         return None
@@ -168,8 +176,8 @@ class ScopeTable:
     def _child(self, parent: Scope, path: str, key: str, type_name: str) -> Scope:
         chain_key = (id(parent), key, type_name)  # a module swapped for another class: a new scope
         scope = self._interned.get(chain_key)
-        if scope is None:
-            scope = self._interned[chain_key] = Scope(path, type_name, parent, key)
+        if scope is None:  # setdefault: two threads meeting a new call keep one scope for it
+            scope = self._interned.setdefault(chain_key, Scope(path, type_name, parent, key))
         return scope
 
 
