@@ -5,17 +5,25 @@ The mode sees every torch-level call (the granularity of a dynamo graph: `linear
 device) unless value statistics or kept values were asked for, so metadata narration reads no
 tensor payload and makes no device sync by construction.
 
+Captures nest: a `tl.record` (or a `Recorder` pass) may run inside a forward that is itself being
+narrated, in the same thread. Both see the inner model's ops, each in its own transcript. What a
+capture computes for itself (statistics, kept copies, a sink that calls torch) must not reach the
+other as the model's ops, so a capture's own work runs with torch functions' dispatch turned off
+whenever another capture is active in the thread (only then: it costs half a microsecond).
+
 Two rules keep this safe around `torch.compile`:
 
 - The mode and the hooks return at once when `torch.compiler.is_compiling()`: when dynamo traces
   through them it sees only the original call, so compiled graphs are unchanged.
-- Their code objects are excluded from dynamo's frame evaluation (`skip_code`): otherwise dynamo
+- Their code objects are excluded from dynamo's frame evaluation (at import): otherwise dynamo
   would compile them as frames of their own, where `is_compiling()` is true, and they would go
   silent in code that runs eagerly between compiled graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import threading
 
@@ -33,6 +41,12 @@ _Size = torch.Size
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+_own_work = torch._C.DisableTorchFunction  # torch calls made inside reach no mode, no subclass
+_threads = threading.local()  # .captures: eager captures active in this thread
+
+
+def captures_in_thread() -> int:
+    return getattr(_threads, "captures", 0)
 
 
 def unwinding() -> bool:
@@ -62,11 +76,16 @@ class CaptureMode(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
-            capture.op_raised(func, args, kwargs, exc)
+            with _own_work():
+                capture.op_raised(func, args, kwargs, exc)
             raise
         kind = type(out)
         if kind is _Tensor or (kind is not _Size and isinstance(out, (tuple, list, _Tensor))):
-            capture.op_done(func, out)  # sizes, dtypes, bools: not ops, and frequent
+            if capture.nested:  # an outer capture is below this mode: keep our work from it
+                with _own_work():
+                    capture.op_done(func, out)
+            else:
+                capture.op_done(func, out)  # sizes, dtypes, bools: not ops, and frequent
         return out
 
 
@@ -107,6 +126,7 @@ class OpReporter:
         self.observers = tuple(observers)  # called as observer(event, output) after each op
         self.paused = False
         self.ops = 0
+        self.nested = False  # another capture's mode is below ours in this thread
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
 
@@ -152,11 +172,15 @@ class EagerCapture(OpReporter):
         self.thread = _get_ident()
         self._mode = CaptureMode(self)
         self._handles = []
+        self._counted = False
+        stack = torch.overrides._get_current_function_mode_stack()
+        self.nested = any(isinstance(mode, CaptureMode) for mode in stack)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        keep_out_of_dynamo()
+        _threads.captures = captures_in_thread() + 1
+        self._counted = True
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
@@ -169,12 +193,38 @@ class EagerCapture(OpReporter):
         for handle in handles:
             handle.remove()
         remove_mode(self._mode)  # a no-op when the mode is not on the stack
+        if self._counted:
+            self._counted = False
+            _threads.captures = captures_in_thread() - 1
+
+    def own_work(self):
+        """Context for work of this capture outside its mode's handler (inputs, outputs, the
+        footer): invisible to any other capture in the thread."""
+        return _own_work() if self.nested else contextlib.nullcontext()
 
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
         if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
+        if self.nested or captures_in_thread() > 1:
+            with _own_work():
+                self._entered(module)
+        else:
+            self._entered(module)
+        return None
+
+    def _post_hook(self, module, args, output):
+        if _is_compiling() or self.paused or _get_ident() != self.thread:
+            return None
+        if self.nested or captures_in_thread() > 1:
+            with _own_work():
+                self._exited(module, unwinding())
+        else:
+            self._exited(module, unwinding())
+        return None
+
+    def _entered(self, module) -> None:
         self.paused = True  # a sink may call torch: that is not the model's op
         try:
             session = self.session
@@ -184,21 +234,17 @@ class EagerCapture(OpReporter):
             self.paused = False
         except Exception as exc:
             internal_error("recording a module enter", exc)
-        return None
 
-    def _post_hook(self, module, args, output):
-        if _is_compiling() or self.paused or _get_ident() != self.thread:
-            return None
+    def _exited(self, module, unwinding: bool) -> None:
         self.paused = True
         try:
             session = self.session
             scope = session.open_scope(self.scopes.path_of(module))
             if scope is not None:
-                session.exit(scope, unwinding())
+                session.exit(scope, unwinding)
             self.paused = False
         except Exception as exc:
             internal_error("recording a module exit", exc)
-        return None
 
 
 def remove_mode(mode: TorchFunctionMode) -> None:
@@ -221,29 +267,37 @@ def exclude_from_dynamo(*functions) -> None:
 
     They run inside compiled regions (between graphs, or around a compiled submodule) and must run
     as plain Python; compiled as frames of their own they would see `is_compiling()` as true and
-    do nothing.
+    do nothing. The strategy lives in torch's C extension, so this costs eager users no import.
     """
     try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-        strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-        for fn in functions:
-            set_code_exec_strategy(fn.__code__, strategy)
-    except Exception:  # an older dynamo: skip the functions themselves at least
-        skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
-        if skip is not None:
-            for fn in functions:
-                skip(fn.__code__)
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # a torch without per-code strategies: nothing to exclude from
+        return
+    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    for fn in functions:
+        set_code_exec_strategy(fn.__code__, strategy)
 
 
-_excluded = False
+def outside_dynamo(fn):
+    """Make `fn` run as plain Python when it is called inside a region `torch.compile` traces.
+
+    Its `_torchdynamo_disable` flag makes dynamo break the graph at the call instead of inlining
+    it, and the wrapper's frame and everything under it are excluded from compilation, so a
+    `tl.record` inside a compiled forward captures its model eagerly, as it would outside (what
+    `torch.compiler.disable` does, without importing dynamo for eager users).
+    """
+
+    @functools.wraps(fn)
+    def run_plain(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    run_plain._torchdynamo_disable = True
+    exclude_from_dynamo(run_plain)
+    return run_plain
+
+
+exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)
 
 
 def keep_out_of_dynamo() -> None:
-    """Exclude the capture's entry points from dynamo, once dynamo is loaded (it cannot compile
-    anything before; importing it just for this would cost eager users a second)."""
-    global _excluded
-    if not _excluded and "torch._dynamo" in sys.modules:
-        _excluded = True
-        exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)
+    """Kept for callers: the capture's entry points are excluded from dynamo at import."""

@@ -13,7 +13,7 @@ from ..results import Recording
 from ..options import Settings
 from ..session import Session, internal_error
 from ..stats import Meter
-from .capture import EagerCapture
+from .capture import EagerCapture, outside_dynamo
 from ..scopes import ScopeTable
 from .structure import check_selection, named_inputs, named_outputs
 from ..values import ValueKeeper
@@ -43,6 +43,11 @@ class EagerRun:
         self.capture = EagerCapture(self.session, self.scopes, observers)
 
     def begin(self, args: tuple, kwargs: dict) -> None:
+        with self.capture.own_work():
+            self._record_inputs(args, kwargs)
+        self.capture.start()
+
+    def _record_inputs(self, args: tuple, kwargs: dict) -> None:
         try:
             for label, tensor in named_inputs(self.model, args, kwargs):
                 event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
@@ -52,23 +57,24 @@ class EagerRun:
             if getattr(exc, "torchlens_stop", False):
                 raise  # a trace budget exceeded by the inputs alone
             internal_error("recording the forward's inputs", exc)
-        self.capture.start()
 
     def end(self, output) -> Recording:
         """The recording of the forward that returned `output`. A failure of torchlens here must not
         turn the user's successful forward into an error: it is reported and a bare recording kept."""
         self.capture.stop()
-        try:
-            for label, tensor in named_outputs(output):
-                self.session.add_output(label, (TensorMeta.of(tensor),))
-            return self.session.finish(output)
-        except Exception as exc:
-            internal_error("finishing the recording", exc)
-            return Recording(self.session.events, output, self.session.settings)
+        with self.capture.own_work():
+            try:
+                for label, tensor in named_outputs(output):
+                    self.session.add_output(label, (TensorMeta.of(tensor),))
+                return self.session.finish(output)
+            except Exception as exc:
+                internal_error("finishing the recording", exc)
+                return Recording(self.session.events, output, self.session.settings)
 
     def abort(self, exc: BaseException):
         self.capture.stop()
-        partial = self.session.fail(exc)
+        with self.capture.own_work():
+            partial = self.session.fail(exc)
         strip_own_frames(exc)
         return partial
 
@@ -76,6 +82,7 @@ class EagerRun:
         self.capture.stop()
 
 
+@outside_dynamo
 def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings, header=None) -> Recording:
     """Run `model(*args, **kwargs)` once under capture and return its recording."""
     narrator = Narrator(settings.narration) if settings.narration is not None else None
