@@ -5,6 +5,10 @@ it events as the forward runs; a recording renders its transcript after the fact
 same events to a fresh narrator with an in-memory sink. That is why the two are byte-identical.
 (Statistics of a line are read before the line is printed; those of a line not printed may be read
 later, at the end of the forward, and so the narrator only acts on statistics of printed lines.)
+
+A sink that fails (raises on a write, a block, or when closed) turns the live narration off with
+exactly one `NarrationWarning`; lines are still counted, and the run's events, from which any
+transcript is rendered again, are untouched. Nothing a sink does reaches the user's forward.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from . import grammar
 from .errors import warn_safely
 from .events import ENTER, EXIT, INPUT, OP, Attempt, Event
 from .options import NarrationOptions
+from .ranks import shared_sink_tag
 from .sinks import ListSink, Sink, open_sink
 
 
@@ -23,8 +28,12 @@ class Narrator:
 
     def __init__(self, options: NarrationOptions, sink: Optional[Sink] = None):
         self.options = options
-        self.sink = sink if sink is not None else open_sink(options.sink)
-        self._prefix = options.prefix
+        if sink is None:  # a live run: the sink is opened now, and may be shared by several ranks
+            self.sink = open_sink(options.sink)
+            self._prefix = shared_sink_tag(options.sink) + options.prefix
+        else:  # rendering into the caller's sink: the transcript of this process alone
+            self.sink = sink
+            self._prefix = options.prefix
         self._select = options.select
         self._depth = options.depth
         self._max_lines = options.max_lines
@@ -168,8 +177,19 @@ class Narrator:
     # -- failures -------------------------------------------------------------------------------
 
     def fail(self, events: Sequence[Event], attempt: Optional[Attempt], error: str) -> None:
-        """Print the failure block: what failed, the last lines with their module context, the marker."""
-        for line in failure_block(events, attempt, error, self.options, self.options.tail_on_error):
+        """Print the failure block: what failed, the last lines with their module context, the marker.
+
+        Never raises: it runs while the user's exception is on its way out, and must not replace it.
+        """
+        if self._disabled:
+            return
+        try:
+            lines = failure_block(events, attempt, error, self.options, self.options.tail_on_error)
+        except Exception as exc:
+            self._narration_failed(f"torchlens could not narrate the failure ({_describe(exc)}); "
+                                   f"exc.partial_trace still holds every event")
+            return
+        for line in lines:
             self._write(line)
 
     def note(self, text: str) -> None:
@@ -191,35 +211,59 @@ class Narrator:
         return True
 
     def _write(self, line: str) -> None:
-        if self._prefix:
-            line = self._prefix + line
-        if self._captured is not None:
+        if self._captured is not None:  # held for a block cache: prefixed when the block is written
             self._captured.append(line)
             return
         if self._disabled:
             return
+        if self._prefix:
+            line = self._prefix + line
         try:
             self.sink.write(line)
         except Exception as exc:  # a broken sink must not break the user's forward
             self._sink_failed(exc)
 
     def _write_block(self, lines: Sequence[str]) -> None:
+        """Write cached lines; the prefix is added here, as it may differ between the runs that
+        share a cache (the rank tag of a process group initialised between two calls)."""
         if self._disabled or not lines:
             return
+        if self._prefix:
+            lines = [self._prefix + line for line in lines]
         try:
             self.sink.write_block(lines)
         except Exception as exc:
             self._sink_failed(exc)
 
     def _sink_failed(self, exc: Exception) -> None:
+        self._narration_failed(
+            f"torchlens narration turned off: the sink raised {_describe(exc)}; the run goes on, and "
+            f"its recording still holds every event (recording.narrate() renders the whole transcript)"
+        )
+
+    def _narration_failed(self, message: str) -> None:
+        """Turn live narration off, with the run's only warning about it."""
+        if self._disabled:
+            return
         self._disabled = True
-        warn_safely(f"torchlens narration turned off: the sink raised {type(exc).__name__}: {exc}", stacklevel=4)
+        warn_safely(message, stacklevel=5)
 
     def close(self) -> None:
+        """Release the sink. Never raises; warns only if narration has not already warned (a sink
+        that failed while writing usually fails again when closed)."""
         try:
             self.sink.close()
         except Exception as exc:
-            warn_safely(f"torchlens could not close its sink: {exc}")
+            self._narration_failed(f"torchlens could not close its sink: {_describe(exc)}")
+        self._disabled = True  # a closed narrator writes nothing more
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message` of an exception, even one whose message cannot be rendered."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:
+        return f"{type(exc).__name__} (its message could not be rendered)"
 
 
 def first_nonfinite_text(event: Event) -> str:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
 from .selectors import Selector, as_selector
-from .sinks import is_sink_target
+from .sinks import checked_sink, is_sink_target
 
 VALUE_STATS = ("off", "reuse", "sampled", "exact")
 ON_NONFINITE = (None, "track", "raise")
@@ -78,6 +78,7 @@ class NarrationOptions:
                 f"NarrationOptions(sink=...) takes a path, a text stream, a callable taking one line, "
                 f"a logging.Logger, or None for stderr; got {type(sink).__name__}"
             )
+        sink = checked_sink(sink)  # a path's template fields and directory, before any forward runs
         self.sink = sink
         self.sites = _check_bool("sites", sites)
         self.select = None if select is None else as_selector(select)

@@ -2,11 +2,15 @@
 
 - A path is opened for appending with an unbuffered descriptor, and each line is one `os.write`:
   the bytes are in the kernel once the call returns, so they survive a SIGKILL or a segfault of the
-  process a moment later. It is closed when the run ends.
+  process a moment later. It is closed when the run ends. A path may name `{rank}` and
+  `{world_size}`, filled in when the run opens the sink (see `ranks`), so that each process of a
+  distributed job writes its own file. Its directory must exist when the options are made: a typo
+  there is an error before the forward, not a warning after it.
 - A stream gets `write` + `flush` per line and is never closed (it is the caller's).
 - A callable gets each line without its newline; a `Logger` gets `logger.info(line)`.
 
-Failures are the narrator's business (it turns narration off with one warning): sinks just raise.
+Failures while writing are the narrator's business (it turns narration off with one warning):
+sinks just raise.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+from .errors import OptionValueError
+from .ranks import expand_path, template_fields
 
 
 class Sink:
@@ -32,6 +39,8 @@ class Sink:
 
 
 class FileSink(Sink):
+    """Appends to `path`, opened at the first line (a run that prints nothing creates no file)."""
+
     def __init__(self, path):
         self.path = os.fspath(path)
         self._fd = None
@@ -51,9 +60,9 @@ class FileSink(Sink):
             data = data[os.write(self._fd, data):]
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        fd, self._fd = self._fd, None  # forgotten first: the descriptor is gone even if close fails
+        if fd is not None:
+            os.close(fd)
 
 
 class StreamSink(Sink):
@@ -117,7 +126,7 @@ def open_sink(target) -> Sink:
     if isinstance(target, Sink):
         return target
     if isinstance(target, (str, os.PathLike)):
-        return FileSink(target)
+        return FileSink(expand_path(os.fsdecode(target)))
     if isinstance(target, logging.Logger):
         return LoggerSink(target)
     if is_stream(target):
@@ -139,3 +148,54 @@ def is_sink_target(obj) -> bool:
         or is_stream(obj)
         or callable(obj)
     )
+
+
+class SinkPath(str):
+    """A sink path that has been checked (its template fields, its directory).
+
+    A `str`, equal to the path it was made from. Options made again from checked options (every
+    `NarrationOptions.replace`, and so every `recording.narrate()`) do not check it again: a
+    transcript rendered after the log directory was removed, or from another working directory,
+    must not fail on a file it never writes.
+    """
+
+    __slots__ = ()
+
+
+def checked_sink(target):
+    """Check a sink target beyond its type, before any forward runs; return what to keep.
+
+    A path must name only fields `ranks` fills in, and its directory must exist: the file is
+    created at the run's first line, inside the forward, where a failure could only turn
+    narration off with a warning.
+    """
+    if isinstance(target, SinkPath) or not isinstance(target, (str, os.PathLike)):
+        return target
+    path = os.fsdecode(target)
+    template_fields(path)
+    _check_directory(path)
+    return SinkPath(path)
+
+
+def _check_directory(path: str) -> None:
+    """The directory the narration file goes in must exist (its part before any template field:
+    `logs/{rank}/run.log` needs `logs`, and each rank's own directory is its business)."""
+    static = _static_part(os.path.dirname(path))
+    where = f"narration sink {path!r} (narrate= or NarrationOptions(sink=))"
+    if static and not os.path.isdir(static):
+        problem = "is not a directory" if os.path.exists(static) else "does not exist"
+        raise OptionValueError(
+            f"{where}: the directory {static!r} {problem}, so the file cannot be created; create it "
+            f"first (os.makedirs({static!r}, exist_ok=True)) or narrate to a file in an existing directory"
+        )
+    if "{" not in path and os.path.isdir(path):
+        raise OptionValueError(f"{where} is a directory; name a file inside it, such as "
+                               f"{os.path.join(path, 'narration.log')!r}")
+
+
+def _static_part(directory: str) -> str:
+    """The leading components of `directory` that name no template field."""
+    if "{" not in directory:
+        return directory
+    head = directory[: directory.index("{")]
+    return head if head.endswith(os.sep) or not head else os.path.dirname(head)
