@@ -297,7 +297,3 @@ def outside_dynamo(fn):
 
 
 exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)
-
-
-def keep_out_of_dynamo() -> None:
-    """Kept for callers: the capture's entry points are excluded from dynamo at import."""

@@ -8,7 +8,7 @@ with one ordinal sequence across graphs. A failed graph is located by replay (`r
 its `nn_module_stack` metadata is read by `torchlens.scopes`.
 
 The seam with the eager substrate: the capture mode and its reporting (`CaptureMode`,
-`OpReporter`, `remove_mode`, `keep_out_of_dynamo` from `eager.capture`), the argument and output
+`OpReporter`, `remove_mode` from `eager.capture`), the argument and output
 naming and selection checks of `eager.structure`, and `eager.runner.run_eager`, with which a
 forward dynamo failed to trace is run again eagerly to find the failing op.
 """

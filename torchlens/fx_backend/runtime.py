@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..eager.capture import CaptureMode, keep_out_of_dynamo, remove_mode
+from ..eager.capture import CaptureMode, remove_mode
 from ..eager.structure import check_selection, named_arguments, named_outputs
 from ..events import Scope, TensorMeta
 from ..grammar import plural
@@ -35,7 +36,6 @@ from .plan import GraphPlan
 from .stats_pass import read_stats
 
 _local = threading.local()
-keep_out_of_dynamo()  # the compiled path is dynamo: it is loaded by now
 
 
 def active_run() -> Optional["CompiledRun"]:
@@ -56,7 +56,7 @@ class CompiledRuntime:
     """Options, module names and forward count shared by every forward of one compiled model.
 
     `last_recording` is the most recent forward's `Recording` (only the last is kept: its output
-    and any kept values stay alive as long as it does).
+    and any kept values stay alive as long as it does, and no longer than the model).
     """
 
     def __init__(self, config: CompileConfig, root: Optional[nn.Module] = None):
@@ -64,6 +64,7 @@ class CompiledRuntime:
         self.scopes = ScopeTable(root)
         if root is not None:
             check_selection(config.settings, self.scopes.paths)
+            _forget_recording_with(root, self)
         self.passes = 0
         self.last_recording: Optional[Recording] = None
         self.last_graph_calls = 0
@@ -120,6 +121,22 @@ class CompiledRuntime:
 
 def _nothing() -> None:
     return None
+
+
+def _forget_recording_with(root: nn.Module, runtime: CompiledRuntime) -> None:
+    """Drop the runtime's last recording (its output tensors) when the model is collected.
+
+    Dynamo keeps every backend it was given, and the compiled graphs, until `torch._dynamo.reset()`,
+    so a runtime outlives its model; the recording of the model's last forward must not.
+    """
+    finalizer = weakref.finalize(root, _forget_recording, weakref.ref(runtime))
+    finalizer.atexit = False
+
+
+def _forget_recording(runtime_ref) -> None:
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime.last_recording = None
 
 
 class CompiledRun:
