@@ -303,6 +303,19 @@ def test_narrated_and_silent_compiles_of_one_model_do_not_mix(capfd):
         assert_one_narrated_pass(text, model, x)
 
 
+def test_a_compiled_module_called_by_a_compiled_function_is_named_as_the_module_itself():
+    """Through `torch.compile`'s wrapper (`_orig_mod`) the module keeps the names it has unwrapped."""
+    model, x = Tiny(), torch.randn(1, 2)
+    wrapped = tl.compile(model, compiler="eager")
+    texts = []
+    for inner in (model, wrapped):
+        lines = []
+        tl.compile(lambda t: inner(t) * 2, narrate=lines.append, compiler="eager")(x)
+        texts.append("\n".join(lines))
+    assert texts[0] == texts[1]
+    assert "_orig_mod" not in texts[1] and "@proj" in texts[1]
+
+
 # -- nothing left behind -------------------------------------------------------------------------
 
 

@@ -195,11 +195,14 @@ def _module_of(obj) -> Optional[torch.nn.Module]:
 _FRAME_LOCAL = re.compile(r"^([LG]\['[^']*'\]|self)\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
+_WRAPPER = re.compile(r"(?:^|\.)_orig_mod(?=\.|$)")  # torch.compile's OptimizedModule attribute
 
 
 def clean_module_path(path: str) -> str:
-    """`L['self'].blocks[0]._modules['attn']` -> `blocks.0.attn`."""
+    """`L['self'].blocks[0]._modules['attn']` -> `blocks.0.attn`; `G['cm']._orig_mod.proj` (a
+    compiled module reached through its wrapper) -> `proj`, as the module itself would be named."""
     path = _FRAME_LOCAL.sub("", str(path))
     path = _MODULES_ITEM.sub(r".\1", path)
     path = _INDEX.sub(r".\1", path)
+    path = _WRAPPER.sub("", path)
     return path.strip(".")
