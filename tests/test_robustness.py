@@ -145,7 +145,7 @@ def test_recorder_keeps_the_last_passes_when_asked():
             with recorder:
                 pass
     with pytest.raises(ValueError, match="keep="):
-        tl.recording.Recorder(model, keep=0)
+        tl.recording.Recorder(model, keep=-1)
 
 
 def test_bad_arguments_after_the_fact_are_typed_errors():

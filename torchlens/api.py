@@ -6,8 +6,8 @@ import inspect
 
 from torch import nn
 
-from .errors import OptionTypeError, OptionValueError, suggest
-from .options import make_settings
+from .errors import OptionTypeError, suggest
+from .options import check_count, make_settings
 from .results import Recording, Trace
 from .eager.runner import run_eager
 from .eager.structure import check_model, forward_signature
@@ -51,17 +51,14 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS + ("compiled",), "tl.trace")
     if not isinstance(keep_on_cpu, bool):
         raise OptionTypeError(f"tl.trace(keep_on_cpu=...) takes True or False, got {keep_on_cpu!r}")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)):
-        raise OptionTypeError(f"tl.trace(max_bytes=...) takes a byte count or None (no limit), got {max_bytes!r}")
-    if max_bytes is not None and max_bytes < 0:
-        raise OptionValueError(f"tl.trace(max_bytes={max_bytes}): must be >= 0 (or None for no limit)")
+    check_count("tl.trace", "max_bytes", max_bytes, none_means="no limit")
     if compiled is not False:
         from .fx_backend.config import OPTION_KEYS, make_config
         from .fx_backend.entry import trace_compiled
 
         options = _compiled_options(compiled)
         ours = {key: options.pop(key) for key in _COMPILED_ONLY if key in options}
-        for key in set(options) & set(OPTION_KEYS):
+        for key in set(options) & set(OPTION_KEYS + _TRACE_KEYWORDS):
             raise OptionTypeError(f"tl.trace(compiled=...): {key!r} is a keyword of tl.trace itself; pass it there")
         config = make_config(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
                              max_bytes=max_bytes, **ours)

@@ -82,15 +82,16 @@ class NarrationOptions:
         self.sink = sink
         self.sites = _check_bool("sites", sites)
         self.select = None if select is None else as_selector(select)
-        self.max_lines = _check_count("max_lines", max_lines, allow_none=True)
+        self.max_lines = check_count("NarrationOptions", "max_lines", max_lines, none_means="no limit")
         if not isinstance(prefix, str):
             raise OptionTypeError(f"NarrationOptions(prefix=...) takes a string, got {type(prefix).__name__}")
-        if "\n" in prefix:
-            raise OptionValueError("NarrationOptions(prefix=...) must not contain a newline")
+        if _breaks_lines(prefix):
+            raise OptionValueError(f"NarrationOptions(prefix={prefix!r}) takes a string without a newline or "
+                                   "other line break: each line's prefix must stay on that line")
         self.prefix = prefix
-        self.depth = _check_count("depth", depth, allow_none=True)
+        self.depth = check_count("NarrationOptions", "depth", depth, none_means="every depth")
         self.normalize = _check_bool("normalize", normalize)
-        self.tail_on_error = _check_count("tail_on_error", tail_on_error, allow_none=False)
+        self.tail_on_error = check_count("NarrationOptions", "tail_on_error", tail_on_error)
         self.on_error_only = _check_bool("on_error_only", on_error_only)
         self.symbolic_shapes = _check_bool("symbolic_shapes", symbolic_shapes)
 
@@ -109,20 +110,32 @@ class NarrationOptions:
         return "NarrationOptions(" + ", ".join(changed) + ")"
 
 
+def _breaks_lines(text: str) -> bool:
+    """Whether `text` holds a character `str.splitlines` breaks at (\n, \r, \x0b, \u2028...): a prefix
+    with one would split every narrated line in two for anyone reading the transcript back."""
+    return len(("x" + text + "x").splitlines()) > 1
+
+
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise OptionTypeError(f"NarrationOptions({name}=...) takes True or False, got {value!r}")
     return value
 
 
-def _check_count(name: str, value, allow_none: bool):
-    if value is None and allow_none:
+def check_count(owner: str, name: str, value, *, minimum: int = 0, none_means: Optional[str] = None):
+    """Validate a count argument (`max_lines=`, `last=`, `keep=`...) of `owner`, the same way everywhere.
+
+    A wrong kind (a float, a string, a bool) is an `OptionTypeError`, a number below `minimum` an
+    `OptionValueError`; both messages name `owner(name=...)` and say what is accepted. None is
+    accepted only where it means something, and `none_means` says what (shown in the message).
+    """
+    if value is None and none_means is not None:
         return None
+    accepted = f"a whole number >= {minimum}" + (f" or None ({none_means})" if none_means is not None else "")
     if isinstance(value, bool) or not isinstance(value, int):
-        accepted = "a whole number >= 0" + (" or None" if allow_none else "")
-        raise OptionTypeError(f"NarrationOptions({name}=...) takes {accepted}, got {value!r}")
-    if value < 0:
-        raise OptionValueError(f"NarrationOptions({name}={value}): must be >= 0")
+        raise OptionTypeError(f"{owner}({name}=...) takes {accepted}, got {value!r}")
+    if value < minimum:
+        raise OptionValueError(f"{owner}({name}={value}): takes {accepted}")
     return value
 
 

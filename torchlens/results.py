@@ -11,20 +11,14 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import grammar
-from .errors import OptionTypeError, OptionValueError
 from .events import INPUT, OP, Attempt, Event
 from .narrator import failure_block, render_lines
-from .options import NarrationOptions
+from .options import NarrationOptions, check_count
 from .selectors import as_selector
 
 
 def _check_last(last) -> None:
-    if last is None:
-        return
-    if isinstance(last, bool) or not isinstance(last, int):
-        raise OptionTypeError(f"narrate(last=...) takes a number of lines or None (all), got {last!r}")
-    if last < 0:
-        raise OptionValueError(f"narrate(last={last}): must be >= 0")
+    check_count("narrate", "last", last, none_means="every line")
 
 
 class Transcript(str):
@@ -84,7 +78,8 @@ class Recording:
         if select is not None:
             changes["select"] = selector = as_selector(select)
             # the modules this forward called: the paths a selector can name after the fact
-            selector.check_paths({e.scope.path for e in self.events} | {""})
+            selector.check_paths({e.scope.path for e in self.events} | {""},
+                                 "this forward called no module at that path")
         changes.update({k: v for k, v in overrides.items() if v is not None})
         return options.replace(**changes)
 

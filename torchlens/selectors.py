@@ -26,30 +26,41 @@ class Selector:
         """Module paths this selector names, checked against the model before the run."""
         return ()
 
-    def check_paths(self, known: Iterable[str]) -> None:
-        """Raise `UnknownModuleError` for a named module the model does not have."""
+    def check_paths(self, known: Iterable[str], missing: str = "the model has no module at that path") -> None:
+        """Raise `UnknownModuleError` for a named module that is not among `known`; `missing` says
+        where it was looked for (a model's modules, or the modules one recorded forward called)."""
         known = set(known)
         for path in self.module_paths():
             if path not in known:
                 raise UnknownModuleError(
-                    f"in_module({path!r}): the model has no module at that path{suggest(path, known)}"
-                    f"{_children_hint(path, known)}"
+                    f"in_module({path!r}): {missing}{suggest(path, known)}{_children_hint(path, known)}"
                 )
 
     def __or__(self, other) -> "Selector":
-        return _AnyOf(self, as_selector(other))
+        return _AnyOf(self, as_selector(other, _COMBINED))
 
     def __ror__(self, other) -> "Selector":
-        return _AnyOf(as_selector(other), self)
+        return _AnyOf(as_selector(other, _COMBINED), self)
 
     def __and__(self, other) -> "Selector":
-        return _AllOf(self, as_selector(other))
+        return _AllOf(self, as_selector(other, _COMBINED))
 
     def __rand__(self, other) -> "Selector":
-        return _AllOf(as_selector(other), self)
+        return _AllOf(as_selector(other, _COMBINED), self)
 
     def __invert__(self) -> "Selector":
         return _Not(self)
+
+    def _identity(self) -> tuple:
+        """What makes two selectors the same selection: so that `NarrationOptions` built twice from
+        the same arguments compare equal (the default is the object itself)."""
+        return (id(self),)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._identity() == self._identity()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._identity()))
 
 
 class InModule(Selector):
@@ -73,6 +84,9 @@ class InModule(Selector):
     def module_paths(self):
         return self.paths
 
+    def _identity(self) -> tuple:
+        return self.paths
+
     def __repr__(self) -> str:
         return "in_module(" + ", ".join(repr(p) for p in self.paths) + ")"
 
@@ -85,6 +99,9 @@ class Predicate(Selector):
 
     def __call__(self, event: Event) -> bool:
         return bool(self.fn(event))
+
+    def _identity(self) -> tuple:
+        return (id(self.fn),)  # the same function; callables need not be hashable
 
     def __repr__(self) -> str:
         return f"Predicate({getattr(self.fn, '__name__', self.fn)!r})"
@@ -99,6 +116,9 @@ class _AnyOf(Selector):
 
     def module_paths(self):
         return [p for part in self.parts for p in part.module_paths()]
+
+    def _identity(self) -> tuple:
+        return self.parts
 
     def __repr__(self) -> str:
         return "(" + " | ".join(map(repr, self.parts)) + ")"
@@ -122,12 +142,16 @@ class _Not(Selector):
     def module_paths(self):
         return self.inner.module_paths()
 
+    def _identity(self) -> tuple:
+        return (self.inner,)
+
     def __repr__(self) -> str:
         return f"~{self.inner!r}"
 
 
 def _children_hint(path: str, known) -> str:
-    """'; modules under 'a.b': a.b.c, a.b.d' for the deepest ancestor of `path` that exists."""
+    """'; modules under 'a.b': a.b.c, a.b.d' for the deepest ancestor of `path` that exists (or that
+    it has none: the message always says what could have been named)."""
     parent = path
     while parent:
         parent = parent.rsplit(".", 1)[0] if "." in parent else ""
@@ -136,7 +160,7 @@ def _children_hint(path: str, known) -> str:
     prefix = parent + "." if parent else ""
     children = sorted(p for p in known if p.startswith(prefix) and p and "." not in p[len(prefix):])
     if not children:
-        return ""
+        return f"; {repr(parent) if parent else 'the model'} has no submodules"
     shown = ", ".join(children[:8]) + (", ..." if len(children) > 8 else "")
     return f"; modules under {repr(parent) if parent else 'the root'}: {shown}"
 
@@ -150,9 +174,16 @@ def in_module(*paths: str) -> Selector:
     return InModule(*paths)
 
 
-def as_selector(obj) -> Selector:
+_COMBINED = "combining selectors with | or &"
+
+
+def as_selector(obj, argument: str = "select=") -> Selector:
+    """`obj` as a `Selector` (a plain callable is wrapped); `argument` names what the user passed it
+    as, for the error when it is neither."""
     if isinstance(obj, Selector):
         return obj
     if callable(obj):
         return Predicate(obj)
-    raise OptionTypeError(f"select= takes a selector such as tl.in_module('...') or a callable event -> bool, got {type(obj).__name__}")
+    raise OptionTypeError(
+        f"{argument} takes a selector such as tl.in_module('...') or a callable event -> bool, got {type(obj).__name__}"
+    )

@@ -6,17 +6,20 @@ the block is open is one pass, recorded and narrated with a pass number.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import sys
 import threading
-import collections
-from typing import Deque, Optional
+from typing import Deque, List, Optional, Tuple
 
 from torch import nn
 
-from ..narrator import Narrator
-from ..results import Recording
 from ..errors import OptionValueError, RecorderStateError
-from ..options import Settings, make_settings
+from ..events import Event
+from ..grammar import render_note
+from ..narrator import Narrator, render_lines
+from ..options import NarrationOptions, Settings, check_count, make_settings
+from ..results import Recording, Transcript
 from ..session import internal_error
 from .capture import unwinding
 from .runner import EagerRun
@@ -35,18 +38,21 @@ class Recorder:
 
     `recordings` holds one `Recording` per pass (a `PartialTrace` for a pass that failed), each with
     its forward's output: over a long loop pass `keep=N` to keep only the last N (the pass numbers
-    go on counting).
+    go on counting; `keep=0` keeps none). `tail=N` keeps the last N events across passes, whatever
+    `keep` is: memory stays bounded over any number of passes, and `narrate_tail()` shows what ran
+    last, pass boundaries included.
     """
 
     def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
-                 keep: Optional[int] = None):
+                 keep: Optional[int] = None, tail: Optional[int] = None):
         check_model(model, "Recorder")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise OptionValueError(f"Recorder(keep=...) takes a number of passes >= 1, or None for all; got {keep!r}")
+        keep = check_count("Recorder", "keep", keep, none_means="every pass")
+        tail = check_count("Recorder", "tail", tail, minimum=1, none_means="no tail")
         self.model = model
         self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite)
         check_selection(self.settings, [name for name, _ in model.named_modules()])
         self.recordings: Deque[Recording] = collections.deque(maxlen=keep)
+        self._tail: Optional[Deque[Tuple[int, int, Event]]] = None if tail is None else collections.deque(maxlen=tail)
         self.passes = 0
         self._narrator: Optional[Narrator] = None
         self._handles = []
@@ -84,8 +90,37 @@ class Recorder:
         return False
 
     def _keep(self, recording) -> None:
-        if recording is not None:
-            self.recordings.append(recording)
+        if recording is None:
+            return
+        self.recordings.append(recording)
+        if self._tail is not None:
+            events = recording.events[-self._tail.maxlen:]
+            first = len(recording.events) - len(events)
+            self._tail.extend((self.passes, first + i, event) for i, event in enumerate(events))
+
+    @property
+    def tail(self) -> List[Event]:
+        """The last `tail=N` events recorded, oldest first, across passes ([] without `tail=`)."""
+        return [event for _, _, event in self._tail] if self._tail is not None else []
+
+    def narrate_tail(self) -> Transcript:
+        """The events `tail` holds, narrated pass by pass under each pass's header.
+
+        A pass the buffer holds only the end of starts with a note of how many of its events
+        were dropped; its lines are indented by module depth as they were live.
+        """
+        if self._tail is None:
+            raise OptionValueError("Recorder.narrate_tail() needs a tail buffer: Recorder(model, ..., tail=N)")
+        options = (self.settings.narration or NarrationOptions()).replace(on_error_only=False)
+        lines: List[str] = []
+        for number, group in itertools.groupby(self._tail, key=lambda item: item[0]):
+            group = list(group)
+            rendered = render_lines([event for _, _, event in group], options.replace(prefix=""), f"pass {number}")
+            dropped = group[0][1]  # the first kept event's index in its pass
+            if dropped:
+                rendered.insert(1, render_note(f"... {dropped} earlier events of pass {number} not kept"))
+            lines += rendered
+        return Transcript("".join(options.prefix + line + "\n" for line in lines))
 
     def _begin(self, module, args, kwargs):
         if self._run is not None or threading.get_ident() != self._thread:

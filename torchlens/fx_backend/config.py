@@ -36,6 +36,8 @@ def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, 
                 stats_on="ops", keep_values=False, keep_on_cpu=False, max_bytes=None) -> CompileConfig:
     if not isinstance(live, bool):
         raise OptionTypeError(f"compiled option live= takes True or False, got {live!r}")
+    if not isinstance(stats_on, str):
+        raise OptionTypeError(f"compiled option stats_on= takes {describe_choices(STATS_ON)}, got {stats_on!r}")
     if stats_on not in STATS_ON:
         raise OptionValueError(f"compiled option stats_on={stats_on!r}: accepted are {describe_choices(STATS_ON)}")
     check_compiler(compiler)

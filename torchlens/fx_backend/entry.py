@@ -9,27 +9,49 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..errors import ModelTypeError, OptionTypeError, suggest, warn_safely
+from ..errors import ModelTypeError, OptionTypeError, OptionValueError, describe_choices, suggest, warn_safely
 from ..results import Trace
 from .config import OPTION_KEYS, CompileConfig
 from .registration import Backend, install
 from .runtime import CompiledRuntime, module_of
 
+
 TORCH_COMPILE_KEYWORDS = ("fullgraph", "dynamic", "mode", "disable")
 
 
 def check_torch_compile_kwargs(kwargs: dict, entry: str) -> None:
-    """Keywords meant for torch.compile: a typo is a typed error that lists what is accepted."""
-    for key in kwargs:
+    """Keywords meant for torch.compile: a typo or a wrong value is a typed error that lists what is
+    accepted, raised here rather than by torch (an AssertionError) or at the first call (wrapped
+    by dynamo)."""
+    for key, value in kwargs.items():
         if key == "backend":
             raise OptionTypeError(f"{entry} chooses the backend itself; name the compiler underneath with compiler=")
         if key == "options":
             raise OptionTypeError(f"{entry} takes torchlens options as keywords ({', '.join(OPTION_KEYS)}), not options=")
         if key not in TORCH_COMPILE_KEYWORDS:
             accepted = OPTION_KEYS + TORCH_COMPILE_KEYWORDS
-            raise OptionTypeError(f"{entry} got an unknown keyword {key!r}{suggest(key, accepted)}; accepted: "
+            raise OptionTypeError(f"{entry} got an unknown keyword {key!r}{suggest(str(key), accepted)}; accepted: "
                                   f"{', '.join(OPTION_KEYS)} (torchlens) and {', '.join(TORCH_COMPILE_KEYWORDS)} "
                                   "(torch.compile)")
+        _check_torch_compile_value(entry, key, value)
+
+
+def _check_torch_compile_value(entry: str, key: str, value) -> None:
+    """torch.compile takes any truthy `fullgraph=` and checks `mode=` only when inductor compiles:
+    a misspelt mode would surface at the first call, wrapped by dynamo, or never (compiler="eager")."""
+    if key in ("fullgraph", "disable") and not isinstance(value, bool):
+        raise OptionTypeError(f"{entry}: {key}= takes True or False, got {value!r}")
+    if key == "dynamic" and value is not None and not isinstance(value, bool):
+        raise OptionTypeError(f"{entry}: dynamic= takes True, False or None (decide per input), got {value!r}")
+    if key == "mode" and value is not None:
+        from torch._inductor import list_mode_options
+
+        modes = list(list_mode_options())
+        if not isinstance(value, str):
+            raise OptionTypeError(f"{entry}: mode= takes None or one of {describe_choices(modes)}, got {value!r}")
+        if value not in modes:
+            raise OptionValueError(f"{entry}: mode={value!r}{suggest(value, modes)}: accepted are None or "
+                                   f"{describe_choices(modes)}")
 
 
 def compile_model(model, config: CompileConfig, torch_compile_kwargs: dict, backend: Backend = None):
