@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import List, Tuple
 
@@ -14,7 +15,8 @@ MAX_NESTING = 8
 
 
 def named_tensors(obj, label: str, out: List[Tuple[str, torch.Tensor]], nesting: int = 0) -> None:
-    """Collect the tensors inside `obj` (tensor, tuple/list, dict) with readable labels."""
+    """Collect the tensors inside `obj` (tensor, tuple/list, dict, dataclass) with readable labels:
+    `batch[0]`, `batch['ids']`, `batch.ids`, as the user would write them to reach the tensor."""
     if isinstance(obj, torch.Tensor):
         out.append((label, obj))
     elif nesting >= MAX_NESTING:
@@ -25,6 +27,9 @@ def named_tensors(obj, label: str, out: List[Tuple[str, torch.Tensor]], nesting:
     elif isinstance(obj, dict):
         for key, item in obj.items():
             named_tensors(item, f"{label}[{key!r}]", out, nesting + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            named_tensors(getattr(obj, field.name, None), f"{label}.{field.name}", out, nesting + 1)
 
 
 _signatures = {}
