@@ -342,9 +342,6 @@ def test_a_deleted_compiled_model_and_its_last_output_are_garbage_collected(how)
     assert out_ref() is None, "the last forward's output outlives the model"
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="a tl.trace(compiled=...) that reuses an earlier trace's compiled graphs "
-                          "does not check its selector against the model (fx_backend/entry.py)")
 def test_a_repeated_compiled_trace_checks_its_selector_like_the_first():
     model, x = tiny_gpt(), tokens()
     narrate = NarrationOptions(sink=io.StringIO(), select=tl.in_module("blocks.1.atn"))

@@ -9,6 +9,7 @@ from torch import nn
 from .errors import OptionTypeError, suggest
 from .options import check_count, make_settings
 from .results import Recording, Trace
+from .eager.capture import outside_dynamo
 from .eager.runner import run_eager
 from .eager.structure import check_model, forward_signature
 from .values import DEFAULT_MAX_BYTES
@@ -18,6 +19,7 @@ _TRACE_KEYWORDS = _RECORD_KEYWORDS + ("keep_on_cpu", "max_bytes")
 _COMPILED_ONLY = ("live", "compiler", "stats_on")  # options of `tl.compile` that eager runs have no use for
 
 
+@outside_dynamo
 def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None, **kwargs) -> Recording:
     """Run `model(*args, **kwargs)` once and record every op; narrate it live if asked.
 
@@ -34,6 +36,7 @@ def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_n
     return run_eager(model, args, kwargs, settings)
 
 
+@outside_dynamo
 def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None,
           keep_on_cpu: bool = False, max_bytes=DEFAULT_MAX_BYTES, compiled=False, **kwargs) -> Trace:
     """Like `record`, and also keep a detached copy of every op's output (`trace.values`).

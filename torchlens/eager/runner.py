@@ -13,7 +13,7 @@ from ..results import Recording
 from ..options import Settings
 from ..session import Session, internal_error
 from ..stats import Meter
-from .capture import EagerCapture, outside_dynamo
+from .capture import EagerCapture
 from ..scopes import ScopeTable
 from .structure import check_selection, named_inputs, named_outputs
 from ..values import ValueKeeper
@@ -82,7 +82,6 @@ class EagerRun:
         self.capture.stop()
 
 
-@outside_dynamo
 def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings, header=None) -> Recording:
     """Run `model(*args, **kwargs)` once under capture and return its recording."""
     narrator = Narrator(settings.narration) if settings.narration is not None else None

@@ -3,6 +3,7 @@ runtime for the model, hooked to the compiled callable before its first call."""
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Dict
 
@@ -10,13 +11,25 @@ import torch
 from torch import nn
 
 from ..errors import ModelTypeError, OptionTypeError, OptionValueError, describe_choices, suggest, warn_safely
+from ..eager.structure import check_selection
 from ..results import Trace
 from .config import OPTION_KEYS, CompileConfig
 from .registration import Backend, install
 from .runtime import CompiledRuntime, module_of
 
 
-TORCH_COMPILE_KEYWORDS = ("fullgraph", "dynamic", "mode", "disable")
+
+def _torch_compile_keywords() -> tuple:
+    """The keywords this torch's `torch.compile` takes, less those torchlens sets itself."""
+    try:
+        parameters = inspect.signature(torch.compile).parameters
+    except (TypeError, ValueError):
+        return ("fullgraph", "dynamic", "mode", "disable")
+    return tuple(name for name, p in parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("backend", "options"))
+
+
+TORCH_COMPILE_KEYWORDS = _torch_compile_keywords()
 
 
 def check_torch_compile_kwargs(kwargs: dict, entry: str) -> None:
@@ -82,6 +95,7 @@ def trace_compiled(model: nn.Module, args, kwargs, config: CompileConfig, torch_
     backend = backends.get(key)
     if backend is None:
         backend = backends[key] = Backend(CompiledRuntime(config, model))
+    check_selection(settings, backend.runtime.scopes.paths)  # a reused runtime checked the first call's
     backend.runtime.config = config  # this call's narration; the graphs are instrumented alike
     compiled = compile_model(model, config, torch_compile_kwargs, backend)
     compiled(*args, **kwargs)
