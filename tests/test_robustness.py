@@ -152,6 +152,8 @@ def test_bad_arguments_after_the_fact_are_typed_errors():
     rec = tl.record(tiny_gpt(), tokens())
     with pytest.raises(tl.errors.OptionValueError, match="last=-1"):
         rec.narrate(last=-1)
+    with pytest.raises(tl.errors.OptionTypeError, match=r"^narrate\(normalize=\.\.\.\) takes True or False"):
+        rec.narrate(normalize=3)
     with pytest.raises(tl.errors.UnknownModuleError, match="blocks.9"):
         rec.narrate(select=tl.in_module("blocks.9"))
     with pytest.raises(tl.errors.OptionTypeError, match="sink="):

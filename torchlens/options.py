@@ -83,12 +83,7 @@ class NarrationOptions:
         self.sites = _check_bool("sites", sites)
         self.select = None if select is None else as_selector(select)
         self.max_lines = check_count("NarrationOptions", "max_lines", max_lines, none_means="no limit")
-        if not isinstance(prefix, str):
-            raise OptionTypeError(f"NarrationOptions(prefix=...) takes a string, got {type(prefix).__name__}")
-        if _breaks_lines(prefix):
-            raise OptionValueError(f"NarrationOptions(prefix={prefix!r}) takes a string without a newline or "
-                                   "other line break: each line's prefix must stay on that line")
-        self.prefix = prefix
+        self.prefix = check_prefix("NarrationOptions", prefix)
         self.depth = check_count("NarrationOptions", "depth", depth, none_means="every depth")
         self.normalize = _check_bool("normalize", normalize)
         self.tail_on_error = check_count("NarrationOptions", "tail_on_error", tail_on_error)
@@ -117,9 +112,22 @@ def _breaks_lines(text: str) -> bool:
 
 
 def _check_bool(name: str, value) -> bool:
+    return check_bool("NarrationOptions", name, value)
+
+
+def check_bool(owner: str, name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise OptionTypeError(f"NarrationOptions({name}=...) takes True or False, got {value!r}")
+        raise OptionTypeError(f"{owner}({name}=...) takes True or False, got {value!r}")
     return value
+
+
+def check_prefix(owner: str, prefix) -> str:
+    if not isinstance(prefix, str):
+        raise OptionTypeError(f"{owner}(prefix=...) takes a string, got {type(prefix).__name__}")
+    if _breaks_lines(prefix):
+        raise OptionValueError(f"{owner}(prefix={prefix!r}) takes a string without a newline or "
+                               "other line break: each line's prefix must stay on that line")
+    return prefix
 
 
 def check_count(owner: str, name: str, value, *, minimum: int = 0, none_means: Optional[str] = None):

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import grammar
 from .events import INPUT, OP, Attempt, Event
 from .narrator import failure_block, render_lines
-from .options import NarrationOptions, check_count
+from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector
 
 
@@ -72,7 +72,7 @@ class Recording:
                 return event
         return None
 
-    def _options(self, select=None, **overrides) -> NarrationOptions:
+    def _options(self, select=None, normalize=None, prefix=None) -> NarrationOptions:
         options = self.settings.narration or NarrationOptions()
         changes = {"on_error_only": False}
         if select is not None:
@@ -80,7 +80,10 @@ class Recording:
             # the modules this forward called: the paths a selector can name after the fact
             selector.check_paths({e.scope.path for e in self.events} | {""},
                                  "this forward called no module at that path")
-        changes.update({k: v for k, v in overrides.items() if v is not None})
+        if normalize is not None:
+            changes["normalize"] = check_bool("narrate", "normalize", normalize)
+        if prefix is not None:
+            changes["prefix"] = check_prefix("narrate", prefix)
         return options.replace(**changes)
 
     def narrate(self, last: Optional[int] = None, select=None, *, normalize: Optional[bool] = None,
