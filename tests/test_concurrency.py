@@ -93,6 +93,23 @@ def test_one_model_narrated_in_three_threads_at_once(interleaving):
     assert [text for job in runs for _, _, text in job] == [alone] * 18
 
 
+def test_two_threads_calling_two_compiled_models_each_narrate_every_pass_intact(interleaving):
+    models = [(tiny_gpt(), tokens()), (conv_net(), images())]
+    sinks = [[], []]
+    compiled = [tl.compile(model, narrate=sink.append, compiler="eager") for (model, _), sink in zip(models, sinks)]
+    for fn, (_, x) in zip(compiled, models):
+        fn(x)  # compiled here, before the threads start
+    alone = ["\n".join(sink[1:]) for sink in sinks]  # one pass, without its "-- pass 1" header
+    for sink in sinks:
+        sink.clear()
+    runs = run_together([lambda: compiled[0](models[0][1]), lambda: compiled[1](models[1][1])], rounds=8)
+    assert overlapped(runs[0], runs[1])
+    for sink, text in zip(sinks, alone):
+        passes = "\n".join(sink).split("\n-- pass ")
+        assert len(passes) == 8
+        assert all(one.split("\n", 1)[1] == text for one in passes)
+
+
 class Paused(nn.Module):
     """Tiny whose forward waits, in the narrated thread only, until another thread says go."""
 
