@@ -219,6 +219,8 @@ def test_a_process_group_of_one_adds_no_tag(tmp_path):
     ("run-{node}.log", "names {node}"),
     ("run-{0}.log", "names {0}"),
     ("run-{rank!r}.log", "names {rank!r}"),
+    ("run-{rank:s}.log", "names {rank:s}"),
+    ("run-{rank:03}.log", "names {rank:03}"),
     ("run-{rank.log", "expected '}'"),
 ])
 def test_a_template_field_torchlens_cannot_fill_is_refused_up_front(template, complaint, tmp_path):

@@ -8,8 +8,8 @@ their lines apart:
   are made), from the process group if one is initialised, else from the `RANK` / `WORLD_SIZE`
   variables `torchrun` sets, else rank 0 of 1;
 - any other sink (stderr, a stream, a callable, a logger, a path without `{rank}`) is shared by the
-  ranks that write to it, so while a process group of more than one rank is initialised each of
-  its lines starts with `[rank N] `.
+  ranks that write to it, so when a run opens it while a process group of more than one rank is
+  initialised, each of its lines starts with `[rank N] `.
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ def template_fields(path: str, argument: str = "narrate") -> Tuple[str, ...]:
             f"written twice ('{{{{' or '}}}}')"
         ) from None
     fields = []
-    for _, field, _, conversion in parsed:
+    for _, field, spec, conversion in parsed:
         if field is None:
             continue
-        if field not in FIELDS or conversion is not None:
-            shown = "{" + field + ("!" + conversion if conversion else "") + "}"
+        if field not in FIELDS or conversion is not None or spec:  # '{rank:03}' would need an int spec
+            shown = "{" + field + ("!" + conversion if conversion else "") + (":" + spec if spec else "") + "}"
             raise OptionValueError(
                 f"{argument}={path!r} names {shown}, which a sink path cannot fill in: it may name "
                 f"{_accepted()} (filled in per process under torch.distributed); write a literal "
