@@ -254,6 +254,32 @@ def test_a_failure_inside_a_nested_record_reaches_the_caller_with_the_outer_trac
     assert partial.attempt.op == "matmul" and partial.attempt.scope.path == "bad"
 
 
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+@pytest.mark.parametrize("inner", ["tl.compile exact stats", "tl.trace compiled"])
+def test_a_compiled_capture_inside_a_narrated_forward_shows_none_of_its_own_work(inner):
+    """Its statistics and kept copies are computed by the compiled graph and around it: none of
+    that is the model's, so the outer narration shows only the outer model's own ops."""
+    texts = []
+
+    class CallsCompiled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.head = Tiny(), nn.Linear(2, 2)
+            self.compiled = tl.compile(self.inner, narrate=texts.append, value_stats="exact", compiler="eager")
+
+        def forward(self, x):
+            if inner == "tl.trace compiled":
+                y = tl.trace(self.inner, x, narrate=texts.append, compiled={"compiler": "eager"}).output
+            else:
+                y = self.compiled(x)
+            return self.head(y)
+
+    model, x = CallsCompiled(), torch.randn(1, 2)
+    outer = narrated(model, x, value_stats="sampled")
+    assert ops_of(outer) == ["input", "linear"]
+    assert ops_of("\n".join(texts)) == ["input", "linear", "relu"]
+
+
 def test_a_record_inside_a_compiled_forward_runs_eagerly_once_per_call():
     model, x = RecordsInside(), torch.randn(1, 2)
     lines = []

@@ -23,7 +23,6 @@ Two rules keep this safe around `torch.compile`:
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import threading
 
@@ -47,6 +46,17 @@ _threads = threading.local()  # .captures: eager captures active in this thread
 
 def captures_in_thread() -> int:
     return getattr(_threads, "captures", 0)
+
+
+def under_another_capture() -> bool:
+    """Whether a capture's mode is already on this thread's stack (a capture starting now nests)."""
+    return any(isinstance(mode, CaptureMode) for mode in torch.overrides._get_current_function_mode_stack())
+
+
+def own_work(nested: bool):
+    """Context for a capture's own torch calls (statistics, kept copies, inputs, the footer): made
+    invisible to other captures in the thread when there are any, a no-op otherwise."""
+    return _own_work() if nested else contextlib.nullcontext()
 
 
 def unwinding() -> bool:
@@ -173,8 +183,7 @@ class EagerCapture(OpReporter):
         self._mode = CaptureMode(self)
         self._handles = []
         self._counted = False
-        stack = torch.overrides._get_current_function_mode_stack()
-        self.nested = any(isinstance(mode, CaptureMode) for mode in stack)
+        self.nested = under_another_capture()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -200,7 +209,7 @@ class EagerCapture(OpReporter):
     def own_work(self):
         """Context for work of this capture outside its mode's handler (inputs, outputs, the
         footer): invisible to any other capture in the thread."""
-        return _own_work() if self.nested else contextlib.nullcontext()
+        return own_work(self.nested)
 
     # -- module hooks ---------------------------------------------------------------------------
 
@@ -282,18 +291,13 @@ def outside_dynamo(fn):
     """Make `fn` run as plain Python when it is called inside a region `torch.compile` traces.
 
     Its `_torchdynamo_disable` flag makes dynamo break the graph at the call instead of inlining
-    it, and the wrapper's frame and everything under it are excluded from compilation, so a
-    `tl.record` inside a compiled forward captures its model eagerly, as it would outside (what
-    `torch.compiler.disable` does, without importing dynamo for eager users).
+    it, and its frame and everything under it are excluded from compilation, so a `tl.record`
+    inside a compiled forward captures its model eagerly, as it would outside (what
+    `torch.compiler.disable` does, without a wrapper frame and without importing dynamo).
     """
-
-    @functools.wraps(fn)
-    def run_plain(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    run_plain._torchdynamo_disable = True
-    exclude_from_dynamo(run_plain)
-    return run_plain
+    fn._torchdynamo_disable = True
+    exclude_from_dynamo(fn)
+    return fn
 
 
 exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)

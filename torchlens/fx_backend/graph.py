@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from torch import fx
 
+from ..eager.capture import own_work
 from ..session import internal_error
 from ..stats import measures
 from .config import inner_compile
@@ -48,9 +49,13 @@ class CompiledGraph:
 
     def _call(self, run: CompiledRun, args, caller):
         prepared = self._prepare(run, args, caller)
+        # Inside an eager capture's forward, a graph computing statistics or kept copies runs
+        # unseen by that capture: those are not the model's ops (with inductor none are seen).
+        hidden = run.nested and (self.slots is not None or self.kept_counts is not None)
         with run.graph_running():  # the capture of code between graphs steps aside for all of this
             try:
-                out = self.fn(*args)
+                with own_work(hidden):
+                    out = self.fn(*args)
             except Exception as exc:
                 if prepared is not None:
                     graph_failed(run, self, args, prepared, exc)
@@ -58,7 +63,8 @@ class CompiledGraph:
             out, vector, kept = self._split_outputs(out)
             if prepared is not None and not self.live:
                 try:
-                    run.add_plan(self.plan, args, prepared, vector, self.slots, kept)
+                    with run.own_work():
+                        run.add_plan(self.plan, args, prepared, vector, self.slots, kept)
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
@@ -110,7 +116,8 @@ class CompiledGraph:
         if run is None:
             return
         try:
-            run.emit_live(self, index, value)
+            with run.own_work():
+                run.emit_live(self, index, value)
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise

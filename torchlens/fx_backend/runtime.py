@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..eager.capture import CaptureMode, remove_mode
+from ..eager.capture import CaptureMode, own_work, remove_mode, under_another_capture
 from ..eager.structure import check_selection, named_arguments, named_outputs
 from ..events import Scope, TensorMeta
 from ..grammar import plural
@@ -154,6 +154,7 @@ class CompiledRun:
         self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
                        if settings.keep_values else None)
         self.gaps = GapCapture(self.session, runtime.scopes, self.keeper)
+        self.nested = self.gaps.nested = under_another_capture()  # inside an eager capture's forward
         self.mode = CaptureMode(self.gaps)
         self.mode_pushed = False
         self.graph_calls = 0
@@ -163,14 +164,19 @@ class CompiledRun:
 
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
         self.call = (fn, args, kwargs)
-        for label, tensor in named_arguments(fn, args, kwargs):
-            event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
-            if self.keeper is not None:
-                self.keeper(event, tensor)
+        with self.own_work():
+            for label, tensor in named_arguments(fn, args, kwargs):
+                event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
+                if self.keeper is not None:
+                    self.keeper(event, tensor)
         if push_mode:
             self.mode.__enter__()
             self.mode_pushed = True
         _local.run = self
+
+    def own_work(self):
+        """Context for this run's own torch calls: kept from an eager capture it runs inside."""
+        return own_work(self.nested)
 
     def in_progress(self) -> bool:
         """Whether the call this run narrates is still on the stack."""
@@ -294,10 +300,11 @@ class CompiledRun:
         """Dynamo's cleanup for the call: finish or fail the run. Never raises."""
         try:
             succeeded, result = dynamo_seams.call_outcome()
-            if succeeded:
-                self.finish(result)
-            else:
-                self.fail(sys.exc_info()[1] or RuntimeError("the compiled call failed"))
+            with self.own_work():
+                if succeeded:
+                    self.finish(result)
+                else:
+                    self.fail(sys.exc_info()[1] or RuntimeError("the compiled call failed"))
         except Exception as inner:
             internal_error("ending a compiled forward", inner)
         finally:
