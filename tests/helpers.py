@@ -17,8 +17,11 @@ def leftover_state():
     comparable values."""
     import sys
 
+    from torchlens.eager.capture import captures_in_thread
+
     runtime = sys.modules.get("torchlens.fx_backend.runtime")
     return (
+        captures_in_thread(),
         len(_module._global_forward_pre_hooks),
         len(_module._global_forward_hooks),
         len(_module._global_forward_hooks_always_called),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import traceback
 
 import pytest
@@ -38,6 +39,32 @@ def test_no_hook_or_mode_is_left_after_a_failed_run(entry, error, tmp_path):
     assert leftover_state() == state_before
     # and torch still runs normally afterwards
     assert torch.equal(Tiny().eval()(torch.zeros(1, 2)).shape and torch.zeros(1), torch.zeros(1))
+
+
+def test_an_interrupt_caught_inside_a_recorder_block_ends_its_pass_as_a_partial_trace():
+    """Forward hooks never see a KeyboardInterrupt: the pass it cut short is closed when the next
+    begins, and the next passes are recorded on their own."""
+    class InterruptedOnce(Interrupting):
+        def forward(self, x):
+            if self.error is None:
+                return self.inner(x)
+            error, self.error = self.error, None
+            raise error
+
+    model, sink = InterruptedOnce(KeyboardInterrupt()), io.StringIO()
+    with tl.recording.Recorder(model, narrate=sink) as recorder:
+        try:
+            model(torch.randn(1, 2))
+        except KeyboardInterrupt:
+            pass
+        model(torch.randn(1, 2))
+        model(torch.randn(1, 2))
+        state_inside = leftover_state()
+    assert recorder.passes == 3
+    assert [type(r).__name__ for r in recorder.recordings] == ["PartialTrace", "Recording", "Recording"]
+    assert "KeyboardInterrupt" in recorder.recordings[0].error
+    assert sink.getvalue().count("-- end:") == 2
+    assert state_inside == leftover_state(), "the interrupted pass kept its mode or counter installed"
 
 
 def test_no_hook_or_mode_is_left_after_success():

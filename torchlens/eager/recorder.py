@@ -38,9 +38,9 @@ class Recorder:
 
     `recordings` holds one `Recording` per pass (a `PartialTrace` for a pass that failed), each with
     its forward's output: over a long loop pass `keep=N` to keep only the last N (the pass numbers
-    go on counting; `keep=0` keeps none). `tail=N` keeps the last N events across passes, whatever
-    `keep` is: memory stays bounded over any number of passes, and `narrate_tail()` shows what ran
-    last, pass boundaries included.
+    go on counting; `keep=0` keeps none). `tail=N` also keeps the last N events across passes, and
+    `narrate_tail()` shows what ran last, pass boundaries included: with `keep=` set, memory stays
+    bounded over any number of passes.
     """
 
     def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
@@ -57,6 +57,7 @@ class Recorder:
         self._narrator: Optional[Narrator] = None
         self._handles = []
         self._run: Optional[EagerRun] = None
+        self._call_frame = None
         self._thread = None
 
     def __enter__(self) -> "Recorder":
@@ -75,19 +76,27 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        run, self._run = self._run, None
-        if run is not None:  # a pass cut short by something forward hooks do not see (KeyboardInterrupt)
-            try:
-                if exc is not None:
-                    self._keep(run.abort(exc))
-            except Exception as inner:
-                internal_error("ending an interrupted pass", inner)
-            finally:
-                run.close()
+        if self._run is not None:  # a pass cut short by something forward hooks do not see
+            self._end_cut_short(exc)
         if self._narrator is not None:
             self._narrator.close()
             self._narrator = None
         return False
+
+    def _end_cut_short(self, exc: Optional[BaseException] = None) -> None:
+        """End a pass whose forward stopped without its forward hook running.
+
+        `Module.__call__` runs `always_call` hooks for an `Exception` only: a `KeyboardInterrupt`
+        or `SystemExit` leaves the pass open. Seen when the block exits with it, or, if it was
+        caught inside the block, when the next pass begins: kept then as a `PartialTrace`.
+        """
+        run, self._run = self._run, None
+        try:
+            self._keep(run.abort(exc if exc is not None else PassCutShort()))
+        except Exception as inner:
+            internal_error("ending an interrupted pass", inner)
+        finally:
+            run.close()
 
     def _keep(self, recording) -> None:
         if recording is None:
@@ -123,8 +132,13 @@ class Recorder:
         return Transcript("".join(options.prefix + line + "\n" for line in lines))
 
     def _begin(self, module, args, kwargs):
-        if self._run is not None or threading.get_ident() != self._thread:
-            return None  # a nested call of the model inside its own forward is part of the pass
+        if threading.get_ident() != self._thread:
+            return None
+        if self._run is not None:
+            if _on_stack(self._call_frame):
+                return None  # a nested call of the model inside its own forward is part of the pass
+            self._end_cut_short()
+        self._call_frame = sys._getframe(1)  # the model's `_call_impl`, running this pass
         try:
             self.passes += 1
             self._run = EagerRun(self.model, self.settings, self._narrator, header=f"pass {self.passes}")
@@ -150,3 +164,21 @@ class Recorder:
         finally:
             run.close()
         return None
+
+
+class PassCutShort(BaseException):
+    """Stands for what stopped a pass out of torchlens's sight (a `KeyboardInterrupt` caught inside
+    the `Recorder` block): the error its `PartialTrace` reports. Never raised."""
+
+    def __str__(self) -> str:
+        return "the forward stopped without returning or raising an Exception (e.g. a KeyboardInterrupt)"
+
+
+def _on_stack(frame) -> bool:
+    """Whether `frame` is still running: on the stack of the caller."""
+    current = sys._getframe(2)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
