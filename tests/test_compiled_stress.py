@@ -350,6 +350,9 @@ def test_a_repeated_compiled_trace_checks_its_selector_like_the_first():
     tl.trace(model, x, compiled={"compiler": "eager"})
     with pytest.raises(tl.errors.UnknownModuleError, match="blocks.1.atn"):
         tl.trace(model, x, narrate=narrate, compiled={"compiler": "eager"})
+    model.probe = nn.Linear(2, 2)  # added since the first trace: selectable now, as eagerly
+    tl.trace(model, x, narrate=NarrationOptions(sink=io.StringIO(), select=tl.in_module("probe")),
+             compiled={"compiler": "eager"})
 
 
 def test_in_a_fresh_process_ops_between_graphs_run_eagerly_and_dynamo_never_traces_the_capture():

@@ -41,8 +41,13 @@ class ScopeTable:
         if table is None:
             table = _tables[root] = cls(root)
         else:
-            table._index()  # the model may have changed since: modules swapped, added or removed
+            table.refresh()
         return table
+
+    def refresh(self) -> None:
+        """Read the module names again: the model may have changed since (modules swapped, added
+        or removed) and a capture starting now must name and select what it has now."""
+        self._index()
 
     def _index(self) -> None:
         """(Re)read the module names from the root: done again when a module turns up that the

@@ -95,7 +95,8 @@ def trace_compiled(model: nn.Module, args, kwargs, config: CompileConfig, torch_
     backend = backends.get(key)
     if backend is None:
         backend = backends[key] = Backend(CompiledRuntime(config, model))
-    check_selection(settings, backend.runtime.scopes.paths)  # a reused runtime checked the first call's
+    backend.runtime.scopes.refresh()  # a reused runtime read the model's names at its first trace
+    check_selection(settings, backend.runtime.scopes.paths)
     backend.runtime.config = config  # this call's narration; the graphs are instrumented alike
     compiled = compile_model(model, config, torch_compile_kwargs, backend)
     compiled(*args, **kwargs)
