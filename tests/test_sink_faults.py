@@ -364,7 +364,7 @@ def _entry_points(target):
     model = Lookup()
     return model, {
         "record": lambda: tl.record(model, GOOD, narrate=target),
-        "trace": lambda: tl.trace(model, GOOD, narrate=NarrationOptions(sink=target, sites=True)),
+        "trace": lambda: tl.trace(model, GOOD, narrate=target),
         "Recorder": lambda: tl.recording.Recorder(model, narrate=target),  # refused when constructed
         "compile": lambda: tl.compile(model, narrate=target, compiler="eager"),  # before the first call
     }
