@@ -80,15 +80,15 @@ class NarrationOptions:
             )
         sink = checked_sink(sink)  # a path's template fields and directory, before any forward runs
         self.sink = sink
-        self.sites = _check_bool("sites", sites)
+        self.sites = check_bool("NarrationOptions", "sites", sites)
         self.select = None if select is None else as_selector(select)
         self.max_lines = check_count("NarrationOptions", "max_lines", max_lines, none_means="no limit")
         self.prefix = check_prefix("NarrationOptions", prefix)
         self.depth = check_count("NarrationOptions", "depth", depth, none_means="every depth")
-        self.normalize = _check_bool("normalize", normalize)
+        self.normalize = check_bool("NarrationOptions", "normalize", normalize)
         self.tail_on_error = check_count("NarrationOptions", "tail_on_error", tail_on_error)
-        self.on_error_only = _check_bool("on_error_only", on_error_only)
-        self.symbolic_shapes = _check_bool("symbolic_shapes", symbolic_shapes)
+        self.on_error_only = check_bool("NarrationOptions", "on_error_only", on_error_only)
+        self.symbolic_shapes = check_bool("NarrationOptions", "symbolic_shapes", symbolic_shapes)
 
     def replace(self, **changes) -> "NarrationOptions":
         """A copy with some options changed."""
@@ -109,10 +109,6 @@ def _breaks_lines(text: str) -> bool:
     """Whether `text` holds a character `str.splitlines` breaks at (\n, \r, \x0b, \u2028...): a prefix
     with one would split every narrated line in two for anyone reading the transcript back."""
     return len(("x" + text + "x").splitlines()) > 1
-
-
-def _check_bool(name: str, value) -> bool:
-    return check_bool("NarrationOptions", name, value)
 
 
 def check_bool(owner: str, name: str, value) -> bool:

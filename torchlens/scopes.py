@@ -31,7 +31,7 @@ class ScopeTable:
         self._interned: Dict[Tuple, Scope] = {}
         self._calls: Dict[Tuple[int, int], Tuple[Scope, weakref.ref]] = {}
         self._unknown: Dict[int, weakref.ref] = {}  # modules not in the root when it was last read
-        self._index()
+        self.refresh()
 
     @classmethod
     def for_model(cls, root: torch.nn.Module) -> "ScopeTable":
@@ -41,17 +41,12 @@ class ScopeTable:
         if table is None:
             table = _tables[root] = cls(root)
         else:
-            table.refresh()
+            table.refresh()  # the model may have changed since: modules swapped, added or removed
         return table
 
     def refresh(self) -> None:
-        """Read the module names again: the model may have changed since (modules swapped, added
-        or removed) and a capture starting now must name and select what it has now."""
-        self._index()
-
-    def _index(self) -> None:
-        """(Re)read the module names from the root: done again when a module turns up that the
-        table has not seen, in case the model was changed since.
+        """(Re)read the module names from the root: when a capture starts, and when a module turns
+        up that the table has not seen, in case the model was changed since.
 
         The tables are built aside and swapped in, never cleared in place: a capture in another
         thread may be reading them (the same model narrated twice at once) and must see either
@@ -107,7 +102,7 @@ class ScopeTable:
             unknown = self._unknown.get(id(module))
             if unknown is not None and unknown() is module:
                 return None  # created on the fly, already looked for since the last read
-            self._index()  # a module the table has not seen: the model may have changed
+            self.refresh()  # a module the table has not seen: the model may have changed
             names, refs = self._names, self._refs
             ref = refs.get(id(module))
             if ref is None or ref() is not module:

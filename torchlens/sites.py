@@ -63,6 +63,16 @@ def find_user_site(frame) -> Optional[str]:
     return None
 
 
+def still_running(frame) -> bool:
+    """Whether `frame` is on the current call stack: the call it runs has not returned yet."""
+    current = sys._getframe(1)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
 _FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 

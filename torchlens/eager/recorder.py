@@ -20,6 +20,7 @@ from ..grammar import render_note
 from ..narrator import Narrator, render_lines
 from ..options import NarrationOptions, Settings, check_count, make_settings
 from ..results import Recording, Transcript
+from ..sites import still_running
 from ..session import internal_error
 from .capture import unwinding
 from .runner import EagerRun
@@ -135,7 +136,7 @@ class Recorder:
         if threading.get_ident() != self._thread:
             return None
         if self._run is not None:
-            if _on_stack(self._call_frame):
+            if still_running(self._call_frame):
                 return None  # a nested call of the model inside its own forward is part of the pass
             self._end_cut_short()
         self._call_frame = sys._getframe(1)  # the model's `_call_impl`, running this pass
@@ -172,13 +173,3 @@ class PassCutShort(BaseException):
 
     def __str__(self) -> str:
         return "the forward stopped without returning or raising an Exception (e.g. a KeyboardInterrupt)"
-
-
-def _on_stack(frame) -> bool:
-    """Whether `frame` is still running: on the stack of the caller."""
-    current = sys._getframe(2)
-    while current is not None:
-        if current is frame:
-            return True
-        current = current.f_back
-    return False

@@ -26,6 +26,7 @@ from ..narrator import Narrator
 from ..results import Recording
 from ..scopes import ScopeTable
 from ..session import Session, internal_error
+from ..sites import still_running
 from ..stats import Meter
 from ..values import ValueKeeper
 from . import dynamo_seams
@@ -180,12 +181,7 @@ class CompiledRun:
 
     def in_progress(self) -> bool:
         """Whether the call this run narrates is still on the stack."""
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame is self.call_frame:
-                return True
-            frame = frame.f_back
-        return False
+        return still_running(self.call_frame)
 
     # -- graphs ---------------------------------------------------------------------------------
 
