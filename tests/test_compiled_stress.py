@@ -159,6 +159,22 @@ def test_past_the_recompile_limit_dynamo_runs_eagerly_and_the_capture_narrates_t
     assert passes[-1].splitlines()[-1].endswith("; 0 compiled graph calls, 4 ops run eagerly between graphs")
 
 
+def test_tl_compile_takes_every_keyword_of_the_installed_torch_compile():
+    """Newer torch.compile keywords (`name=`, `recompile_limit=`, ...) pass through, not refused."""
+    import inspect
+
+    parameters = inspect.signature(torch.compile).parameters
+    keywords = {name: p.default for name, p in parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("backend", "options")}
+    assert {"fullgraph", "dynamic", "mode", "disable"} <= set(keywords)
+    for name, default in keywords.items():
+        lines = []
+        x = torch.randn(1, 2)
+        model = Tiny()
+        assert torch.equal(tl.compile(model, narrate=lines.append, compiler="eager", **{name: default})(x), model(x))
+        assert lines[-1].startswith("-- end:"), name
+
+
 # -- several compiled models in one process ------------------------------------------------------
 
 
