@@ -3,9 +3,9 @@
 At compile time each FX graph dynamo captured is read into a narration plan (`plan.py`); at run
 time each graph call records and narrates its plan, and the eager substrate's capture mode covers
 what runs between graphs (`gaps.py`). One forward of the compiled model is one run (`runtime.py`),
-with one ordinal sequence across graphs. A failed graph is located by replay (`replay.py`,
-`failures.py`). What relies on dynamo's runtime structures is in `dynamo_seams.py`; the format of
-its `nn_module_stack` metadata is read by `torchlens.scopes`.
+with one ordinal sequence across graphs. A failed graph is located by replay, or in live mode from
+its own frame (`replay.py`, `failures.py`). What relies on dynamo's runtime structures is in
+`dynamo_seams.py`; the format of its `nn_module_stack` metadata is read by `torchlens.scopes`.
 
 The seam with the eager substrate: the capture mode and its reporting (`CaptureMode`,
 `OpReporter`, `remove_mode` from `eager.capture`), the argument and output

@@ -3,27 +3,36 @@
 Two kinds of failure reach a compiled run:
 
 - a compiled graph raises while it runs: the graph is replayed op by op (`replay.py`) to find the
-  node in flight, and the ops of the graph that completed before it are recorded;
+  node in flight, and the ops of the graph that completed before it are recorded; a live graph
+  already ran op by op, so its node in flight is read from its frame instead, with no replay;
 - dynamo raises while it traces (a shape error found on fake tensors, typically after a new input
   size forces a recompile): no graph ran, so the forward is run eagerly under capture instead,
   which fails at the same op.
 
-Both only ever add to the session; neither may raise.
+Every note says how the op was located, or why it was not; a failure that was not located is never
+reported as one with no torch call in flight. Both only ever add to the session; neither may raise.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..eager.runner import run_eager
-from ..events import Scope, TensorMeta
+from ..events import INPUT, Scope, TensorMeta
 from ..options import make_settings
 from ..session import internal_error
 from ..sites import site_from_stack_trace
 from .plan import node_op_name
-from .replay import locate_failure, why_not_replay
+from .replay import locate_failure, locate_live, why_not_replay
 
-_NOT_LOCATED = "<compiled graph>"
+_NOT_LOCATED = "<compiled graph>"  # the attempted call when the op inside a graph call is not known
+_TRACING = "<dynamo tracing>"  # the attempted call when the op dynamo failed to trace is not known
+REPLAYED = "located by replaying the compiled graph op by op"
+LIVE = "located live: the graph runs op by op, and this op had started but not returned"
+LIVE_UNREAD = "not located: the op-by-op graph's frame could not be read from the traceback"
+LIVE_OWN = "not located: the error came from torchlens's own narration call between ops, not from a model op"
 
 
 def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
@@ -43,34 +52,49 @@ def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
 def _locate(run, graph, args, scope: Scope, exc: BaseException):
     """(plan ops completed before the failure, op name, scope, site, input metas, notes)."""
     arg_metas = tuple(TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor))
+    if graph.live:
+        return _locate_live(run, graph, scope, arg_metas, exc)
     reason = why_not_replay(graph.replay_copy, exc)
     if reason is not None:
-        return _not_located(run, graph, scope, arg_metas, [f"not replayed: {reason}"])
+        return _graph_call(scope, arg_metas, [f"not replayed: {reason}"])
     located = locate_failure(graph.replay_copy, args)
-    notes = ["located by replaying the compiled graph op by op"] + [f"replay caveat: {c}" for c in located.caveats]
+    notes = [REPLAYED] + [f"replay caveat: {c}" for c in located.caveats]
     if located.node is None:
-        return _not_located(run, graph, scope, arg_metas, notes)
-    node, plan = located.node, graph.plan
+        return _graph_call(scope, arg_metas, notes)
+    return _at_node(run, graph, scope, located.node, located.inputs, notes)
+
+
+def _locate_live(run, graph, scope: Scope, arg_metas, exc: BaseException):
+    """A live graph is never replayed: it ran op by op, so its frame says which op was in flight.
+
+    Replaying would run its ops a second time (with the effects that stop a fused graph's replay)
+    to learn what the live run already knows. If the frame cannot be read, the graph call is named.
+    """
+    located = locate_live(graph.live_module, exc) if graph.live_module is not None else None
+    if located is None:
+        return _graph_call(scope, arg_metas, [LIVE_UNREAD])
+    if located.node.name not in {node.name for node in graph.replay_copy.graph.nodes}:
+        return _graph_call(scope, arg_metas, [LIVE_OWN])  # a narration call torchlens inserted raised
+    return _at_node(run, graph, scope, located.node, located.inputs, [LIVE])
+
+
+def _at_node(run, graph, scope: Scope, node, inputs, notes):
+    """The located node as the attempted op, with the count of plan ops that completed before it."""
+    plan = graph.plan
     order = {n.name: i for i, n in enumerate(graph.replay_copy.graph.nodes)}
     position = order.get(node.name, 0)
     completed = sum(1 for op in plan.ops if order.get(op.node, -1) < position)
     table = run.runtime.scopes
     plan_op = plan.by_node.get(node.name)
     if plan_op is not None:
-        return completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, located.inputs, notes
+        return completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes
     modules = table.relative_stack(node.meta.get("nn_module_stack"), plan.compiled_in.path)
     site = site_from_stack_trace(node.meta.get("stack_trace"))
-    return completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, located.inputs, notes
+    return completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes
 
 
-def _not_located(run, graph, scope, arg_metas, notes):
-    """The graph call itself as the attempted call; in live mode, the op after the last narrated."""
-    if graph.live:
-        nxt = run.live_progress(graph) + 1
-        if nxt < len(graph.plan.ops):
-            op = graph.plan.ops[nxt]
-            scopes = graph.plan.op_scopes(run.runtime.scopes, scope)
-            return None, op.op, scopes[op.index], op.site, (), notes + ["the op after the last narrated one"]
+def _graph_call(scope, arg_metas, notes):
+    """The graph call itself as the attempted call, when the op inside it is not known."""
     return None, _NOT_LOCATED, scope, None, arg_metas, notes
 
 
@@ -79,28 +103,58 @@ def locate_by_running_eagerly(run, exc: BaseException) -> None:
 
     The forward runs a second time (without gradients): its cost, and its effect on state a forward
     changes even in eval mode (a KV cache) are the price of the answer. Not done for a model in
-    training mode, whose batch-norm statistics a second forward would update again; the tail then
-    names the user's line only.
+    training mode, whose batch-norm statistics or dropout generator a second forward would change.
+    Whatever stops the op being found, the tail says so: dynamo raised in a torch call it traced,
+    so "no torch call was in flight" would be false.
     """
     from .runtime import module_of, quiet_runs  # the runtime imports this module
 
     fn, args, kwargs = run.call
     model = module_of(fn)
-    if model is None or any(m.training for m in model.modules()):
-        return
-    try:
-        with quiet_runs(), torch.no_grad():  # compiled calls nested in the re-run are not this run's
-            run_eager(model, args, kwargs, make_settings(None))
-    except Exception as eager_exc:
-        _adopt_eager_failure(run, exc, getattr(eager_exc, "partial_trace", None))
+    reason = _why_not_rerun(model)
+    if reason is None:
+        try:
+            with quiet_runs(), torch.no_grad():  # compiled calls nested in the re-run are not this run's
+                run_eager(model, args, kwargs, make_settings(None))
+            reason = "run again eagerly, the forward did not fail"
+        except Exception as eager_exc:
+            partial = getattr(eager_exc, "partial_trace", None)
+            if _adopt_eager_failure(run, exc, partial):
+                return
+            reason = ("run again eagerly, the forward failed without a partial trace" if partial is None
+                      else "run again eagerly, the forward failed outside any torch call")
+    _not_located_while_tracing(run, exc, reason)
 
 
-def _adopt_eager_failure(run, exc: BaseException, partial) -> None:
+def _why_not_rerun(model) -> Optional[str]:
+    """Why the forward must not be run again eagerly to locate the op (None: it may)."""
+    if model is None:
+        return "only a compiled module's forward is run again eagerly, and this callable is not a module"
+    if any(m.training for m in model.modules()):
+        return "the model has modules in training mode, and re-running it eagerly could change them"
+    return None
+
+
+def _not_located_while_tracing(run, exc: BaseException, reason: str) -> None:
+    """The tail for a tracing failure not located: dynamo's trace of the forward as the attempted
+    call, with the forward's inputs and the user's line dynamo raised at, and why it was not located."""
+    session = run.session
+    unlocated = session.attempt_for(exc)  # where the error surfaced: the open module and the user's line
+    if unlocated.op is not None:
+        return  # a call was recorded as failing with this very exception: that answer stands
+    inputs = tuple(meta for event in session.events if event.kind is INPUT for meta in event.outputs)
+    note = f"dynamo raised while tracing; not located: {reason}"
+    session.op_failed(_TRACING, inputs, unlocated.site, exc, unlocated.scope, (note,))
+
+
+def _adopt_eager_failure(run, exc: BaseException, partial) -> bool:
+    """Take the eager re-run's partial trace as this run's, if it names a torch call."""
     attempt = getattr(partial, "attempt", None)
     if attempt is None or attempt.op is None:
-        return
+        return False
     session = run.session
     session.events[:] = partial.events
     session.ordinal, session.scope = attempt.ordinal - 1, attempt.scope
     note = "dynamo raised while tracing; located by running the forward eagerly"
     session.op_failed(attempt.op, attempt.inputs, attempt.site, exc, attempt.scope, (note,))
+    return True

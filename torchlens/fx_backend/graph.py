@@ -38,6 +38,7 @@ class CompiledGraph:
         self.fn: Callable = None  # type: ignore[assignment]  # set once the graph is compiled
         self.live = live
         self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
+        self.live_module = None  # live mode: the instrumented graph, whose frame locates a failure
         self.slots = None  # with statistics: what the graph's extra output holds, per plan op
         self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
 
@@ -162,7 +163,8 @@ def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModu
     config, plan = runtime.config, graph.plan
     settings = config.settings
     if graph.live:
-        return instrument_live(gm, plan, graph.emit).forward
+        graph.live_module = instrument_live(gm, plan, graph.emit)
+        return graph.live_module.forward
     if settings.keep_values:
         graph.kept_counts = add_value_outputs(gm, plan)
     tracking = settings.on_nonfinite is not None

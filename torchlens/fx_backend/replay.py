@@ -8,6 +8,11 @@ op. A graph that never fails never pays for this beyond the copy made at compile
 
 What a replay cannot promise is stated with its result: inputs the graph had already mutated in
 place are replayed in their mutated state, and ops that draw random numbers draw different ones.
+Whether ops drew is watched during the replay, per aten call, not guessed from the graph's op names:
+an eval-mode dropout is a node named dropout that draws nothing.
+
+A graph in live mode runs op by op as Python code, so the op it failed at is read from its own
+frame in the traceback (`locate_live`); it is never replayed.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..events import TensorMeta
 
-_RANDOM_OPS = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal", "dropout", "uniform")
+_CALLS = ("call_function", "call_method", "call_module")
+# Arguments that switch a seeded op's drawing off: `train=False` (dropout, rnn kernels),
+# `training=False` (rrelu), a zero dropout probability (attention kernels, rnn kernels).
+_OFF_WHEN_FALSE = ("train", "training")
+_OFF_WHEN_ZERO = ("dropout", "dropout_p")
 
 
 def untouched_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -64,17 +74,111 @@ class Located:
 
 def locate_failure(gm: fx.GraphModule, args) -> Located:
     """Replay `gm` on `args`; return the node that raises (None if the replay does not fail)."""
-    caveats = replay_caveats(gm)
     locator = _Locator(gm)
+    watch = _DrawWatch()
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):  # the user's generators are untouched
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), watch:  # the user's generators are untouched
         try:
             locator.run(*args)
         except Exception:
             node = locator.current
             inputs = tuple(TensorMeta.of(t) for t in locator.current_inputs)
-            return Located(node, inputs, caveats)
-    return Located(None, (), caveats + ["the replay ran without error, so the failing op is unknown"])
+            return Located(node, inputs, replay_caveats(gm, watch.drew))
+    unknown = "the replay ran without error, so the failing op is unknown"
+    return Located(None, (), replay_caveats(gm, watch.drew) + [unknown])
+
+
+class _DrawWatch(TorchDispatchMode):
+    """Sees each aten call of the replay, to tell whether any drew random numbers.
+
+    Watching the calls rather than reading the graph's op names is what makes the answer right:
+    `F.dropout(x, p, training=False)` is a graph node named dropout but dispatches nothing, while
+    `torch.rand` or a training-mode dropout dispatches a seeded op. Only ops up to the failure run,
+    so a draw after the op that failed (which the failed call never made either) is not counted.
+    """
+
+    supports_higher_order_operators = True  # a higher-order op passes through; its body is not watched
+
+    def __init__(self):
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.drew and isinstance(func, torch._ops.OpOverload) and draws_random(func, args, kwargs):
+            self.drew = True
+        return func(*args, **kwargs)
+
+
+def draws_random(func: "torch._ops.OpOverload", args, kwargs) -> bool:
+    """Whether an aten call draws from a random generator.
+
+    The rule is torch's own: the op is tagged `nondeterministic_seeded` (rand*, randn*, normal,
+    bernoulli, multinomial, randperm, uniform_, dropout kernels, ...), unless an argument of the
+    call switches the drawing off (`train=False`, `training=False`, a zero dropout probability) —
+    an eval-mode rrelu or an attention kernel without dropout is tagged too but draws nothing.
+    """
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for name, value in _gate_arguments(func._schema, args, kwargs):
+        if name in _OFF_WHEN_FALSE and value is False:
+            return False
+        if name in _OFF_WHEN_ZERO and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return False
+    return True
+
+
+def _gate_arguments(schema, args, kwargs):
+    """(name, value) of the call's arguments that can switch drawing off, defaults included."""
+    position = 0
+    for argument in schema.arguments:
+        name = argument.name
+        if name in _OFF_WHEN_FALSE + _OFF_WHEN_ZERO:
+            if name in kwargs:
+                yield name, kwargs[name]
+            elif not argument.kwarg_only and position < len(args):
+                yield name, args[position]
+            elif argument.has_default_value():
+                yield name, argument.default_value
+        position += not argument.kwarg_only
+
+
+def locate_live(gm: fx.GraphModule, exc: BaseException) -> Optional[Located]:
+    """The node a live (op-by-op) graph was running when it raised, with its real inputs; None
+    when that cannot be read with certainty.
+
+    A live graph is FX's generated Python code: each node's result is assigned, in node order, to
+    a local named after the node (a dead value is rebound to None, not deleted). So in the graph's
+    frame the node after the last one with a local had not returned, and its arguments are still
+    bound. Nothing is run again: the ops of a live graph narrate as they complete, and a replay would
+    repeat their effects.
+    """
+    frame = _frame_running(gm, exc)
+    if frame is None:
+        return None
+    bound = frame.f_locals
+    nodes = list(gm.graph.nodes)
+    if not all(n.name in bound for n in nodes if n.op == "placeholder"):
+        return None  # not the locals this reading relies on
+    done = [i for i, n in enumerate(nodes) if n.op in _CALLS and n.name in bound]
+    following = [n for n in nodes[(done[-1] + 1 if done else 0):] if n.op in _CALLS]
+    if not following or not all(arg.name in bound for arg in following[0].all_input_nodes):
+        return None
+    node = following[0]
+    values = fx.node.map_arg((node.args, node.kwargs), lambda arg: bound[arg.name])
+    inputs = tuple(TensorMeta.of(v) for v in _flatten(values) if isinstance(v, torch.Tensor))
+    return Located(node, inputs, [])
+
+
+def _frame_running(gm: fx.GraphModule, exc: BaseException):
+    """The frame of `gm`'s generated forward in the traceback of `exc` (None if it is not there)."""
+    code = getattr(type(gm).forward, "__code__", None)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return tb.tb_frame
+        tb = tb.tb_next
+    return None
 
 
 def why_not_replay(gm: fx.GraphModule, exc: BaseException) -> Optional[str]:
@@ -128,13 +232,14 @@ def is_in_place(name: str) -> bool:
             or name in _IN_PLACE_OPERATORS)
 
 
-def replay_caveats(gm: fx.GraphModule) -> List[str]:
-    """What may make a replay differ from the failed call, read from the graph."""
+def replay_caveats(gm: fx.GraphModule, drew: bool) -> List[str]:
+    """What may make a replay differ from the failed call: in-place ops, read from the graph, and
+    random numbers, when the replay saw an op draw them (`drew`)."""
     caveats = []
     names = [target_name(node) for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
     if any(is_in_place(name) for name in names):
         caveats.append("the graph mutates tensors in place; the replay saw them after any mutation the failed call made")
-    if any(name.startswith(_RANDOM_OPS) for name in names):
+    if drew:
         caveats.append("the graph draws random numbers; the replay drew its own")
     return caveats
 
