@@ -228,9 +228,9 @@ def stats_text(stats) -> str:
             text += f" {counts_text(stats)}"
         return text
     text = " ".join(f"{name}={fmt(value)}" for name, value in values)
-    if stats.nan is None:  # an integer tensor: always finite, nothing to count
-        return text
-    return f"{text} {counts_text(stats)}" if text else counts_text(stats)
+    if stats.nan is not None:  # not for an integer tensor: always finite, nothing to count
+        text = f"{text} {counts_text(stats)}" if text else counts_text(stats)
+    return f"{text} {stats.note}" if stats.note else text
 
 
 def render_note(text: str) -> str:

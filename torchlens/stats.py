@@ -31,6 +31,8 @@ SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
 
 _inf = float("inf")
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrapped = torch._C._functorch.get_unwrapped
 
 
 # -- what to compute ---------------------------------------------------------------------------
@@ -68,6 +70,29 @@ def applicable(tensor: torch.Tensor) -> Optional[str]:
     if tensor.numel() == 0:
         return "empty"
     return None
+
+
+def plain_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The ordinary tensor holding `tensor`'s values, to reduce from outside any transform.
+
+    Inside `torch.func.vmap` / `grad` / `jvp` an op's output is a wrapper (a batched or
+    gradient-tracking tensor) whose values cannot be read from outside the transform; the tensor
+    it wraps holds them (for vmap: every example of the batch, so the statistics cover the batch).
+    A nested tensor (`nn.TransformerEncoder`'s fast path) is measured over its components.
+    """
+    while _is_wrapped(tensor):
+        tensor = _unwrapped(tensor)
+    if tensor.is_nested:
+        if tensor.layout == torch.jagged:
+            return tensor.values()
+        return torch.cat([part.reshape(-1) for part in tensor.unbind()])
+    return tensor
+
+
+def shareable(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has the version counter and plain layout statistics sharing relies on
+    (inference tensors have no version counter; wrapped and nested tensors no plain storage)."""
+    return not (torch.is_inference(tensor) or tensor.is_nested or _is_wrapped(tensor))
 
 
 def as_float(tensor, dtype: torch.dtype):
@@ -176,7 +201,7 @@ def _same_elements(tensor: torch.Tensor):
     tensor measured earlier in the forward, unchanged since (the version counter is shared with the
     base and bumped by in-place ops). Statistics depend only on the elements, so they are shared
     instead of reduced again. None when the tensor does not cover one dense block of memory."""
-    if tensor.layout != torch.strided or not _dense(tensor):
+    if tensor.layout != torch.strided or not shareable(tensor) or not _dense(tensor):
         return None
     base = tensor._base if tensor._base is not None else tensor
     return base, (id(base), tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version)
@@ -258,7 +283,7 @@ class Meter:
                 known = self._known.get(identity[1])
                 if known is not None and known[0]() is identity[0] and (known[2] or not live):
                     return known[1]
-            stats = self._measure(tensor, live)
+            stats = self._measure(plain_values(tensor), live)
             if identity is not None:
                 self._known[identity[1]] = (weakref.ref(identity[0]), stats, live)
             return stats
@@ -282,9 +307,9 @@ class Meter:
             vector = finite_vector(tensor.to(dtype), dtype, tensor.dim())
             return self._start(Stats("exact", numel, shown), vector, "int", live)
         f = as_float(tensor, tensor.dtype)
-        if self.rung == "sampled":
+        if self.rung == "sampled" and numel > SAMPLE_SIZE:
             return self._sampled(f, numel, shown, live)
-        if self.rung == "exact":
+        if measuring:  # exact, or a "sample" that would read every element: exact, and says so
             stats = Stats("exact", numel, shown)
             if live:
                 refine = lambda: finite_vector(f, dtype, f.dim())  # noqa: E731
@@ -339,7 +364,10 @@ class Meter:
         """
         mine = [item for item in self.pending if item.vector.device == vector.device]
         self.pending = [item for item in self.pending if item.vector.device != vector.device]
-        values = torch.cat([vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]).tolist()
+        try:
+            values = torch.cat([vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]).tolist()
+        except Exception:  # one vector that cannot be read must not take the others with it
+            return self._read_one_by_one(vector, mine)
         self.reads += 1
         start = vector.numel()
         for item in mine:
@@ -347,6 +375,26 @@ class Meter:
             fill(item.stats, values[start:start + size], item.layout, self.tracking)
             start += size
         return values[:vector.numel()]
+
+    def _read_one_by_one(self, vector: torch.Tensor, items: List[Pending]) -> List[float]:
+        """The slow path of `read_along`: each vector on its own; one that fails says why."""
+        for item in items:
+            try:
+                values = item.vector.reshape(-1).tolist()
+                self.reads += 1
+                fill(item.stats, values, item.layout, self.tracking)
+            except Exception as exc:
+                unmeasured(item.stats, f"{type(exc).__name__} reading its statistics")
+        self.reads += 1
+        return vector.reshape(-1).tolist()
+
+
+def unmeasured(stats: Stats, why: str) -> None:
+    """Turn `stats` into "not measured" (the footer counts it), keeping whether it was shown."""
+    stats.kind = "na"
+    stats.note = why
+    stats.min = stats.max = stats.mean = stats.sd = None
+    stats.nan = stats.posinf = stats.neginf = None
 
 
 # The length of each vector layout `fill` reads (the compiled path slices its one output by these).
@@ -361,6 +409,22 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
     "finite" / "int" (a `finite_vector` of a float / integer tensor), "sampled" / "sampled-moments"
     (a `finite_vector` / `cheap_vector` of the sample, then the tensor's counts when tracking).
     """
+    _fill(stats, values, layout, tracking)
+    _drop_overflowed(stats)
+
+
+def _drop_overflowed(stats: Stats) -> None:
+    """A moment that overflowed the float32 arithmetic of its reduction (the sd of values near
+    3e38, say) is not a measurement: it is dropped and named, and never printed as `inf`."""
+    lost = [name for name in ("min", "max", "mean", "sd")
+            if getattr(stats, name) is not None and not math.isfinite(getattr(stats, name))]
+    for name in lost:
+        setattr(stats, name, None)
+    if lost:
+        stats.note = f"({'/'.join(lost)} overflowed float32)"
+
+
+def _fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:
     if layout == "bool":
         stats.true = int(values[0])
         return
