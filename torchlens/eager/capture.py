@@ -34,6 +34,8 @@ from ..session import Session, internal_error
 from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable
+from ..writes import written_tensor
+from .fastpaths import keep_fast_paths, release_fast_paths
 
 _Tensor = torch.Tensor
 _Size = torch.Size
@@ -71,6 +73,8 @@ def unwinding() -> bool:
 class CaptureMode(TorchFunctionMode):
     """Reports each torch-level call that returns tensors to the active capture."""
 
+    torchlens_capture = True  # how `fastpaths` tells the capture's modes from anybody else's
+
     def __init__(self, capture: "EagerCapture"):
         super().__init__()
         self.capture = capture
@@ -93,9 +97,17 @@ class CaptureMode(TorchFunctionMode):
         if kind is _Tensor or (kind is not _Size and isinstance(out, (tuple, list, _Tensor))):
             if capture.nested:  # an outer capture is below this mode: keep our work from it
                 with _own_work():
-                    capture.op_done(func, out)
+                    capture.op_done(func, out, args, kwargs)
             else:
-                capture.op_done(func, out)  # sizes, dtypes, bools: not ops, and frequent
+                capture.op_done(func, out, args, kwargs)  # sizes, dtypes, bools: not ops, and frequent
+        elif out is None:  # `y[i] = v` and the few other calls that write a tensor and return nothing
+            written = written_tensor(getattr(func, "__name__", ""), args, kwargs)
+            if written is not None:
+                if capture.nested:
+                    with _own_work():
+                        capture.op_done(func, written, args, kwargs)
+                else:
+                    capture.op_done(func, written, args, kwargs)
         return out
 
 
@@ -104,11 +116,15 @@ _meta = TensorMeta.of
 
 def output_metas(out):
     """TensorMeta of each tensor an op returned, or None when it returned no tensor."""
-    if type(out) is _Tensor or isinstance(out, _Tensor):
-        return (_meta(out),)
-    if isinstance(out, (tuple, list)):  # named tuples too: torch.max(x, dim) gives values and indices
-        metas = tuple(_meta(t) for t in out if isinstance(t, _Tensor))
-        return metas or None
+    try:
+        if type(out) is _Tensor or isinstance(out, _Tensor):
+            return (_meta(out),)
+        if isinstance(out, (tuple, list)):  # named tuples too: torch.max(x, dim) gives values and indices
+            metas = tuple(_meta(t) for t in out if isinstance(t, _Tensor))
+            return metas or None
+    except RuntimeError:  # a tensor without plain sizes (nested): free on the common path
+        tensors = (out,) if isinstance(out, _Tensor) else [t for t in out if isinstance(t, _Tensor)]
+        return tuple(TensorMeta.ragged(t) for t in tensors) or None
     return None
 
 
@@ -143,17 +159,23 @@ class OpReporter:
     def locate(self, frame) -> None:
         """Bring the session's open module to the one the call at `frame` runs in."""
 
-    def op_done(self, func, out) -> None:
+    def op_done(self, func, out, args=(), kwargs=None) -> None:
         metas = output_metas(out)
         if metas is None:
             return
+        tracker = self.session.tracker
         try:
             # the frame only when needed: 0: here, 1: the mode, 2: the code that called the op
             frame = sys._getframe(2) if self.sites or self.follows_stack else None
             if self.follows_stack:
                 self.locate(frame)
             site = find_user_site(frame) if self.sites else None
-            event = self.session.add_op(op_name(func), metas, site, None, out)
+            if tracker is None:
+                event = self.session.add_op(op_name(func), metas, site, None, out)
+            else:
+                reads = tracker.reads_of(args, kwargs or {})
+                event = self.session.add_op(op_name(func), metas, site, None, out, reads)
+                tracker.produced(event, out, args)
             for observe in self.observers:
                 observe(event, out)
             self.ops += 1
@@ -190,6 +212,7 @@ class EagerCapture(OpReporter):
     def start(self) -> None:
         _threads.captures = captures_in_thread() + 1
         self._counted = True
+        keep_fast_paths()
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
@@ -205,6 +228,7 @@ class EagerCapture(OpReporter):
         if self._counted:
             self._counted = False
             _threads.captures = captures_in_thread() - 1
+            release_fast_paths()
 
     def own_work(self):
         """Context for work of this capture outside its mode's handler (inputs, outputs, the

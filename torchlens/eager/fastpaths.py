@@ -1,0 +1,87 @@
+"""Fast paths that look for torch-function overrides run exactly as they would without capture.
+
+`nn.MultiheadAttention`, `nn.TransformerEncoderLayer` and `nn.TransformerEncoder` take a fused
+"fast path" (`torch._native_multi_head_attention`, `torch._transformer_encoder_layer_fwd`, nested
+tensors for padding masks) only when `torch.overrides.has_torch_function(...)` says no override is
+active. The capture's `TorchFunctionMode` is one, so under capture they would run their slow path,
+whose results differ (padded positions by whole units). Narration must never change results.
+
+So, while a capture runs, `torch.overrides.has_torch_function` answers the modules whose forward
+consults it as if the capture's modes were not there (any other override still counts). The fast
+path then runs, and the capture narrates its fused call as one op: its insides are a single kernel.
+Which forwards consult it is read from torch (the names their code uses), not listed by hand.
+Only those callers are answered differently; everyone else gets torch's own answer.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from torch import nn
+
+_original = torch.overrides.has_torch_function
+_lock = threading.Lock()
+_installed = 0  # captures running, in any thread, that need the answer kept
+_forwards = None  # code objects of the torch module forwards that consult has_torch_function
+
+
+def _consulting_forwards() -> frozenset:
+    """The `forward` code of every torch.nn module class that calls `has_torch_function`."""
+    codes = set()
+    pending = [nn.Module]
+    seen = set()
+    while pending:
+        cls = pending.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                pending.append(sub)
+        forward = cls.__dict__.get("forward")
+        code = getattr(forward, "__code__", None)
+        if code is not None and cls.__module__.startswith("torch.nn") and "has_torch_function" in code.co_names:
+            codes.add(code)
+    return frozenset(codes)
+
+
+def _has_torch_function(args) -> bool:
+    """torch's answer, except to a fast-path check of a module forward under capture."""
+    if not _original(args):
+        return False
+    if sys._getframe(1).f_code not in _forwards:
+        return True
+    return _without_capture(args)
+
+
+def _without_capture(args) -> bool:
+    """What `has_torch_function(args)` would say with the capture modes off the stack."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not stack or not all(getattr(mode, "torchlens_capture", False) for mode in stack):
+        return True  # a tensor subclass, or somebody else's mode: the slow path, as without us
+    popped = [torch._C._pop_torch_function_stack() for _ in stack]
+    try:
+        return _original(args)
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def keep_fast_paths() -> None:
+    """A capture starts: answer fast-path checks as if it were not there (until `release`)."""
+    global _installed, _forwards
+    with _lock:
+        if _forwards is None:
+            _forwards = _consulting_forwards()
+        _installed += 1
+        if _installed == 1:
+            torch.overrides.has_torch_function = _has_torch_function
+
+
+def release_fast_paths() -> None:
+    """A capture ends; the last one gives torch its own function back."""
+    global _installed
+    with _lock:
+        _installed = max(_installed - 1, 0)
+        if _installed == 0 and torch.overrides.has_torch_function is _has_torch_function:
+            torch.overrides.has_torch_function = _original
