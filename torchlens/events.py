@@ -82,6 +82,17 @@ class TensorMeta(tuple):
     def of(cls, tensor) -> "TensorMeta":
         return tuple.__new__(cls, (tensor.shape, tensor.dtype, tensor.device))
 
+    @classmethod
+    def ragged(cls, tensor) -> "TensorMeta":
+        """A tensor whose sizes are not all fixed (a nested tensor): ragged sizes shown as `*`."""
+        shape = []
+        for dim in range(tensor.dim()):
+            try:
+                shape.append(int(tensor.size(dim)))
+            except RuntimeError:
+                shape.append("*")
+        return tuple.__new__(cls, (tuple(shape), tensor.dtype, tensor.device))
+
     @property
     def shape(self):
         return self[0]
@@ -111,9 +122,10 @@ class Event:
     - `site`: the user's `file:line` that issued the op, when sites were asked for.
     - `stats`: value statistics (see `torchlens.stats`), when asked for.
     - `label`: the argument name of an input source or the position of an output (`x`, `out[0]`).
+    - `reads`, `finding`: what non-finite tracking knows of the op (`torchlens.tracking`).
     """
 
-    __slots__ = ("kind", "ordinal", "op", "scope", "outputs", "site", "stats", "label")
+    __slots__ = ("kind", "ordinal", "op", "scope", "outputs", "site", "stats", "label", "reads", "finding")
 
     def __init__(self, kind, ordinal, op, scope, outputs=(), site=None, stats=None, label=None):
         self.kind = kind
@@ -124,6 +136,8 @@ class Event:
         self.site = site
         self.stats = stats
         self.label = label
+        self.reads = None  # with non-finite tracking: what the op read (see `torchlens.tracking`)
+        self.finding = None  # with non-finite tracking: the tracker's verdict at this op, if any
 
     @property
     def module(self) -> str:

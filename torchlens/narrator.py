@@ -94,11 +94,12 @@ class Narrator:
                     return
                 folded = self._folded.pop(event.scope.key, 0)
         printed = self._emit(grammar.render_event(event, self._sites, self._normalize, folded))
-        # Only for a printed line: its statistics were read when it was printed, so the note
-        # appears after the fact exactly when it appeared live.
-        if printed and event.stats is not None and event.stats.nonfinite and not self._nonfinite_noted:
+        # Only for a printed line whose finding was known as it was printed (`Finding.live`), so
+        # the note appears after the fact exactly where it appeared live.
+        finding = event.finding
+        if printed and finding is not None and finding.live and not self._nonfinite_noted:
             self._nonfinite_noted = True
-            self._emit(grammar.render_failure(first_nonfinite_text(event)))
+            self._emit(grammar.render_failure(finding.text))
 
     def prints(self, event: Event) -> bool:
         """Whether feeding `event` now would print its line (decides whether its stats are read now)."""
@@ -264,11 +265,6 @@ def _describe(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {exc}"
     except Exception:
         return f"{type(exc).__name__} (its message could not be rendered)"
-
-
-def first_nonfinite_text(event: Event) -> str:
-    return f"first non-finite output: {grammar.op_ref(event.ordinal, event.op, event.scope.path)}  " \
-           f"{grammar.counts_text(event.stats)}"
 
 
 def render_lines(events: Sequence[Event], options: NarrationOptions, header=None, footer_extra=None) -> List[str]:

@@ -44,13 +44,18 @@ class Recording:
     - `events`: every `Event` in order (input sources, ops, module enter/exit, outputs).
     - `ops`: just the `#` events (input sources and ops).
     - `output`: what the forward returned.
-    - `first_nonfinite`: with `on_nonfinite="track"`, the first op whose output held NaN or Inf.
+    - `findings`: with `on_nonfinite=`, the tracker's verdicts in order (`torchlens.tracking`):
+      NaN and infinity births, non-finite parameters or buffers, infinities reaching the output.
+    - `first_nonfinite`: the op of the first finding (with tracking), else the first op whose
+      measured output held NaN or Inf.
     - `narrate(...)`: the transcript.
     """
 
     def __init__(self, events: List[Event], output, settings, header: Optional[str] = None,
-                 footer_extra: Sequence[str] = (), values: Optional[Dict[int, Tuple]] = None):
+                 footer_extra: Sequence[str] = (), values: Optional[Dict[int, Tuple]] = None,
+                 findings: Sequence = ()):
         self.events = events
+        self.findings = tuple(findings)
         self.output = output
         self.settings = settings
         self.header = header
@@ -67,6 +72,8 @@ class Recording:
 
     @property
     def first_nonfinite(self) -> Optional[Event]:
+        if getattr(self.settings, "on_nonfinite", None) is not None:
+            return self.findings[0].event if self.findings else None
         for event in self.events:
             if event.stats is not None and event.stats.nonfinite:
                 return event

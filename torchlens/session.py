@@ -12,13 +12,14 @@ import traceback
 from typing import List, Optional
 
 from .errors import NonFiniteError, warn_safely
-from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
+from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope, Stats
 from .grammar import counts_text, op_ref
 from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 from .stats import Meter
+from .tracking import UNINITIALIZED, Tracker
 
 
 class Session:
@@ -28,7 +29,7 @@ class Session:
     """
 
     def __init__(self, settings: Settings, root: Scope, narrator: Optional[Narrator] = None,
-                 header: Optional[str] = None):
+                 header: Optional[str] = None, tensor_names=dict):
         self.settings = settings
         self.root = root
         self.narrator = narrator
@@ -42,6 +43,9 @@ class Session:
         self.footer_extra: List[str] = []
         self.meter: Optional[Meter] = None  # set by a substrate that measures values itself (eager)
         self.raise_on_nonfinite = settings.on_nonfinite == "raise"
+        # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
+        self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
+        self._outputs = []  # (label, tensor) of the forward's outputs, for the tracker
         if narrator is not None:
             narrator.begin_pass(header)
 
@@ -60,10 +64,14 @@ class Session:
 
     def add_input(self, label: str, metas, site=None, value=None) -> Event:
         self.ordinal += 1
-        return self._measured(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label), value)
+        event = self._measured(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label), value)
+        if self.tracker is not None and value is not None:
+            self.tracker.produced(event, value)
+        return event
 
-    def add_op(self, op: str, metas, site=None, stats=None, value=None) -> Event:
-        """Record an op, with its `stats`, or with its output `value` for the meter to measure.
+    def add_op(self, op: str, metas, site=None, stats=None, value=None, reads=None) -> Event:
+        """Record an op, with its `stats`, or with its output `value` for the meter to measure;
+        `reads` is what it read, when non-finite values are tracked (see `torchlens.tracking`).
 
         The hot path of every capture: kept flat on purpose (the common case, no meter and no
         unwound modules, is three attribute checks, an append and the narrator).
@@ -71,6 +79,8 @@ class Session:
         self.ordinal += 1
         self.failed_call = None
         event = Event(OP, self.ordinal, op, self.scope, metas, site, stats, None)
+        if reads is not None:
+            event.reads = reads
         if self.meter is not None or self._unwound:
             return self._measured(event, value)
         self.events.append(event)
@@ -81,14 +91,24 @@ class Session:
     def _measured(self, event: Event, value) -> Event:
         meter = self.meter
         if meter is not None and value is not None:
-            live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
-            event.stats = meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+            if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
+                event.stats = Stats("na", 0, meter.rung != "off", note="uninitialized")
+            else:
+                live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
+                event.stats = meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+        findings = self.tracker.judge(event) if self.tracker is not None else ()
+        for finding in findings:
+            finding.live = finding.event is event  # known as its line is narrated: `!!` follows it
+            if finding.event is not None and finding.event.finding is None:
+                finding.event.finding = finding
         self.record(event)
-        if self.raise_on_nonfinite and event.stats is not None and event.stats.nonfinite:
-            raise NonFiniteError(nonfinite_message(event))
+        if self.raise_on_nonfinite and findings:  # the NaN at this op; its message names the cause
+            raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
         return event
 
-    def add_output(self, label: str, metas) -> Event:
+    def add_output(self, label: str, metas, value=None) -> Event:
+        if self.tracker is not None and value is not None:
+            self._outputs.append((label, value))
         self.move_to(self.root)
         return self.record(Event(OUTPUT, self.ordinal, "output", self.root, metas, None, None, label))
 
@@ -190,6 +210,7 @@ class Session:
             header=self.header,
             footer_extra=list(self.footer_extra),
             values=self.values,
+            findings=self.findings,
         )
 
     def fail(self, exc: BaseException) -> PartialTrace:
@@ -208,6 +229,7 @@ class Session:
                 header=self.header,
                 footer_extra=[],
                 values=self.values,
+                findings=self.findings,
                 attempt=attempt,
                 error=error,
             )
@@ -229,12 +251,25 @@ class Session:
         settings = self.settings
         if settings.value_stats != "off":
             self.footer_extra.append(f"value_stats={settings.value_stats}")
-        if settings.on_nonfinite is not None:
-            first = next((e for e in self.events if e.stats is not None and e.stats.nonfinite), None)
-            if first is None:
-                self.footer_extra.append("no non-finite values")
-            else:
-                self.footer_extra.append("first non-finite: " + op_ref(first.ordinal, first.op, first.scope.path))
+        tracker = self.tracker
+        if tracker is not None:
+            try:
+                for finding in tracker.judge_rest():
+                    # with no live narration, nothing was printed it must match: the note shows
+                    finding.live = self.narrator is None
+                    if finding.event is not None and finding.event.finding is None:
+                        finding.event.finding = finding
+                for label, value in self._outputs:
+                    tracker.output_reached(label, value)
+                self.footer_extra.append(tracker.summary())
+            except Exception as exc:
+                internal_error("judging non-finite values", exc)
+                self.footer_extra.append("non-finite tracking failed: no verdict")
+
+    @property
+    def findings(self) -> tuple:
+        """What non-finite tracking found (`torchlens.tracking.Finding`), in order."""
+        return tuple(self.tracker.findings) if self.tracker is not None else ()
 
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
@@ -293,11 +328,11 @@ def attach(exc: BaseException, partial: PartialTrace) -> None:
         pass
 
 
-def nonfinite_message(event: Event) -> str:
-    site = f" ({event.site})" if event.site else ""
-    return (f"on_nonfinite='raise': {op_ref(event.ordinal, event.op, event.scope.path)}{site} produced non-finite "
-            f"values ({counts_text(event.stats)}); every op before it was finite. The partial trace is "
-            f"attached as exc.partial_trace; on_nonfinite='track' records the run without stopping.")
+def nonfinite_message(finding) -> str:
+    event = finding.event
+    site = f" ({event.site})" if event is not None and event.site else ""
+    return (f"on_nonfinite='raise': {finding.text}{site}. The partial trace is attached as exc.partial_trace; "
+            f"on_nonfinite='track' records the run without stopping.")
 
 
 def internal_error(what: str, exc: BaseException) -> None:

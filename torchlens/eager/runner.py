@@ -15,7 +15,7 @@ from ..session import Session, internal_error
 from ..stats import Meter
 from .capture import EagerCapture
 from ..scopes import ScopeTable
-from .structure import check_selection, named_inputs, named_outputs
+from .structure import check_selection, named_inputs, named_outputs, tensor_names
 from ..values import ValueKeeper
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -32,7 +32,8 @@ class EagerRun:
         self.model = model
         self.scopes = ScopeTable.for_model(model)
         check_selection(settings, self.scopes.paths)
-        self.session = Session(settings, self.scopes.root_scope, narrator, header)
+        self.session = Session(settings, self.scopes.root_scope, narrator, header,
+                               tensor_names=lambda: tensor_names(model))
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         if meter.active:
             self.session.meter = meter
@@ -65,7 +66,7 @@ class EagerRun:
         with self.capture.own_work():
             try:
                 for label, tensor in named_outputs(output):
-                    self.session.add_output(label, (TensorMeta.of(tensor),))
+                    self.session.add_output(label, (TensorMeta.of(tensor),), tensor)
                 return self.session.finish(output)
             except Exception as exc:
                 internal_error("finishing the recording", exc)

@@ -128,3 +128,14 @@ def check_selection(settings, paths) -> None:
     narration = settings.narration
     if narration is not None and narration.select is not None:
         narration.select.check_paths(paths)
+
+
+def tensor_names(model) -> dict:
+    """id -> dotted name of the model's parameters and buffers (`blocks.1.fc.weight`): how
+    non-finite tracking names a tensor no op produced."""
+    if not isinstance(model, nn.Module):
+        return {}
+    names = {}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        names.setdefault(id(tensor), name)
+    return names

@@ -62,10 +62,13 @@ class CompiledGraph:
                     graph_failed(run, self, args, prepared, exc)
                 raise
             out, vector, kept = self._split_outputs(out)
+            if prepared is not None and self.live:
+                with run.own_work():
+                    run.end_live(self, out)
             if prepared is not None and not self.live:
                 try:
                     with run.own_work():
-                        run.add_plan(self.plan, args, prepared, vector, self.slots, kept)
+                        run.add_plan(self.plan, args, prepared, vector, self.slots, kept, out)
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
@@ -131,7 +134,7 @@ def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int, ob
     for op in plan.ops:
         node = by_name[op.node]
         with gm.graph.inserting_after(node):
-            gm.graph.call_function(emit, (op.index, node))
+            gm.graph.call_function(emit, (op.index, by_name[op.value]))  # `y` after `y[i] = v`
     gm.recompile()
     return gm
 

@@ -18,20 +18,24 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..events import Scope, TensorMeta
 from ..scopes import ScopeTable
 from ..naming import dunder_name, op_name
 from ..sites import site_from_stack_trace
+from ..tracking import carried_kinds
+from ..writes import is_setitem, writes_without_returning
+from .replay import is_in_place, target_name
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 
 
 class PlanOp:
     """One op line of a graph: everything static about it."""
 
-    __slots__ = ("index", "node", "op", "modules", "metas", "site", "exprs")
+    __slots__ = ("index", "node", "op", "modules", "metas", "site", "exprs", "value", "reads")
 
-    def __init__(self, index, node, op, modules, metas, site, exprs):
+    def __init__(self, index, node, op, modules, metas, site, exprs, value=None, reads=((), 0)):
         self.index = index      # position among the graph's ops (0-based)
         self.node = node        # the FX node's name
         self.op = op
@@ -39,6 +43,10 @@ class PlanOp:
         self.metas = metas      # tuple of TensorMeta; symbolic sizes shown as text (`s0`)
         self.site = site
         self.exprs = exprs      # with dynamic shapes: the output shapes as sympy expressions
+        self.value = value or node  # the node holding the op's output: for `y[i] = v`, `y`
+        # What the op read, for non-finite tracking: (("op", index) | ("arg", placeholder position)
+        # | None for what cannot be told, ...), and the non-finite kinds its scalar arguments carry.
+        self.reads = reads
 
     def __repr__(self) -> str:
         return f"PlanOp({self.index} {self.op})"
@@ -66,8 +74,9 @@ class GraphPlan:
 
     MAX_SEGMENTS = 32
 
-    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], compiled_in: Scope):
+    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], compiled_in: Scope, outputs=()):
         self.ops = ops
+        self.outputs = tuple(outputs)  # per graph output: the index of the op that produced it, or None
         self.resolver = resolver
         self.compiled_in = compiled_in  # the module whose frame was compiled (at compile time)
         self.fixed_scope = compiled_in if compiled_in.parent is None else None
@@ -127,13 +136,25 @@ def _shape_exprs(tensor) -> Tuple:
     return tuple(shape)
 
 
+def _written_node(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor node an op that returns nothing wrote into (`y[i] = v`), else None."""
+    if node.meta.get("example_value") is not None or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if is_setitem(node.target) or writes_without_returning(target_name(node)):
+        return node.args[0]
+    return None
+
+
 def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> GraphPlan:
     """The op lines a graph narrates, in node order; `frame_scope`: the compiled frame's module."""
     ops: List[PlanOp] = []
+    sources = _Sources(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        tensors = _tensors(node.meta.get("example_value"))
+        written = _written_node(node)
+        holder = written if written is not None else node
+        tensors = _tensors(holder.meta.get("example_value"))
         if not tensors or _is_unpacking(node):
             continue
         shapes = tuple(_shape_exprs(t) for t in tensors)
@@ -148,7 +169,76 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
                 metas=metas,
                 site=site_from_stack_trace(node.meta.get("stack_trace")),
                 exprs=shapes if dynamic else None,
+                value=holder.name,
+                reads=sources.reads(node),
             )
         )
+        sources.produced(node, len(ops) - 1, written)
     resolver = maybe_resolver([op.exprs for op in ops if op.exprs is not None], gm)
-    return GraphPlan(ops, resolver, frame_scope)
+    return GraphPlan(ops, resolver, frame_scope, sources.outputs(gm))
+
+
+class _Sources:
+    """Where each tensor a node reads comes from, at compile time: the plan op that produced it
+    (or last wrote into its memory: views share a storage), or the graph input it is."""
+
+    def __init__(self, gm: fx.GraphModule):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._args = {n: position for position, n in enumerate(placeholders)}
+        self._producer: Dict[fx.Node, int] = {}
+        self._writers: Dict[object, List[int]] = {}
+
+    def produced(self, node: fx.Node, index: int, written: Optional[fx.Node]) -> None:
+        self._producer[node] = index
+        target = written
+        if target is None and is_in_place(target_name(node)) and node.args and isinstance(node.args[0], fx.Node):
+            target = node.args[0]
+        if target is not None:
+            key = _storage(target)
+            if key is not None:
+                self._writers.setdefault(key, []).append(index)
+
+    def origin(self, node: fx.Node) -> tuple:
+        if _is_unpacking(node):
+            node = node.args[0]
+        if node in self._producer:
+            first = ("op", self._producer[node])
+        elif node in self._args:
+            first = ("arg", self._args[node])
+        else:
+            first = None
+        after = first[1] if first is not None and first[0] == "op" else -1
+        writers = tuple(("op", i) for i in self._writers.get(_storage(node), ()) if i > after)
+        return (first,) + writers
+
+    def reads(self, node: fx.Node) -> tuple:
+        refs = []
+        for value in (*node.args, *node.kwargs.values()):
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, fx.Node) and isinstance(item.meta.get("example_value"), torch.Tensor):
+                    refs.extend(self.origin(item))
+                elif isinstance(item, fx.Node) and _is_unpacking(item):
+                    refs.extend(self.origin(item))
+        return tuple(refs), carried_kinds(node.args, node.kwargs)
+
+    def outputs(self, gm: fx.GraphModule) -> List[Optional[int]]:
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        results = output.args[0]
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        found = []
+        for result in results:
+            ops = [o[1] for o in self.origin(result) if o is not None and o[0] == "op"] if isinstance(
+                result, fx.Node) else []
+            found.append(ops[-1] if ops else None)  # the last write holds what the output holds
+        return found
+
+
+def _storage(node: fx.Node):
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage()).cdata
+    except Exception:
+        return None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..eager.capture import CaptureMode, own_work, remove_mode, under_another_capture
-from ..eager.structure import check_selection, named_arguments, named_outputs
+from ..eager.structure import check_selection, named_arguments, named_outputs, tensor_names
 from ..events import Scope, TensorMeta
 from ..grammar import plural
 from ..narrator import Narrator
@@ -148,7 +148,9 @@ class CompiledRun:
         self.call_frame = call_frame  # dynamo's wrapper frame running this call
         settings = runtime.config.settings
         self.narrator = Narrator(settings.narration) if settings.narration is not None else None
-        self.session = Session(settings, runtime.scopes.root_scope, self.narrator, header)
+        root = runtime.scopes._root
+        self.session = Session(settings, runtime.scopes.root_scope, self.narrator, header,
+                               tensor_names=lambda: tensor_names(root() if root is not None else None))
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         if meter.active:
             self.session.meter = meter  # ops between graphs, and every op in live mode
@@ -160,7 +162,7 @@ class CompiledRun:
         self.mode_pushed = False
         self.graph_calls = 0
         self.call = (None, (), {})
-        self._live = {}  # live mode: per graph, (sizes, module) of its call in progress
+        self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
         self._done = False
 
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
@@ -211,7 +213,8 @@ class CompiledRun:
         """The module the graph runs in for this call (read from the caller unless it is fixed)."""
         return plan.fixed_scope or self.runtime.scopes.scope_of_stack(caller)
 
-    def add_plan(self, plan: GraphPlan, args, scope: Scope, stats_vector=None, slots=None, kept=None) -> None:
+    def add_plan(self, plan: GraphPlan, args, scope: Scope, stats_vector=None, slots=None, kept=None,
+                 out=None) -> None:
         """Record (and narrate) the ops a graph call performed, in order.
 
         A graph called again in the same situation — same ordinal, same open module, same frame,
@@ -223,7 +226,9 @@ class CompiledRun:
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
         if stats_vector is not None or kept is not None:
             stats = self._read_stats(plan, concrete, stats_vector, slots) if stats_vector is not None else None
-            self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept)
+            events = {}
+            self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
+            self.graph_outputs(plan, events, out)
             return
         key = (session.ordinal, session.scope, scope, None if concrete is None else tuple(concrete))
         segment = plan.segments.get(key)
@@ -257,17 +262,23 @@ class CompiledRun:
         return result
 
     def add_plan_ops(self, plan: GraphPlan, scope: Scope, concrete, start: int, stop: int,
-                     stats=None, values=None, kept=None) -> None:
+                     stats=None, values=None, kept=None, args=(), events=None) -> None:
         """Record plan ops [start, stop): with `stats` read from the graph, or with `values` (the
         ops' outputs, in live mode) for the eager meter to measure and the keeper to keep; `kept`
-        are the outputs a graph returned for `tl.trace(..., compiled=True)`."""
+        are the outputs a graph returned for `tl.trace(..., compiled=True)`. With tracking, `args`
+        are the graph call's inputs and `events` the call's events so far, by op index."""
         session = self.session
+        tracker = session.tracker
         scopes = plan.op_scopes(self.runtime.scopes, scope)
         for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
             if scopes[op.index] is not session.scope:
                 session.move_to(scopes[op.index])
             value = None if values is None else values[offset]
-            event = session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index], value=value)
+            reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events)
+            event = session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index], value=value,
+                                   reads=reads)
+            if events is not None:
+                events[op.index] = event
             if self.keeper is not None:
                 output = kept[op.index] if kept is not None else value
                 if output is not None:
@@ -278,17 +289,27 @@ class CompiledRun:
     def start_live(self, graph, args, scope: Scope) -> None:
         plan = graph.plan
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
-        self._live[graph] = (concrete, scope, [-1])
+        self._live[graph] = (concrete, scope, args, {})
 
     def emit_live(self, graph, index: int, value) -> None:
         """Record op `index` of `graph`, which just completed (live mode)."""
-        concrete, scope, last = self._live[graph]
-        last[0] = index
-        self.add_plan_ops(graph.plan, scope, concrete, index, index + 1, values=[value])
+        concrete, scope, args, events = self._live[graph]
+        self.add_plan_ops(graph.plan, scope, concrete, index, index + 1, values=[value], args=args, events=events)
 
-    def live_progress(self, graph) -> int:
-        """Index of the last op of `graph` narrated in this call (-1: none)."""
-        return self._live[graph][2][0] if graph in self._live else -1
+    def end_live(self, graph, out) -> None:
+        """A live graph call returned `out`."""
+        if graph in self._live:
+            self.graph_outputs(graph.plan, self._live.pop(graph)[3], out)
+
+    def graph_outputs(self, plan: GraphPlan, events: dict, out) -> None:
+        """With tracking: the graph's outputs were produced by these ops (code after the graph,
+        or the next graph, reads them)."""
+        tracker = self.session.tracker
+        if tracker is None or out is None:
+            return
+        for index, value in zip(plan.outputs, out if isinstance(out, (tuple, list)) else (out,)):
+            if index is not None and index in events and isinstance(value, torch.Tensor):
+                tracker.produced(events[index], value)
 
     # -- ending ---------------------------------------------------------------------------------
 
@@ -309,7 +330,7 @@ class CompiledRun:
     def finish(self, output) -> Recording:
         self.pop_mode()
         for label, tensor in named_outputs(output):
-            self.session.add_output(label, (TensorMeta.of(tensor),))
+            self.session.add_output(label, (TensorMeta.of(tensor),), tensor)
         self.session.footer_extra.append(self.footer_note())
         recording = self.session.finish(output)
         self.runtime.record(recording, self.graph_calls)
@@ -353,6 +374,23 @@ class CompiledRun:
         if self.narrator is not None and not self._done:
             self._done = True
             self.narrator.close()
+
+
+def _reads(tracker, static, args, events) -> tuple:
+    """A plan op's reads in this call: the events of the ops it read, or what the graph inputs it
+    read came from (an op before the graph, a forward input, a parameter)."""
+    refs, carried = static
+    resolved = []
+    for ref in refs:
+        if ref is None:
+            continue
+        if ref[0] == "op":
+            event = events.get(ref[1])
+            if event is not None:
+                resolved.append(event)
+        elif ref[1] < len(args) and isinstance(args[ref[1]], torch.Tensor):
+            resolved.extend(tracker.origin_of(args[ref[1]]))
+    return tuple(resolved), carried
 
 
 def _numel(shape) -> Optional[int]:

@@ -19,6 +19,7 @@ from torch.fx.proxy import GraphAppendingTracer
 
 from ..stats import (VECTOR_SIZES, Stats, StatsGroup, as_float, cheap_vector, fill, finite_vector, lean_count_vector,
                      value_kind, vector_dtype)
+from ..tracking import UNINITIALIZED
 from .plan import GraphPlan
 from .replay import is_in_place, target_name
 
@@ -49,15 +50,18 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     for op in plan.ops:
         if op.index not in chosen:
             continue
-        node = nodes[op.node]
-        value = node.meta["example_value"]
+        node, holder = nodes[op.node], nodes[op.value]  # the op, and the node holding its output
+        value = holder.meta["example_value"]
         source = _same_elements_as(node, measured)
         if source is not None:
             slots[op.index] = (f"same:{source}",)
             measured[node] = source  # a chain of views shares one measurement
             continue
+        if op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
+            slots[op.index] = ("na:uninitialized",) * len(op.metas)
+            continue
         with graph.inserting_before(node.next):
-            proxy = fx.Proxy(node, tracer)
+            proxy = fx.Proxy(holder, tracer)
             outputs = [(proxy, value)] if isinstance(value, torch.Tensor) else [
                 (proxy[i], t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
             layouts = []
@@ -68,7 +72,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
                     vectors.append(vector.reshape(-1))
                     devices.append(fake.device)
         slots[op.index] = tuple(layouts)
-        if isinstance(value, torch.Tensor) and layouts[0] in ("moments+counts", "counts", "int", "bool"):
+        if holder is node and isinstance(value, torch.Tensor) and layouts[0] in ("moments+counts", "counts", "int", "bool"):
             measured[node] = op.index
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     with graph.inserting_before(output_node):

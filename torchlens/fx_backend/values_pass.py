@@ -25,15 +25,15 @@ def add_value_outputs(gm: fx.GraphModule, plan: GraphPlan) -> List[int]:
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     kept, counts = [], []
     for op in plan.ops:
-        node = nodes[op.node]
-        value = node.meta["example_value"]
+        node, holder = nodes[op.node], nodes[op.value]  # the op, and the node holding its output
+        value = holder.meta["example_value"]
         # A copy taken right after the op: a later in-place op of the graph (`x += y`) must not
         # change what is kept, as the eager trace's copies are taken at op time too.
         with graph.inserting_before(node.next):
             if isinstance(value, torch.Tensor):
-                outputs = [graph.call_function(torch.clone, (node,))]
+                outputs = [graph.call_function(torch.clone, (holder,))]
             else:
-                outputs = [graph.call_function(torch.clone, (graph.call_function(operator.getitem, (node, i)),))
+                outputs = [graph.call_function(torch.clone, (graph.call_function(operator.getitem, (holder, i)),))
                            for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
         kept.extend(outputs)
         counts.append(len(outputs))

@@ -1,0 +1,427 @@
+"""Non-finite tracking: where a NaN or an infinity was born, and whether it is a finding.
+
+Counting non-finite values per op is not a verdict. Causal attention writes `-inf` on purpose
+(`masked_fill(mask, float("-inf"))`, a float `-inf` mask for `scaled_dot_product_attention`) and
+softmax absorbs it; a NaN in a weight shows up first in the op that reads the weight; a NaN written
+by an indexed assignment is in the tensor before the next op reads it. So the tracker follows
+where values come from — which op produced (or last wrote) each tensor an op read — and reports:
+
+- a **NaN birth**: an op produced NaN although nothing it read, scalar arguments included, held
+  NaN. Always a finding. When its inputs held an infinity (`inf - inf`, `0 * inf`), the finding
+  also names where that infinity came from.
+- an **infinity birth**: an op produced +inf or -inf although nothing it read held that kind: an
+  overflow (`exp` of a large value), a division by zero, `log(0)`. A finding once it turns into a
+  NaN or reaches the output; absorbed by later ops (T5's `log(0)` under a `where`), it is not.
+- a **NaN source**: a tensor no tracked op produced (a parameter, a buffer, a constant, an input)
+  holds NaN; reported at the first op that reads it, naming the tensor. An infinity in one (a
+  float `-inf` attention mask passed in) is judged by its fate, as one carried in by a scalar.
+- an infinity **reaching the output**, wherever it came from.
+
+`raise` stops at NaN findings only: an infinity's fate is known later.
+
+An infinity carried in by a scalar argument (`masked_fill(m, float("-inf"))`, `full(..., -inf)`)
+and absorbed later (softmax, `where`, `max`) is not a finding: the run is healthy. When an op's
+inputs were not all measured, a non-finite value it holds cannot be called a birth: it is
+reported as first *seen* there, saying so.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .events import INPUT, OP, Event, StatsGroup
+from .grammar import op_ref
+from .stats import plain_values
+
+NAN, POSINF, NEGINF = 1, 2, 4
+_NAMES = ((NAN, "NaN"), (POSINF, "+inf"), (NEGINF, "-inf"))
+UNINITIALIZED = ("empty", "new_empty")  # op names whose outputs hold no values yet (`empty_like`, ...)
+
+
+def kind_names(kinds: int) -> str:
+    return " and ".join(name for bit, name in _NAMES if kinds & bit)
+
+
+def _bits(nan, posinf, neginf) -> int:
+    return (NAN if nan else 0) | (POSINF if posinf else 0) | (NEGINF if neginf else 0)
+
+
+def _float_outputs(event: Event) -> bool:
+    return any(meta.dtype.is_floating_point or meta.dtype.is_complex for meta in event.outputs)
+
+
+def settled(event: Event) -> bool:
+    """Whether `event`'s statistics say all they will (not still waiting on the device)."""
+    stats = event.stats
+    if stats is None or not _float_outputs(event):
+        return True
+    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
+    return all(part.kind == "na" or part.nan is not None for part in parts)
+
+
+def held(event: Event) -> Optional[int]:
+    """The kinds of non-finite value `event`'s outputs held (bits), or None if not measured."""
+    if not _float_outputs(event):
+        return 0  # integers and bools cannot hold them
+    stats = event.stats
+    if stats is None:
+        return None
+    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
+    kinds = 0
+    for part, meta in zip(parts, event.outputs):
+        if not (meta.dtype.is_floating_point or meta.dtype.is_complex):
+            continue
+        if part.kind == "na" and part.note == "uninitialized":
+            continue
+        if part.nan is None:
+            return None
+        kinds |= _bits(part.nan, part.posinf, part.neginf)
+    return kinds
+
+
+def unmeasured_reason(event: Event) -> str:
+    stats = event.stats
+    if stats is None:
+        return "no statistics taken"
+    for part in (stats.parts if isinstance(stats, StatsGroup) else (stats,)):
+        if part.kind == "na" and part.note:
+            return part.note
+    return "not measured"
+
+
+class Source:
+    """A tensor no tracked op produced: a parameter, a buffer, a constant. Measured only when an
+    op holds a non-finite value its other inputs do not explain (a host read, then, and only then)."""
+
+    __slots__ = ("label", "ref", "_kinds", "counts", "reported")
+
+    def __init__(self, label: str, tensor: Optional[torch.Tensor]):
+        self.label = label
+        self.ref = weakref.ref(tensor) if tensor is not None else None
+        self._kinds = -1
+        self.counts = ""
+        self.reported = False  # its finding is made once, at the first op that reads it
+
+    def kinds(self) -> Optional[int]:
+        if self._kinds == -1:
+            self._kinds = self._measure()
+        return self._kinds
+
+    def _measure(self) -> Optional[int]:
+        tensor = self.ref() if self.ref is not None else None
+        if tensor is None:
+            return None
+        try:
+            values = plain_values(tensor).detach()
+            if not (values.dtype.is_floating_point or values.dtype.is_complex):
+                return 0
+            counts = torch.stack([torch.isnan(values).sum(), torch.isposinf(values).sum(),
+                                  torch.isneginf(values).sum()]).tolist()
+        except Exception:
+            return None
+        self.counts = " ".join(f"{name}={count}" for name, count in zip(("nan", "+inf", "-inf"), counts) if count)
+        return _bits(*counts)
+
+
+class Finding:
+    """One verdict of the tracker. `event` is the op it is shown at; `live` is True when it was
+    known as that op's line was narrated (the `!!` line then follows it)."""
+
+    __slots__ = ("text", "event", "live", "birth")
+
+    def __init__(self, text: str, event: Optional[Event], birth: bool = False):
+        self.text = text
+        self.event = event
+        self.live = False
+        self.birth = birth
+
+    def __repr__(self) -> str:
+        return f"Finding({self.text!r})"
+
+
+def _ref(event: Event) -> str:
+    return op_ref(event.ordinal, event.op, event.scope.path)
+
+
+def carried_kinds(args, kwargs) -> int:
+    """Non-finite kinds a call's Python scalar arguments carry in (`float("-inf")` in `masked_fill`)."""
+    kinds = 0
+    for value in (*args, *kwargs.values()):
+        if type(value) is float and not math.isfinite(value):
+            kinds |= NAN if value != value else (POSINF if value > 0 else NEGINF)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if type(item) is float and not math.isfinite(item):
+                    kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
+    return kinds
+
+
+def _storage_key(tensor: torch.Tensor):
+    try:
+        return plain_values(tensor).untyped_storage().data_ptr()
+    except Exception:
+        return None
+
+
+class Tracker:
+    """Provenance of the tensors of one forward and the verdicts drawn from it.
+
+    Substrates tell it what each op read (`reads_of`, or a compiled plan's static reads) and what
+    it produced (`produced`); the session hands it each op once its statistics are known
+    (`judge`), in order, and asks for the footer at the end.
+    """
+
+    def __init__(self, names: Callable[[], Dict[int, str]]):
+        self._names = names  # id(tensor) -> dotted name, of the model's parameters and buffers
+        self._name_table: Optional[Dict[int, str]] = None
+        self._producers: Dict[int, Tuple[weakref.ref, Event]] = {}
+        self._writers: Dict[int, List[Event]] = {}  # storage -> ops that wrote into it in place
+        self._kinds: Dict[int, Optional[int]] = {}  # id(event) -> what it held
+        self._origin: Dict[Tuple[int, int], object] = {}  # (id(event), kind) -> Event or Source
+        self._sources: Dict[int, Source] = {}
+        self._queue: List[Event] = []
+        self.findings: List[Finding] = []
+        self.unmeasured: Dict[str, int] = {}
+        self.measured = 0
+        self.absorbed: Optional[Event] = None  # first op holding an infinity that was no finding
+        # Infinity births whose verdict waits for their fate: a finding if they turn into a NaN or
+        # reach the output, else absorbed (T5's `log(0)` under a `where`, a softmax-ed mask).
+        self._infinities: Dict[Tuple[int, int], Finding] = {}
+        self._born = set()  # (id(event), kind) of every infinity born, held back or not
+
+    # -- provenance -----------------------------------------------------------------------------
+
+    def reads_of(self, args, kwargs):
+        """(what each tensor argument came from, scalar kinds carried in) for an op's arguments."""
+        refs = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                refs.extend(self.origin_of(value))
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor):
+                        refs.extend(self.origin_of(item))
+        return tuple(refs), carried_kinds(args, kwargs)
+
+    def origin_of(self, tensor: torch.Tensor) -> tuple:
+        """The op that produced `tensor` and any op that wrote into its memory since, or a Source."""
+        known = self._producers.get(id(tensor))
+        producer = known[1] if known is not None and known[0]() is tensor else None
+        writers = ()
+        if self._writers:
+            found = self._writers.get(_storage_key(tensor), ())
+            after = -1 if producer is None else producer.ordinal
+            writers = tuple(w for w in found if w.ordinal > after)
+        if producer is None:
+            return (self.source(tensor),) + writers
+        return (producer,) + writers
+
+    def source(self, tensor: torch.Tensor) -> Source:
+        source = self._sources.get(id(tensor))
+        if source is None or (source.ref is not None and source.ref() is not tensor):
+            if self._name_table is None:
+                self._name_table = self._names()
+            label = self._name_table.get(id(tensor), f"a constant {list(tensor.shape)} tensor")
+            source = self._sources[id(tensor)] = Source(label, tensor)
+        return source
+
+    def produced(self, event: Event, out, args=()) -> None:
+        """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list); an
+        output that is one of the op's arguments was written in place."""
+        tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+        for tensor in tensors:
+            self._producers[id(tensor)] = (weakref.ref(tensor), event)
+            if any(arg is tensor for arg in args):
+                key = _storage_key(tensor)
+                if key is not None:
+                    self._writers.setdefault(key, []).append(event)
+
+    # -- verdicts -------------------------------------------------------------------------------
+
+    def judge(self, event: Event) -> List[Finding]:
+        """Take `event` (and any events before it still waiting for statistics) into account;
+        return the findings made now."""
+        self._queue.append(event)
+        made = []
+        while self._queue and settled(self._queue[0]):
+            made.extend(self._judge_one(self._queue.pop(0)))
+        return made
+
+    def judge_rest(self) -> List[Finding]:
+        """At the end of the forward, once every statistic is read."""
+        queue, self._queue = self._queue, []
+        made = []
+        for event in queue:
+            made.extend(self._judge_one(event))
+        return made
+
+    def _judge_one(self, event: Event) -> List[Finding]:
+        kinds = held(event)
+        self._kinds[id(event)] = kinds
+        if kinds is None:
+            reason = unmeasured_reason(event)
+            self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
+            return []
+        self.measured += 1
+        if not kinds or event.kind is INPUT:
+            for bit, _ in _NAMES:
+                if kinds & bit:
+                    self._origin[(id(event), bit)] = event
+            if kinds & NAN:  # an infinity in an input may be a mask (`attn_mask`): judged by its fate
+                return self._note([Finding(f"NaN in the input {event.label} ({_counts(event)})", event)])
+            if kinds and self.absorbed is None:
+                self.absorbed = event
+            return []
+        refs, carried = event.reads if event.reads is not None else ((), 0)
+        findings = []
+        for bit, name in _NAMES:
+            if kinds & bit:
+                findings.extend(self._trace_kind(event, bit, name, refs, carried))
+        if not findings and kinds & (POSINF | NEGINF) and self.absorbed is None:
+            self.absorbed = event
+        return self._note(findings)
+
+    def _trace_kind(self, event: Event, bit: int, name: str, refs, carried) -> List[Finding]:
+        """Where `event`'s value of kind `bit` came from; the findings that makes (an infinity
+        born here is held back until its fate is known: see `_infinity_fate`)."""
+        key = (id(event), bit)
+        if carried & bit:
+            self._origin[key] = event
+            if bit == NAN:  # writing NaN on purpose is still where the NaN came from
+                return [Finding(f"NaN written by a scalar argument of {_ref(event)}", event, birth=True)]
+            return []
+        unknown = False
+        for ref in refs:
+            kinds = self._kinds.get(id(ref)) if isinstance(ref, Event) else None
+            if isinstance(ref, Event) and kinds is not None and kinds & bit:
+                self._origin[key] = self._origin.get((id(ref), bit), ref)
+                return []
+            unknown = unknown or (isinstance(ref, Event) and kinds is None)
+        for ref in refs:
+            if isinstance(ref, Source):
+                kinds = ref.kinds()
+                if kinds is not None and kinds & bit:
+                    self._origin[key] = ref
+                    # a NaN in a weight is a finding; an infinity (a mask buffer) is judged by its fate
+                    return self._source_finding(ref, event) if bit == NAN else []
+                unknown = unknown or kinds is None
+        self._origin[key] = event
+        count = _count_of(event, bit)
+        if unknown or event.reads is None:
+            text = (f"{name} first seen at {_ref(event)} ({count}); not everything it read was measured, "
+                    f"so it may have come from earlier")
+        elif bit == NAN:
+            cause, origin = self._nan_cause(refs)
+            return self._held_back(origin) + [Finding(f"NaN born at {_ref(event)} ({count}){cause}", event, True)]
+        else:
+            text = f"{name} born at {_ref(event)} ({count}: an overflow, a division by zero or a log of zero)"
+        if bit == NAN:
+            return [Finding(text, event)]
+        self._infinities[key] = Finding(text, event, birth=not unknown)
+        if not unknown:
+            self._born.add(key)
+        return []
+
+    def _held_back(self, origin) -> List[Finding]:
+        """The infinity birth `origin` stands for, now that it turned out to matter (once)."""
+        for bit in (POSINF, NEGINF):
+            finding = self._infinities.pop((id(origin), bit), None)
+            if finding is not None:
+                return [finding]
+        return []
+
+    def _source_finding(self, source: Source, event: Event) -> List[Finding]:
+        if source.reported:
+            return []
+        source.reported = True
+        return [Finding(f"NaN in {source.label} ({source.counts}), first read by {_ref(event)}", event)]
+
+    def _nan_cause(self, refs):
+        """(` (out of +inf born at #4 exp @m)`, its origin): the infinity a NaN was made of, if any."""
+        for bit, name in ((POSINF, "+inf"), (NEGINF, "-inf")):
+            for ref in refs:
+                kinds = self._kinds.get(id(ref)) if isinstance(ref, Event) else (
+                    ref.kinds() if isinstance(ref, Source) else None)
+                if kinds and kinds & bit:
+                    origin = self._origin.get((id(ref), bit), ref)
+                    return f" (out of {name} {self._where(origin, bit)})", origin
+        return "", None
+
+    def _note(self, findings: List[Finding]) -> List[Finding]:
+        self.findings.extend(findings)
+        return findings
+
+    def output_reached(self, label: str, tensor: torch.Tensor) -> None:
+        """An infinity in the forward's output is a finding, wherever it came from."""
+        for ref in self.origin_of(tensor):
+            kinds = self._kinds.get(id(ref)) if isinstance(ref, Event) else None
+            for bit, name in ((POSINF, "+inf"), (NEGINF, "-inf")):
+                if kinds and kinds & bit:
+                    origin = self._origin.get((id(ref), bit), ref)
+                    reach = Finding(f"{name} reaches the output {label} ({self._where(origin, bit)})", ref)
+                    self._note(self._held_back(origin) + [reach])
+                    return
+
+    def _where(self, origin, bit: int) -> str:
+        """`born at #4 exp @m` or `from #6 masked_fill` or `from blocks.0.mask`."""
+        if isinstance(origin, Event) and any((id(origin), b) in self._born for b in (POSINF, NEGINF) if b & bit):
+            return f"born at {_ref(origin)}"
+        return _where(origin, bit)
+
+    # -- the footer -----------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """The footer's tracking part: the first finding, or a claim limited to what was measured."""
+        missing = sum(self.unmeasured.values())
+        why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
+        gap = f"; {missing} op{'s' if missing != 1 else ''} not measured ({why})" if missing else ""
+        if self.findings:
+            first = self.findings[0]
+            nan = next((f for f in self.findings if f.text.startswith("NaN born")), None)
+            then = f"; then {nan.text}" if nan is not None and nan is not first else ""
+            more = len(self.findings) - (2 if then else 1)
+            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
+            return f"first non-finite: {first.text}{then}{extra}{gap}"
+        if self.absorbed is not None:
+            claim = (f"no non-finite findings ({kind_names(held(self.absorbed) & (POSINF | NEGINF))} "
+                     f"{self._where(self._absorbed_origin(), POSINF | NEGINF)} absorbed by later ops)")
+        else:
+            claim = "no non-finite values"
+        if missing:
+            return f"{claim} in the {self.measured} measured op{'s' if self.measured != 1 else ''}{gap}"
+        return claim
+
+    def _absorbed_origin(self):
+        for bit in (NEGINF, POSINF):
+            origin = self._origin.get((id(self.absorbed), bit))
+            if origin is not None:
+                return origin
+        return self.absorbed
+
+
+def _where(origin, bit: int) -> str:
+    if isinstance(origin, Source):
+        return f"from {origin.label}"
+    if isinstance(origin, Event):
+        if origin.kind is INPUT:
+            return f"from the input {origin.label}"
+        return f"from {_ref(origin)}"
+    return "of unknown origin"
+
+
+def _count_of(event: Event, bit: int) -> str:
+    """`nan=3`: how many values of one kind the op's outputs held."""
+    field, label = {NAN: ("nan", "nan"), POSINF: ("posinf", "+inf"), NEGINF: ("neginf", "-inf")}[bit]
+    stats = event.stats
+    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
+    return f"{label}={sum(getattr(part, field) or 0 for part in parts)}"
+
+
+def _counts(event: Event) -> str:
+    from .grammar import counts_text
+
+    return counts_text(event.stats)
