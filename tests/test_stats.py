@@ -49,10 +49,10 @@ def test_tracking_names_log_as_the_first_nonfinite_op_and_shows_its_counts():
     text, rec = narrated(model, x, on_nonfinite="track", value_stats="reuse")
     assert line_of(text, "log").endswith(f"| nan={expected_nan}")
     assert line_of(text, "linear").endswith("| finite")
-    assert text.count("!! first non-finite output") == 1
-    assert f"!! first non-finite output: #3 log  nan={expected_nan}" in text
+    assert text.count("!! ") == 1
+    assert f"!! NaN born at #3 log (nan={expected_nan})" in text
     assert rec.first_nonfinite.op == "log" and rec.first_nonfinite.ordinal == 3 and rec.first_nonfinite.module == ""
-    assert text.splitlines()[-1].endswith("first non-finite: #3 log")
+    assert text.splitlines()[-1].endswith(f"first non-finite: NaN born at #3 log (nan={expected_nan})")
 
 
 def test_tracking_without_narration_reads_once_per_forward_and_still_finds_the_op():
@@ -61,7 +61,7 @@ def test_tracking_without_narration_reads_once_per_forward_and_still_finds_the_o
         rec = tl.record(model, x, on_nonfinite="track")
     assert len(syncs) == 1, syncs
     assert rec.first_nonfinite.op == "log"
-    assert "!! first non-finite output: #3 log" in rec.narrate()
+    assert "!! NaN born at #3 log" in rec.narrate()
 
 
 def test_reuse_adds_no_read_beyond_tracking():
@@ -78,12 +78,12 @@ def test_reuse_adds_no_read_beyond_tracking():
 
 def test_raise_stops_at_the_first_nonfinite_op_with_a_typed_error_and_the_partial_trace():
     model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(tl.errors.NonFiniteError, match=r"#3 log produced non-finite values \(nan=\d+\)") as info:
+    with pytest.raises(tl.errors.NonFiniteError, match=r"NaN born at #3 log \(nan=\d+\)") as info:
         tl.record(model, x, on_nonfinite="raise")
     assert isinstance(info.value, FloatingPointError)
     partial = info.value.partial_trace
     assert [e.op for e in partial.ops] == ["input", "linear", "log"], "the forward stopped right after log"
-    assert partial.narrate(last=2).splitlines()[-1].startswith("!! first non-finite output: #3 log")
+    assert partial.narrate(last=2).splitlines()[-1].startswith("!! NaN born at #3 log")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -273,7 +273,7 @@ def test_compiled_tracking_matches_eager_and_names_the_same_op():
         plain = torch.compile(model)(x)
     eager, _ = narrated(model, x, on_nonfinite="track", value_stats="reuse")
     assert body("\n".join(lines)) == body(eager)
-    assert lines[-1].endswith("first non-finite: #3 log")
+    assert "first non-finite: NaN born at #3 log" in lines[-1]
     assert torch.allclose(out, plain, equal_nan=True)
 
 
@@ -311,7 +311,7 @@ def test_compiled_exact_stats_count_each_kind_of_nonfinite_value_as_eager_does()
     # as eager statistics read at the end of the forward (not live): counts only for such a tensor
     eager = tl.record(Holes3(), x, value_stats="exact", on_nonfinite="track").narrate()
     assert body("\n".join(lines)) == body(eager)
-    last = [line for line in lines if " where " in line][-1]
+    last = [line for line in lines if line.startswith("#") and " where " in line][-1]
     assert last.endswith("| nan=3 +inf=5 -inf=7"), last
 
 
