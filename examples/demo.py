@@ -1,4 +1,5 @@
-"""torchlens demo: narrate a small GPT-style transformer eagerly, compiled, and through a crash.
+"""torchlens demo: narrate a small GPT-style transformer eagerly, compiled, through a crash, and
+hunting a NaN.
 
     python examples/demo.py
 
@@ -88,6 +89,17 @@ def main():
     except IndexError as exc:
         print(f"caught {type(exc).__name__}: {exc}")
         print(exc.partial_trace.narrate(last=6), end="")
+
+    banner("the NaN recipe: track non-finite values, print the counts tracking measured anyway")
+    print("healthy: the causal mask's -inf is carried in by masked_fill and absorbed by softmax")
+    healthy = tl.record(model, idx, on_nonfinite="track")
+    print("  " + healthy.footer_extra[-1])
+    with torch.no_grad():
+        model.blocks[1].fc.weight[3, 5] = float("nan")  # one bad weight
+    recipe = tl.options.NarrationOptions(sink=out, select=tl.in_module("blocks.1.fc"))
+    found = tl.record(model, idx, narrate=recipe, on_nonfinite="track", value_stats="reuse")
+    print(f"first finding at: #{found.first_nonfinite.ordinal} {found.first_nonfinite.op} "
+          f"@{found.first_nonfinite.module}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from typing import List, Optional
 
 from .errors import NonFiniteError, warn_safely
 from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope, Stats
-from .grammar import counts_text, op_ref
 from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording, Trace

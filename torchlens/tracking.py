@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .events import INPUT, OP, Event, StatsGroup
+from .events import INPUT, Event, StatsGroup
 from .grammar import op_ref
 from .stats import plain_values
 
