@@ -5,6 +5,10 @@ Every builder returns `(model.eval(), args, kwargs)`: a model built from a confi
 positions. `REAL_MODELS` maps each name to a `RealModel`: the builder, the dotted path of one
 Linear (or Conv1d) weight in the middle of the model, and the op that reads that weight, as the
 narration names it (op name and module path), which torchlens must blame when the weight holds a NaN.
+
+`TRAINING` maps some of the same architectures to a `TrainingModel`: a build of it in `.train()`
+mode with dropout active (with the head that computes the model's own loss, where it has one), and
+the scalar loss of its output, for a training step.
 """
 
 from __future__ import annotations
@@ -37,13 +41,17 @@ def _transformers():
 # -- decoder-only language models ------------------------------------------------------------
 
 
+def _mistral_config(**extra):
+    return _transformers().MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, attn_implementation="eager",
+        **extra)
+
+
 def mistral():
     t = _transformers()
     torch.manual_seed(0)
-    config = t.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             sliding_window=None, attn_implementation="eager")
-    model = t.MistralForCausalLM(config)
+    model = t.MistralForCausalLM(_mistral_config())
     ids = _ids(2, 7)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding on the second row
@@ -74,12 +82,15 @@ def qwen2():
 # -- encoders --------------------------------------------------------------------------------
 
 
+def _distilbert_config(**extra):
+    return _transformers().DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+                                            max_position_embeddings=64, attn_implementation="eager", **extra)
+
+
 def distilbert():
     t = _transformers()
     torch.manual_seed(0)
-    config = t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
-                                max_position_embeddings=64, attn_implementation="eager")
-    model = t.DistilBertModel(config)
+    model = t.DistilBertModel(_distilbert_config())
     ids = _ids(2, 8, seed=4)
     mask = torch.ones_like(ids)
     mask[0, 6:] = 0  # right padding on the first row
@@ -117,23 +128,31 @@ def wav2vec2():
 # -- encoder-decoders ------------------------------------------------------------------------
 
 
+def _bart_config(**extra):
+    return _transformers().BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="eager",
+                                      **extra)
+
+
 def bart():
     t = _transformers()
     torch.manual_seed(0)
-    config = t.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
-                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                          decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="eager")
-    model = t.BartModel(config)
+    model = t.BartModel(_bart_config())
     return model.eval(), (_ids(2, 7, seed=8),), {"decoder_input_ids": _ids(2, 5, seed=9), "use_cache": False}
+
+
+def _t5_config(**extra):
+    return _transformers().T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                    num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                    relative_attention_max_distance=16, decoder_start_token_id=0,
+                                    attn_implementation="eager", **extra)
 
 
 def t5():
     t = _transformers()
     torch.manual_seed(0)
-    config = t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-                        decoder_start_token_id=0, attn_implementation="eager")
-    model = t.T5Model(config)
+    model = t.T5Model(_t5_config())
     return model.eval(), (_ids(1, 6, seed=10),), {"decoder_input_ids": _ids(1, 5, seed=11), "use_cache": False}
 
 
@@ -153,9 +172,9 @@ def whisper():
 # -- torch.nn ---------------------------------------------------------------------------------
 
 
-def nn_transformer_encoder():
+def nn_transformer_encoder(dropout: float = 0.0):
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=dropout, batch_first=True)
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
     src = torch.randn(2, 6, 32, generator=_seeded(14))
     # an additive float mask: 0 where a position is kept, a large finite negative where it is padding
@@ -221,4 +240,75 @@ REAL_MODELS: Dict[str, RealModel] = {
     "nn_transformer_encoder": _at(nn_transformer_encoder, "layers.1.linear1",
                                   also=[("_transformer_encoder_layer_fwd", "layers.1")]),
     "nn_transformer": _at(nn_transformer, "decoder.layers.0.linear2"),
+}
+
+
+# -- training steps ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingModel:
+    """A build in `.train()` mode with dropout active, and the scalar loss of one of its outputs."""
+
+    build: Callable[[], Tuple[nn.Module, tuple, dict]]
+    loss: Callable[[object], torch.Tensor]
+
+    def built(self):
+        model, args, kwargs = self.build()
+        return model.train(), args, kwargs
+
+
+def _own_loss(output) -> torch.Tensor:
+    return output.loss
+
+
+def mistral_lm_training():
+    """Mistral has no dropout but its attention's: the default 0.0 is raised so that one draws."""
+    t = _transformers()
+    torch.manual_seed(0)
+    model = t.MistralForCausalLM(_mistral_config(attention_dropout=0.1))
+    ids = _ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    labels = ids.masked_fill(mask == 0, -100)  # no loss on the padding
+    return model, (ids,), {"attention_mask": mask, "labels": labels, "use_cache": False}
+
+
+def bart_seq2seq_training():
+    t = _transformers()
+    torch.manual_seed(0)
+    model = t.BartForConditionalGeneration(_bart_config(dropout=0.1, attention_dropout=0.1, activation_dropout=0.1))
+    return model, (_ids(2, 7, seed=8),), {"labels": _ids(2, 5, seed=9), "use_cache": False}
+
+
+def distilbert_mlm_training():
+    t = _transformers()
+    torch.manual_seed(0)
+    model = t.DistilBertForMaskedLM(_distilbert_config(dropout=0.1, attention_dropout=0.1))
+    ids = _ids(2, 8, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    return model, (ids,), {"attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def t5_seq2seq_training():
+    t = _transformers()
+    torch.manual_seed(0)
+    model = t.T5ForConditionalGeneration(_t5_config(dropout_rate=0.1))
+    return model, (_ids(1, 6, seed=10),), {"labels": _ids(1, 5, seed=11), "use_cache": False}
+
+
+# The encoder's output is layer-normed: its sum, or its mean square, is all but constant, and its
+# gradients all but zero. A fixed random projection of it is a loss whose gradients are not.
+_ENCODER_TARGET = torch.randn(2, 6, 32, generator=_seeded(17))
+
+
+TRAINING: Dict[str, TrainingModel] = {
+    "mistral": TrainingModel(mistral_lm_training, _own_loss),
+    "bart": TrainingModel(bart_seq2seq_training, _own_loss),
+    "distilbert": TrainingModel(distilbert_mlm_training, _own_loss),
+    "t5": TrainingModel(t5_seq2seq_training, _own_loss),
+    # in training torch leaves its fast path (and nested tensors): the layers run op by op
+    "nn_transformer_encoder": TrainingModel(lambda: nn_transformer_encoder(dropout=0.1),
+                                            lambda output: (output * _ENCODER_TARGET).sum()),
 }

@@ -174,3 +174,24 @@ def test_live_mode_names_the_op_in_flight_with_its_real_input_sizes_under_dynami
     assert tail[-2] == LIVE
     assert tail[-1].startswith("!! attempted #") and " embedding @embed  " in tail[-1]
     assert "inputs: [3,5] i64 cpu, [8,4] f32 cpu" in tail[-1]
+
+
+class Selects(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x, idx):
+        return torch.index_select(self.fc(x).relu(), 1, idx)  # an out-of-range index fails at run time
+
+
+def test_live_mode_names_the_op_after_the_last_narrated_when_the_frame_is_gone():
+    # FX re-raises an error from generated code without its traceback: the graph's frame cannot
+    # be read, and the op in flight is the one after the last op the call narrated.
+    compiled = tl.compile(Selects().eval(), compiler="eager", live=True)
+    compiled(torch.ones(2, 3), torch.tensor([0]))
+    exc = _fail(lambda: compiled(torch.ones(2, 3), torch.tensor([7])))
+    tail = exc.partial_trace.narrate(last=3).lines
+    assert tail[-2] == "-- located live: the op after the last one narrated (its inputs could not be read)"
+    assert tail[-1].startswith("!! attempted #5 index_select") and "inputs: not read" in tail[-1]
+    assert " relu " in tail[-3]

@@ -4,11 +4,16 @@ Each model (see `real_models.py`) is a tiny random-weight build, run under `torc
 under `torch.inference_mode()`. For each we check that narration balances its module lines, leaves
 the model's outputs bit for bit as they are, measures exact statistics that agree with a float64
 computation over the kept values, and blames a NaN planted in one weight on the op that reads it.
-A few are also compiled with the torchlens backend.
+The same holds under CPU bfloat16 autocast, where the narration shows the lowered dtypes. Some are
+narrated through a whole training step (train mode, dropout drawing, backward), which must leave the
+loss, every gradient and the random number stream bit for bit as they are. A few are also compiled
+with the torchlens backend.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import io
 import math
@@ -18,7 +23,7 @@ import pytest
 import torch
 
 import torchlens as tl
-from real_models import REAL_MODELS
+from real_models import REAL_MODELS, TRAINING
 
 pytest.importorskip("transformers")
 
@@ -304,6 +309,143 @@ def test_a_legitimate_minus_inf_is_absorbed_not_a_finding(name, mode):
         f"no non-finite findings (-inf born at #{born.ordinal} {op} @{module} absorbed by later ops)")
     raised = record(name, mode, on_nonfinite="raise")  # a healthy model runs through
     assert_bitwise_equal(raised.output, plain(name, mode))
+
+
+# -- autocast -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bf16_autocast():
+    """How models are run for inference in reduced precision on CPU."""
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        yield
+
+
+# Not nn.TransformerEncoder: it fails under CPU autocast without torchlens. Its layers choose their
+# fast path after checking `torch.is_autocast_enabled()`, which without a device type asks about
+# CUDA autocast only; so with a padding mask (a nested tensor) the fused
+# `_transformer_encoder_layer_fwd` runs under bf16 autocast and raises "expected scalar type Float
+# but found BFloat16". (nn.Transformer, below, runs the same layers under autocast.)
+AUTOCAST_NAMES = [name for name in NAMES if name != "nn_transformer_encoder"]
+TRACKED = {"value_stats": "exact", "on_nonfinite": "track"}
+LOWERED = ("linear", "conv1d")  # ops CPU autocast runs in bfloat16
+
+
+def assert_clean_footer(name, text):
+    """Every op measured and nothing non-finite, or only the -inf the model always absorbs."""
+    line = footer(text)
+    if name in LEGITIMATELY_NONFINITE:
+        op, module = LEGITIMATELY_NONFINITE[name]
+        absorbed = rf"; no non-finite findings \(-inf born at #\d+ {re.escape(op)} @{re.escape(module)} absorbed by later ops\)$"
+        assert re.search(absorbed, line), line
+    else:
+        assert line.endswith("; no non-finite values"), line
+
+
+def _bf16_value(x):
+    return x is not None and torch.tensor(x, dtype=torch.bfloat16).item() == x
+
+
+def test_nn_transformer_encoder_fails_under_cpu_autocast_without_torchlens():
+    """Why it is left out above: when torch fixes it, this fails and it joins the autocast tests."""
+    model, args, kwargs = built("nn_transformer_encoder")
+    with bf16_autocast(), pytest.raises(RuntimeError, match="expected scalar type Float but found BFloat16"):
+        model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", AUTOCAST_NAMES)
+def test_autocast_narration_keeps_outputs_and_shows_bf16(name):
+    model, args, kwargs = built(name)
+    sink = io.StringIO()
+    with bf16_autocast():
+        recording = tl.record(model, *args, narrate=sink, **TRACKED, **kwargs)
+    assert_bitwise_equal(recording.output, plain(name, bf16_autocast))
+    text = sink.getvalue()
+    modules, ops = check_module_lines(text)
+    assert modules >= 1 and ops == len(recording.ops)
+    # what autocast lowered is narrated as bfloat16, measured in it; the rest keeps its dtype
+    lines = {int(m["ordinal"]): m["rest"].split()[1] for m in map(OP.match, text.splitlines()) if m}
+    lowered = [e for e in recording.ops if e.op in LOWERED]
+    if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        assert any(e.op == "linear" for e in lowered), "no linear op narrated"
+    wrong = [f"#{e.ordinal} {e.op}: {lines[e.ordinal]} {e.stats!r}" for e in lowered
+             if not (e.outputs[0].dtype == torch.bfloat16 and lines[e.ordinal] == "bf16"
+                     and e.stats.kind == "exact" and e.stats.nan == 0
+                     and _bf16_value(e.stats.min) and _bf16_value(e.stats.max))]
+    assert not wrong, f"{len(wrong)} of {len(lowered)}: " + "; ".join(wrong[:3])
+    assert "f32" in lines.values()  # (not every op: autocast leaves most in float32)
+    # a clean forward has no finding, and every op was measured
+    assert recording.findings == () and recording.first_nonfinite is None
+    assert_clean_footer(name, text)
+
+
+@pytest.mark.parametrize("name", AUTOCAST_NAMES)
+def test_autocast_nan_in_a_weight_is_blamed_on_the_op_that_reads_it(name):
+    spec = REAL_MODELS[name]
+    model, args, kwargs = spec.poisoned()
+    sink = io.StringIO()
+    with bf16_autocast():
+        recording = tl.record(model, *args, narrate=sink, **TRACKED, **kwargs)
+        expected = model(*args, **kwargs)
+    first = recording.first_nonfinite
+    assert first is not None, "the NaN was not found"
+    assert (first.op, first.module) in spec.blame, f"blamed {first!r}"
+    assert recording.findings[0].text == (
+        f"NaN in {spec.weight} (nan=1), first read by #{first.ordinal} {first.op} @{first.module}")
+    if first.op in LOWERED:
+        assert first.outputs[0].dtype == torch.bfloat16
+    assert (nans(first.stats) or 0) > 0, f"{first!r}: {first.stats!r}"
+    assert f"#{first.ordinal} {first.op} @{first.module}" in footer(sink.getvalue())
+    assert_bitwise_equal(recording.output, expected)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def built_for_training(name):
+    return TRAINING[name].built()
+
+
+def training_step(name, model, seed, narrate=None):
+    """Forward, loss and backward from `seed`, under a `Recorder` when narrating. Returns the loss,
+    the gradients, the random number state after the step, and the recorder."""
+    _, args, kwargs = built_for_training(name)
+    recorder = tl.recording.Recorder(model, narrate=narrate, **TRACKED) if narrate else contextlib.nullcontext()
+    torch.manual_seed(seed)
+    with torch.enable_grad(), recorder:
+        loss = TRAINING[name].loss(model(*args, **kwargs))
+        loss.backward()
+    grads = {path: p.grad for path, p in model.named_parameters()}
+    return loss.detach(), grads, torch.get_rng_state(), recorder
+
+
+@pytest.mark.parametrize("name", list(TRAINING))
+def test_a_narrated_training_step_is_bitwise_the_plain_one(name):
+    model, args, kwargs = built_for_training(name)
+    assert model.training
+    loss, grads, rng, _ = training_step(name, copy.deepcopy(model), seed=0)
+    assert all(g is not None for g in grads.values()), [p for p, g in grads.items() if g is None]
+    sink = io.StringIO()
+    got_loss, got_grads, got_rng, recorder = training_step(name, copy.deepcopy(model), seed=0, narrate=sink)
+    # dropout draws: another seed gives another loss (else equal losses would prove nothing)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        other = TRAINING[name].loss(model(*args, **kwargs))
+    assert not torch.equal(other, loss), "dropout drew nothing"
+    assert torch.equal(got_loss, loss), f"loss {got_loss.item()!r} narrated, {loss.item()!r} plain"
+    assert got_grads.keys() == grads.keys()
+    differ = [path for path, g in grads.items() if got_grads[path] is None or not torch.equal(got_grads[path], g)]
+    assert not differ, f"{len(differ)} of {len(grads)} gradients differ: {differ[:3]}"
+    same_stream = torch.equal(got_rng, rng)
+    assert same_stream, "narration drew random numbers of its own"
+    (recording,) = recorder.recordings
+    text = sink.getvalue()
+    modules, ops = check_module_lines(text)
+    assert modules >= 1 and ops == len(recording.ops)
+    assert any(e.op == "dropout" for e in recording.ops), "no dropout narrated"
+    assert recording.findings == () and recording.first_nonfinite is None
+    assert_clean_footer(name, text)
 
 
 # -- compiled -----------------------------------------------------------------------------------

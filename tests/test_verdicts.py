@@ -504,3 +504,218 @@ def test_tracking_still_reads_once_per_forward_without_narration():
     with count_host_syncs() as syncs:
         tl.record(model, x, on_nonfinite="track")
     assert len(syncs) == 1, syncs
+
+
+# -- provenance through writes, sources and outputs --------------------------------------------------
+
+
+class Sanitize(nn.Module):
+    def __init__(self, divide: bool = False):
+        super().__init__()
+        self.divide = divide
+
+    def forward(self, x):
+        y = (x * 100).exp()  # +inf born here
+        flat = y.view(-1)  # a view taken before the clean-up
+        y[torch.isinf(y)] = 0.0  # covers all of y: flat holds no inf any more
+        return flat / 0.0 if self.divide else flat
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_write_covering_a_view_replaces_what_the_view_held(compiled):
+    x = torch.tensor([1.0, 2.0, 0.001])
+    recs = []
+    for divide in (False, True):
+        if compiled:
+            run = tl.compile(Sanitize(divide), on_nonfinite="track", compiler="eager")
+            run(x)
+            recs.append(run.torchlens.last_recording)
+        else:
+            recs.append(tl.record(Sanitize(divide), x, on_nonfinite="track"))
+    assert recs[0].findings == ()
+    assert "+inf born at #3 exp" in recs[0].footer_extra[-1] and "absorbed" in recs[0].footer_extra[-1]
+    texts = [f.text for f in recs[1].findings]
+    assert texts[0].startswith("NaN born at #7 div") and "out of" not in texts[0]  # 0/0, not exp's inf
+
+
+def test_a_write_through_out_is_the_op_that_wrote():
+    class OutKw(nn.Module):
+        def forward(self, x):
+            buf = torch.zeros(4)
+            head = buf[:2]  # a view, taken before the write
+            torch.exp(x * 100, out=buf)
+            return head.sum() - head.sum()
+
+    rec = tl.record(OutKw(), torch.tensor([1.0, 2.0, 0.0, 0.0]), on_nonfinite="track")
+    assert [f.text.split(" (")[0] for f in rec.findings] == ["+inf born at #5 exp", "NaN born at #8 sub"]
+
+
+def test_an_infinity_returned_straight_from_a_buffer_reaches_the_output():
+    class ReturnsMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+
+        def forward(self, x):
+            return x * 2, self.mask
+
+    rec = tl.record(ReturnsMask(), torch.ones(2), on_nonfinite="track")
+    assert [f.text for f in rec.findings] == ["-inf reaches the output out[1] (from mask)"]
+    assert "no non-finite" not in rec.footer_extra[-1]
+
+
+def test_a_numpy_infinity_is_carried_in_like_a_python_one():
+    np = pytest.importorskip("numpy")
+
+    class Mask(nn.Module):
+        def forward(self, x):
+            return x.masked_fill(x < 0, np.float64("-inf")).softmax(-1)
+
+    rec = tl.record(Mask(), torch.tensor([1.0, -1.0]), on_nonfinite="raise")
+    assert rec.findings == () and "absorbed" in rec.footer_extra[-1]
+
+
+def test_a_buffer_rewritten_after_it_was_read_is_not_claimed_from_its_later_state():
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("state", torch.tensor([float("nan"), 0.0, 0.0]))
+
+        def forward(self, x):
+            out = x + self.state  # reads the NaN
+            self.state.copy_(x)  # then the state is replaced
+            return out
+
+    deferred = tl.record(Stateful(), torch.ones(3), on_nonfinite="track")
+    live = tl.record(Stateful(), torch.ones(3), on_nonfinite="track", narrate=lambda line: None)
+    assert live.findings[0].text == "NaN in state (nan=1), first read by #2 add"
+    # read at the end of the forward, the buffer no longer holds what #2 read: no false birth
+    assert deferred.findings[0].text.startswith("NaN first seen at #2 add")
+
+
+def test_a_jagged_view_is_measured_over_its_own_elements():
+    class NarrowLog(nn.Module):
+        def forward(self, x):
+            nt = torch.nested.narrow(x, 1, torch.tensor([0, 0]), torch.tensor([2, 1]), layout=torch.jagged)
+            return torch.stack([part.sum() for part in nt.log().unbind()])
+
+    x = torch.tensor([[1.0, 2.0, -1.0], [3.0, 4.0, -1.0]])  # the -1s are outside the view
+    rec = tl.record(NarrowLog(), x, on_nonfinite="raise", value_stats="exact")
+    log = next(e for e in rec.ops if e.op == "log")
+    assert log.stats.max == pytest.approx(math.log(3.0))
+    assert rec.findings == ()
+
+
+# -- the `!!` line, selections and what is kept -----------------------------------------------------
+
+
+class Selected(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Identity(), nn.Sequential(nn.Identity())
+
+    def forward(self, x):
+        return torch.log(self.b(self.a(x) * 2) - 10)
+
+
+def test_a_selection_still_gets_the_alarm_line_after_the_op():
+    text, _ = narrated(Selected(), torch.ones(3), on_nonfinite="track")
+    sink = io.StringIO()
+    tl.record(Selected(), torch.ones(3), on_nonfinite="track",
+              narrate=tl.options.NarrationOptions(sink=sink, select=lambda e: e.op in ("log", "sub")))
+    lines = sink.getvalue().splitlines()
+    at = next(i for i, line in enumerate(lines) if " log " in line)
+    assert lines[at + 1] == "!! NaN born at #4 log (nan=3)"
+
+
+def test_the_alarm_line_is_the_same_live_and_after_the_fact():
+    text, _ = narrated(Overflow(), torch.ones(3), on_nonfinite="track")
+    after = tl.record(Overflow(), torch.ones(3), on_nonfinite="track").narrate()
+    alarms = [[line for line in t.splitlines() if line.startswith("!!")] for t in (text, after)]
+    assert alarms[0] == alarms[1] == ["!! NaN born at #4 sub (nan=3) (out of +inf born at #3 exp)"]
+
+
+def test_a_recorder_tail_with_tracking_keeps_no_whole_pass_alive():
+    import gc
+
+    from torchlens.events import Event
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(50)])
+    counts = []
+    for track in (None, "track"):
+        with tl.recording.Recorder(model, keep=0, tail=5, on_nonfinite=track) as recorder:
+            for _ in range(2):
+                model(torch.randn(1, 4))
+        gc.collect()
+        counts.append(sum(isinstance(o, Event) for o in gc.get_objects()))
+        del recorder
+        gc.collect()
+    assert counts[1] <= counts[0] + 5, counts
+
+
+def test_an_internal_failure_mid_forward_withdraws_the_claim(monkeypatch):
+    import torchlens.eager.capture as capture
+
+    real = capture.op_name
+
+    def failing(func):
+        if real(func) == "relu":
+            raise RuntimeError("planted")
+        return real(func)
+
+    monkeypatch.setattr(capture, "op_name", failing)
+    with pytest.warns(tl.errors.NarrationWarning):
+        rec = tl.record(TwoLayers(), torch.randn(2, 4), on_nonfinite="track")
+    assert rec.footer_extra[-1].startswith("no non-finite values in the 2 measured ops; ops after an internal error")
+
+
+# -- compiled: gaps and stops ---------------------------------------------------------------------
+
+
+class EncodedEagerly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = encoder().eval()
+        self.head = nn.Linear(16, 4)
+
+    @torch.compiler.disable
+    def encode(self, x, mask):
+        return self.enc(x, src_key_padding_mask=mask)
+
+    def forward(self, x, mask):
+        return self.head(self.encode(x * 1.0, mask))
+
+
+def test_a_fast_path_run_between_compiled_graphs_is_kept():
+    model = EncodedEagerly()
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        plain = model(x, PADDING)
+        lines = []
+        ours = tl.compile(model, narrate=lines.append, compiler="eager")(x, PADDING)
+    assert torch.equal(ours, plain)
+    assert any("_transformer_encoder_layer_fwd" in line for line in lines)
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function
+
+
+def test_compiled_raise_stops_at_a_nan_input_with_its_partial_trace():
+    class Log(nn.Module):
+        def forward(self, x):
+            return x.log()
+
+    with pytest.raises(tl.errors.NonFiniteError, match=r"NaN in the input x \(nan=1\)") as info:
+        tl.compile(Log(), on_nonfinite="raise", compiler="eager")(torch.tensor([1.0, float("nan")]))
+    assert [e.op for e in info.value.partial_trace.ops] == ["input"]
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function
+
+
+def test_a_failed_op_on_a_nested_tensor_is_still_named():
+    class Nested(nn.Module):
+        def forward(self, x):
+            nt = torch.nested.nested_tensor([x[0, :3], x[1, :2]])
+            return torch.matmul(nt, torch.ones(5, 5))  # nested self, dense other: raises
+
+    with pytest.raises(RuntimeError) as info:
+        tl.record(Nested(), torch.randn(2, 3, 4))
+    tail = info.value.partial_trace.narrate(last=1).lines[-1]
+    assert tail.startswith("!! attempted #") and " matmul " in tail and "[2,*,4] f32 cpu" in tail

@@ -223,6 +223,7 @@ class Attempt:
     `inputs` describes its tensor arguments; `ordinal` is the number it would have had.
     `op` is None when no torch call was in flight (the error came from Python code between ops).
     `notes` say how the call was located and what that method cannot promise (a replay's caveats).
+    `inputs` is None when the call was located without seeing its arguments.
     """
 
     __slots__ = ("op", "ordinal", "scope", "site", "inputs", "notes")
@@ -241,7 +242,7 @@ class Attempt:
 
     @property
     def on_cuda(self) -> bool:
-        return any(meta.device.type == "cuda" for meta in self.inputs)
+        return any(meta.device.type == "cuda" for meta in self.inputs or ())
 
     def __repr__(self) -> str:
         return f"Attempt({self.op} #{self.ordinal} @{self.scope.path})"

@@ -259,7 +259,10 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
         if attempt.site:
             line += "  " + site_text(attempt.site, normalize)
         return [render_failure(line)]
-    inputs = ", ".join(meta_text(m, normalize) for m in attempt.inputs) or "no tensor inputs"
+    if attempt.inputs is None:  # located without seeing its arguments
+        inputs = "not read"
+    else:
+        inputs = ", ".join(meta_text(m, normalize) for m in attempt.inputs) or "no tensor inputs"
     line = f"attempted #{attempt.ordinal} {attempt.op}"
     if attempt.scope.path:
         line += f" @{attempt.scope.path}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import traceback
 from typing import List, Optional
 
+import torch
+
 from .errors import NonFiniteError, warn_safely
 from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope, Stats
 from .narrator import Narrator
@@ -45,6 +47,10 @@ class Session:
         # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
         self._outputs = []  # (label, tensor) of the forward's outputs, for the tracker
+        self.incomplete: Optional[str] = None  # why some of the forward went unrecorded, if it did
+        # Tracking while narrating: CPU statistics are read as each op completes (there is no
+        # device to wait for), so a finding's `!!` line follows its op whatever the selection.
+        self._judge_live = self.tracker is not None and narrator is not None
         if narrator is not None:
             narrator.begin_pass(header)
 
@@ -93,11 +99,12 @@ class Session:
             if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
                 event.stats = Stats("na", 0, meter.rung != "off", note="uninitialized")
             else:
-                live = self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
+                live = (self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
+                        or (self._judge_live and _on_cpu(value)))
                 event.stats = meter.measure_output(value, live)  # never raises: "n/a" when it cannot
         findings = self.tracker.judge(event) if self.tracker is not None else ()
         for finding in findings:
-            finding.live = finding.event is event  # known as its line is narrated: `!!` follows it
+            finding.live = finding.live and finding.event is event  # known as its line is narrated
             if finding.event is not None and finding.event.finding is None:
                 finding.event.finding = finding
         self.record(event)
@@ -255,12 +262,14 @@ class Session:
             try:
                 for finding in tracker.judge_rest():
                     # with no live narration, nothing was printed it must match: the note shows
-                    finding.live = self.narrator is None
+                    finding.live = finding.live and self.narrator is None
                     if finding.event is not None and finding.event.finding is None:
                         finding.event.finding = finding
                 for label, value in self._outputs:
                     tracker.output_reached(label, value)
-                self.footer_extra.append(tracker.summary())
+                self.footer_extra.append(tracker.summary(self.incomplete))
+                for event in self.events:  # provenance served its purpose: keep no pass alive by it
+                    event.reads = None
             except Exception as exc:
                 internal_error("judging non-finite values", exc)
                 self.footer_extra.append("non-finite tracking failed: no verdict")
@@ -277,6 +286,12 @@ class Session:
             return Attempt(op, self.ordinal + 1, scope, site, metas, notes)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
+
+
+def _on_cpu(value) -> bool:
+    tensor = value if isinstance(value, torch.Tensor) else next(
+        (t for t in value if isinstance(t, torch.Tensor)), None) if isinstance(value, (tuple, list)) else None
+    return tensor is not None and tensor.device.type == "cpu"
 
 
 def _in_chain(target: BaseException, exc: BaseException) -> bool:

@@ -82,9 +82,7 @@ def plain_values(tensor: torch.Tensor) -> torch.Tensor:
     """
     while _is_wrapped(tensor):
         tensor = _unwrapped(tensor)
-    if tensor.is_nested:
-        if tensor.layout == torch.jagged:
-            return tensor.values()
+    if tensor.is_nested:  # its components only (a jagged tensor's buffer may hold more)
         return torch.cat([part.reshape(-1) for part in tensor.unbind()])
     return tensor
 

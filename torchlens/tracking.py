@@ -27,11 +27,13 @@ reported as first *seen* there, saying so.
 
 from __future__ import annotations
 
+import collections
 import math
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import INPUT, Event, StatsGroup
 from .grammar import op_ref
@@ -75,8 +77,8 @@ def held(event: Event) -> Optional[int]:
     for part, meta in zip(parts, event.outputs):
         if not (meta.dtype.is_floating_point or meta.dtype.is_complex):
             continue
-        if part.kind == "na" and part.note == "uninitialized":
-            continue
+        if part.kind == "na" and part.note in ("uninitialized", "empty"):
+            continue  # no values yet, or none at all: nothing non-finite
         if part.nan is None:
             return None
         kinds |= _bits(part.nan, part.posinf, part.neginf)
@@ -97,7 +99,7 @@ class Source:
     """A tensor no tracked op produced: a parameter, a buffer, a constant. Measured only when an
     op holds a non-finite value its other inputs do not explain (a host read, then, and only then)."""
 
-    __slots__ = ("label", "ref", "_kinds", "counts", "reported")
+    __slots__ = ("label", "ref", "_kinds", "counts", "reported", "version")
 
     def __init__(self, label: str, tensor: Optional[torch.Tensor]):
         self.label = label
@@ -105,6 +107,9 @@ class Source:
         self._kinds = -1
         self.counts = ""
         self.reported = False  # its finding is made once, at the first op that reads it
+        # Measured later than it was read (when a finding needs it): if written in place since
+        # (a buffer updated by the forward), what it held when read is unknown.
+        self.version = _version(tensor)
 
     def kinds(self) -> Optional[int]:
         if self._kinds == -1:
@@ -113,7 +118,7 @@ class Source:
 
     def _measure(self) -> Optional[int]:
         tensor = self.ref() if self.ref is not None else None
-        if tensor is None:
+        if tensor is None or _version(tensor) != self.version:
             return None
         try:
             values = plain_values(tensor).detach()
@@ -125,6 +130,13 @@ class Source:
             return None
         self.counts = " ".join(f"{name}={count}" for name, count in zip(("nan", "+inf", "-inf"), counts) if count)
         return _bits(*counts)
+
+
+def _version(tensor) -> Optional[int]:
+    try:
+        return None if tensor is None or torch.is_inference(tensor) else tensor._version
+    except Exception:  # a wrapped or nested tensor
+        return None
 
 
 class Finding:
@@ -148,23 +160,47 @@ def _ref(event: Event) -> str:
 
 
 def carried_kinds(args, kwargs) -> int:
-    """Non-finite kinds a call's Python scalar arguments carry in (`float("-inf")` in `masked_fill`)."""
+    """Non-finite kinds a call's scalar arguments carry in (`float("-inf")` in `masked_fill`;
+    NumPy floats are floats too)."""
     kinds = 0
     for value in (*args, *kwargs.values()):
-        if type(value) is float and not math.isfinite(value):
-            kinds |= NAN if value != value else (POSINF if value > 0 else NEGINF)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if type(item) is float and not math.isfinite(item):
-                    kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(item, float) and not math.isfinite(item):
+                kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
     return kinds
 
 
 def _storage_key(tensor: torch.Tensor):
     try:
-        return plain_values(tensor).untyped_storage().data_ptr()
+        return plain_values(tensor).untyped_storage()._cdata
     except Exception:
         return None
+
+
+def _storage_of(tensor: torch.Tensor):
+    """(storage key, weak reference, element span) of a tensor's memory; None if it has none.
+
+    The key is only trusted while the weak reference lives: freed memory can come back under the
+    same address, holding another tensor. The span, [first, last] element offsets, tells whether a
+    write covered all of another view of the same storage."""
+    try:
+        tensor = plain_values(tensor)
+        storage = tensor.untyped_storage()
+        ref = StorageWeakRef(storage)
+        offset = tensor.storage_offset()
+        extent = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+        return ref.cdata, ref, (offset, offset + extent) if tensor.numel() else (offset, offset - 1)
+    except Exception:
+        return None
+
+
+def _label(tensor: torch.Tensor) -> str:
+    """How a tensor no narrated op produced is named when it is not a parameter or buffer."""
+    try:
+        dims = ",".join(str(size) for size in tensor.shape)
+    except RuntimeError:  # a nested tensor
+        dims = "nested"
+    return f"a [{dims}] tensor no narrated op produced"
 
 
 class Tracker:
@@ -179,11 +215,13 @@ class Tracker:
         self._names = names  # id(tensor) -> dotted name, of the model's parameters and buffers
         self._name_table: Optional[Dict[int, str]] = None
         self._producers: Dict[int, Tuple[weakref.ref, Event]] = {}
-        self._writers: Dict[int, List[Event]] = {}  # storage -> ops that wrote into it in place
+        # storage key -> (its weak reference, [(op that wrote into it in place, span written)])
+        self._writers: Dict[int, tuple] = {}
         self._kinds: Dict[int, Optional[int]] = {}  # id(event) -> what it held
         self._origin: Dict[Tuple[int, int], object] = {}  # (id(event), kind) -> Event or Source
         self._sources: Dict[int, Source] = {}
-        self._queue: List[Event] = []
+        self._queue = collections.deque()
+        self._seen_first = 0  # kinds already reported as "first seen" (not a birth)
         self.findings: List[Finding] = []
         self.unmeasured: Dict[str, int] = {}
         self.measured = 0
@@ -208,37 +246,57 @@ class Tracker:
         return tuple(refs), carried_kinds(args, kwargs)
 
     def origin_of(self, tensor: torch.Tensor) -> tuple:
-        """The op that produced `tensor` and any op that wrote into its memory since, or a Source."""
+        """Where `tensor`'s values come from: the op that produced it (or a Source) and the ops
+        that wrote into its memory since, from the last write that covered all of it on."""
         known = self._producers.get(id(tensor))
         producer = known[1] if known is not None and known[0]() is tensor else None
-        writers = ()
-        if self._writers:
-            found = self._writers.get(_storage_key(tensor), ())
-            after = -1 if producer is None else producer.ordinal
-            writers = tuple(w for w in found if w.ordinal > after)
-        if producer is None:
-            return (self.source(tensor),) + writers
-        return (producer,) + writers
+        first = producer if producer is not None else self.source(tensor)
+        if not self._writers:
+            return (first,)
+        entry = self._writers.get(_storage_key(tensor))  # the cheap key first: most memory was never written
+        if entry is None or entry[0].expired():
+            return (first,)
+        memory = _storage_of(tensor)
+        if memory is None:
+            return (first,)
+        after = -1 if producer is None else producer.ordinal
+        refs = [first]
+        for writer, span in entry[1]:
+            if writer.ordinal > after and writer is not producer:
+                if span[0] <= memory[2][0] and memory[2][1] <= span[1]:
+                    refs = []  # this write replaced everything the tensor holds
+                refs.append(writer)
+        return tuple(refs)
 
     def source(self, tensor: torch.Tensor) -> Source:
         source = self._sources.get(id(tensor))
         if source is None or (source.ref is not None and source.ref() is not tensor):
             if self._name_table is None:
                 self._name_table = self._names()
-            label = self._name_table.get(id(tensor), f"a constant {list(tensor.shape)} tensor")
+            label = self._name_table.get(id(tensor)) or _label(tensor)
             source = self._sources[id(tensor)] = Source(label, tensor)
         return source
 
-    def produced(self, event: Event, out, args=()) -> None:
+    def produced(self, event: Event, out, args=(), kwargs=None) -> None:
         """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list); an
-        output that is one of the op's arguments was written in place."""
+        output that is one of the op's arguments (`x.add_(y)`, `out=buf`, a `_foreach_*_` list)
+        was written in place."""
         tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+        passed = {id(t) for t in _tensor_arguments(args, kwargs)} if args or kwargs else ()
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
-            if any(arg is tensor for arg in args):
-                key = _storage_key(tensor)
-                if key is not None:
-                    self._writers.setdefault(key, []).append(event)
+            if id(tensor) in passed:
+                self._wrote(event, tensor)
+
+    def _wrote(self, event: Event, tensor: torch.Tensor) -> None:
+        memory = _storage_of(tensor)
+        if memory is None:
+            return
+        key, ref, span = memory
+        entry = self._writers.get(key)
+        if entry is None or entry[0].expired():  # new memory (perhaps at a freed one's address)
+            entry = self._writers[key] = (ref, [])
+        entry[1].append((event, span))
 
     # -- verdicts -------------------------------------------------------------------------------
 
@@ -248,18 +306,25 @@ class Tracker:
         self._queue.append(event)
         made = []
         while self._queue and settled(self._queue[0]):
-            made.extend(self._judge_one(self._queue.pop(0)))
+            made.extend(self._judge_one(self._queue.popleft()))
         return made
 
     def judge_rest(self) -> List[Finding]:
         """At the end of the forward, once every statistic is read."""
-        queue, self._queue = self._queue, []
+        queue, self._queue = self._queue, collections.deque()
         made = []
         for event in queue:
             made.extend(self._judge_one(event))
+        self.findings.sort(key=_position)  # by where they happened, not when they were known
         return made
 
     def _judge_one(self, event: Event) -> List[Finding]:
+        findings = self._verdicts(event)
+        for finding in findings:
+            finding.live = finding.event is event  # made at its own op (not a birth held back)
+        return findings
+
+    def _verdicts(self, event: Event) -> List[Finding]:
         kinds = held(event)
         self._kinds[id(event)] = kinds
         if kinds is None:
@@ -312,6 +377,9 @@ class Tracker:
         self._origin[key] = event
         count = _count_of(event, bit)
         if unknown or event.reads is None:
+            if self._seen_first & bit:
+                return []  # reported once: later sightings of an unmeasured origin say nothing new
+            self._seen_first |= bit
             text = (f"{name} first seen at {_ref(event)} ({count}); not everything it read was measured, "
                     f"so it may have come from earlier")
         elif bit == NAN:
@@ -356,13 +424,15 @@ class Tracker:
         return findings
 
     def output_reached(self, label: str, tensor: torch.Tensor) -> None:
-        """An infinity in the forward's output is a finding, wherever it came from."""
+        """An infinity in the forward's output is a finding, wherever it came from (an op, or a
+        tensor no narrated op produced, such as a buffer returned as it is)."""
         for ref in self.origin_of(tensor):
-            kinds = self._kinds.get(id(ref)) if isinstance(ref, Event) else None
+            kinds = self._kinds.get(id(ref)) if isinstance(ref, Event) else ref.kinds()
             for bit, name in ((POSINF, "+inf"), (NEGINF, "-inf")):
                 if kinds and kinds & bit:
                     origin = self._origin.get((id(ref), bit), ref)
-                    reach = Finding(f"{name} reaches the output {label} ({self._where(origin, bit)})", ref)
+                    shown = ref if isinstance(ref, Event) else None
+                    reach = Finding(f"{name} reaches the output {label} ({self._where(origin, bit)})", shown)
                     self._note(self._held_back(origin) + [reach])
                     return
 
@@ -374,11 +444,15 @@ class Tracker:
 
     # -- the footer -----------------------------------------------------------------------------
 
-    def summary(self) -> str:
-        """The footer's tracking part: the first finding, or a claim limited to what was measured."""
+    def summary(self, incomplete: Optional[str] = None) -> str:
+        """The footer's tracking part: the first finding, or a claim limited to what was measured.
+        `incomplete` says why part of the forward was not recorded at all (then nothing is claimed
+        of the rest)."""
         missing = sum(self.unmeasured.values())
         why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
         gap = f"; {missing} op{'s' if missing != 1 else ''} not measured ({why})" if missing else ""
+        if incomplete:
+            gap += f"; ops after {incomplete} were not recorded, so nothing is claimed of them"
         if self.findings:
             first = self.findings[0]
             nan = next((f for f in self.findings if f.text.startswith("NaN born")), None)
@@ -391,7 +465,7 @@ class Tracker:
                      f"{self._where(self._absorbed_origin(), POSINF | NEGINF)} absorbed by later ops)")
         else:
             claim = "no non-finite values"
-        if missing:
+        if missing or incomplete:
             return f"{claim} in the {self.measured} measured op{'s' if self.measured != 1 else ''}{gap}"
         return claim
 
@@ -401,6 +475,18 @@ class Tracker:
             if origin is not None:
                 return origin
         return self.absorbed
+
+
+def _position(finding: Finding) -> float:
+    return finding.event.ordinal if finding.event is not None else math.inf
+
+
+def _tensor_arguments(args, kwargs):
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
 
 
 def _where(origin, bit: int) -> str:

@@ -133,10 +133,17 @@ def input_metas(args, kwargs):
     metas = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, _Tensor):
-            metas.append(TensorMeta.of(value))
+            metas.append(_any_meta(value))
         elif isinstance(value, (list, tuple)):
-            metas.extend(TensorMeta.of(v) for v in value if isinstance(v, _Tensor))
+            metas.extend(_any_meta(v) for v in value if isinstance(v, _Tensor))
     return tuple(metas)
+
+
+def _any_meta(tensor) -> TensorMeta:
+    try:
+        return TensorMeta.of(tensor)
+    except RuntimeError:  # a nested tensor has no plain sizes
+        return TensorMeta.ragged(tensor)
 
 
 class OpReporter:
@@ -175,7 +182,7 @@ class OpReporter:
             else:
                 reads = tracker.reads_of(args, kwargs or {})
                 event = self.session.add_op(op_name(func), metas, site, None, out, reads)
-                tracker.produced(event, out, args)
+                tracker.produced(event, out, args, kwargs)
             for observe in self.observers:
                 observe(event, out)
             self.ops += 1
@@ -183,6 +190,7 @@ class OpReporter:
             if getattr(exc, "torchlens_stop", False):
                 raise  # a deliberate stop (on_nonfinite="raise", a trace budget): the run ends here
             self.paused = True
+            self.session.incomplete = self.session.incomplete or "an internal error recording an op"
             internal_error("recording an op", exc)
 
     def op_raised(self, func, args, kwargs, exc) -> None:
@@ -266,6 +274,7 @@ class EagerCapture(OpReporter):
                 session.enter(scope)
             self.paused = False
         except Exception as exc:
+            self.session.incomplete = self.session.incomplete or "an internal error recording a module enter"
             internal_error("recording a module enter", exc)
 
     def _exited(self, module, unwinding: bool) -> None:
@@ -277,6 +286,7 @@ class EagerCapture(OpReporter):
                 session.exit(scope, unwinding)
             self.paused = False
         except Exception as exc:
+            self.session.incomplete = self.session.incomplete or "an internal error recording a module exit"
             internal_error("recording a module exit", exc)
 
 

@@ -10,7 +10,8 @@ So, while a capture runs, `torch.overrides.has_torch_function` answers the modul
 consults it as if the capture's modes were not there (any other override still counts). The fast
 path then runs, and the capture narrates its fused call as one op: its insides are a single kernel.
 Which forwards consult it is read from torch (the names their code uses), not listed by hand.
-Only those callers are answered differently; everyone else gets torch's own answer.
+Only those callers are answered differently; everyone else gets torch's own answer. Both the
+eager capture and a compiled forward (for the code dynamo runs eagerly between graphs) hold it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 _original = torch.overrides.has_torch_function
+_is_compiling = torch.compiler.is_compiling
 _lock = threading.Lock()
 _installed = 0  # captures running, in any thread, that need the answer kept
 _forwards = None  # code objects of the torch module forwards that consult has_torch_function
@@ -46,11 +48,13 @@ def _consulting_forwards() -> frozenset:
 
 
 def _has_torch_function(args) -> bool:
-    """torch's answer, except to a fast-path check of a module forward under capture."""
-    if not _original(args):
-        return False
-    if sys._getframe(1).f_code not in _forwards:
-        return True
+    """torch's answer, except to a fast-path check of a module forward under capture.
+
+    While dynamo traces (a compiled region inside a narrated forward) it is torch's answer too,
+    so compiled graphs are the ones plain `torch.compile` makes."""
+    answer = _original(args)
+    if not answer or _is_compiling() or sys._getframe(1).f_code not in _forwards:
+        return answer
     return _without_capture(args)
 
 
@@ -67,6 +71,26 @@ def _without_capture(args) -> bool:
             torch._C._push_on_torch_function_stack(mode)
 
 
+def _same_to_dynamo() -> None:
+    """Keep dynamo's handling of `has_torch_function` whichever function it met first.
+
+    Dynamo builds its table of special torch functions once, reading `torch.overrides` as it is
+    then; built while ours is installed, it would not know torch's own afterwards (and break
+    graphs at every fast-path check). Both are given the same entry, so dynamo traces the check
+    as plain `torch.compile` does, with or without a capture running."""
+    variables = sys.modules.get("torch._dynamo.variables.torch")
+    if variables is None:
+        return
+    try:
+        handlers = variables.TorchInGraphFunctionVariable._get_handlers()
+        known = handlers.get(_original) or handlers.get(_has_torch_function)
+        if known is not None:
+            handlers.setdefault(_original, known)
+            handlers.setdefault(_has_torch_function, known)
+    except Exception:  # another torch: nothing to keep in step
+        pass
+
+
 def keep_fast_paths() -> None:
     """A capture starts: answer fast-path checks as if it were not there (until `release`)."""
     global _installed, _forwards
@@ -75,6 +99,7 @@ def keep_fast_paths() -> None:
             _forwards = _consulting_forwards()
         _installed += 1
         if _installed == 1:
+            _same_to_dynamo()
             torch.overrides.has_torch_function = _has_torch_function
 
 
@@ -85,3 +110,4 @@ def release_fast_paths() -> None:
         _installed = max(_installed - 1, 0)
         if _installed == 0 and torch.overrides.has_torch_function is _has_torch_function:
             torch.overrides.has_torch_function = _original
+            _same_to_dynamo()

@@ -31,6 +31,7 @@ _NOT_LOCATED = "<compiled graph>"  # the attempted call when the op inside a gra
 _TRACING = "<dynamo tracing>"  # the attempted call when the op dynamo failed to trace is not known
 REPLAYED = "located by replaying the compiled graph op by op"
 LIVE = "located live: the graph runs op by op, and this op had started but not returned"
+LIVE_NEXT = "located live: the op after the last one narrated (its inputs could not be read)"
 LIVE_UNREAD = "not located: the op-by-op graph's frame could not be read from the traceback"
 LIVE_OWN = "not located: the error came from torchlens's own narration call between ops, not from a model op"
 
@@ -72,10 +73,21 @@ def _locate_live(run, graph, scope: Scope, arg_metas, exc: BaseException):
     """
     located = locate_live(graph.live_module, exc) if graph.live_module is not None else None
     if located is None:
-        return _graph_call(scope, arg_metas, [LIVE_UNREAD])
+        return _after_last_narrated(run, graph, scope, arg_metas)
     if located.node.name not in {node.name for node in graph.replay_copy.graph.nodes}:
         return _graph_call(scope, arg_metas, [LIVE_OWN])  # a narration call torchlens inserted raised
     return _at_node(run, graph, scope, located.node, located.inputs, [LIVE])
+
+
+def _after_last_narrated(run, graph, scope: Scope, arg_metas):
+    """The frame could not be read (FX re-raises errors from generated code without it): the op
+    in flight is the plan op after the last one this call narrated."""
+    following = run.live_narrated(graph)
+    if following >= len(graph.plan.ops):
+        return _graph_call(scope, arg_metas, [LIVE_UNREAD])
+    op = graph.plan.ops[following]
+    op_scope = graph.plan.op_scopes(run.runtime.scopes, scope)[op.index]
+    return following, op.op, op_scope, op.site, None, [LIVE_NEXT]
 
 
 def _at_node(run, graph, scope: Scope, node, inputs, notes):

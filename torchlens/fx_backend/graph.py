@@ -72,6 +72,7 @@ class CompiledGraph:
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
+                    run.session.incomplete = run.session.incomplete or "an internal error narrating a compiled graph"
                     internal_error("narrating a compiled graph", exc)
         return out
 
@@ -153,12 +154,24 @@ def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, 
         target = _instrument(runtime, graph, gm)
     except Exception as exc:
         internal_error("planning a compiled graph (it runs without narration)", exc)
-        return inner_compile(runtime.config.compiler, untouched_copy(pristine), example_inputs, mode)
+        return _unnarrated(inner_compile(runtime.config.compiler, untouched_copy(pristine), example_inputs, mode))
     if graph.live:
         graph.fn = target
     else:
         graph.fn = inner_compile(runtime.config.compiler, target, example_inputs, mode)
     return graph
+
+
+def _unnarrated(fn):
+    """A graph torchlens could not plan: it runs as compiled, and the run it is part of knows that
+    its ops are missing, so no verdict claims them."""
+    def call(*args):
+        run = active_run()
+        if run is not None:
+            run.session.incomplete = run.session.incomplete or "a compiled graph that ran without narration"
+        return fn(*args)
+
+    return call
 
 
 def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModule):

@@ -194,11 +194,13 @@ class _Sources:
         if target is None and is_in_place(target_name(node)) and node.args and isinstance(node.args[0], fx.Node):
             target = node.args[0]
         if target is not None:
-            key = _storage(target)
-            if key is not None:
-                self._writers.setdefault(key, []).append(index)
+            memory = _storage(target)
+            if memory is not None:
+                self._writers.setdefault(memory[0], []).append((index, memory[1]))
 
     def origin(self, node: fx.Node) -> tuple:
+        """What `node`'s value comes from: its producer, then the writes into its memory since,
+        from the last write that covered all of it on (as `tracking.Tracker.origin_of`)."""
         if _is_unpacking(node):
             node = node.args[0]
         if node in self._producer:
@@ -208,8 +210,14 @@ class _Sources:
         else:
             first = None
         after = first[1] if first is not None and first[0] == "op" else -1
-        writers = tuple(("op", i) for i in self._writers.get(_storage(node), ()) if i > after)
-        return (first,) + writers
+        memory = _storage(node)
+        refs = [first]
+        for index, span in self._writers.get(memory[0], ()) if memory is not None else ():
+            if index > after:
+                if span is not None and memory[1] is not None and span[0] <= memory[1][0] and memory[1][1] <= span[1]:
+                    refs = []  # this write replaced everything the value holds
+                refs.append(("op", index))
+        return tuple(refs)
 
     def reads(self, node: fx.Node) -> tuple:
         refs = []
@@ -235,10 +243,18 @@ class _Sources:
 
 
 def _storage(node: fx.Node):
+    """(storage key, [first, last] element offsets or None) of a node's fake value."""
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor):
         return None
     try:
-        return StorageWeakRef(value.untyped_storage()).cdata
+        key = StorageWeakRef(value.untyped_storage()).cdata
     except Exception:
         return None
+    # Only plain ints: converting a symbolic size would specialise it (a guard), changing the graph.
+    numbers = (value.storage_offset(), *value.shape, *value.stride())
+    if not all(type(n) is int for n in numbers):
+        return key, None  # symbolic: the extent is not known, and no write is taken to cover it
+    offset = value.storage_offset()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(value.shape, value.stride()))
+    return key, (offset, offset + extent)

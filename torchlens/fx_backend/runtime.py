@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..eager.capture import CaptureMode, own_work, remove_mode, under_another_capture
+from ..eager.fastpaths import keep_fast_paths, release_fast_paths
 from ..eager.structure import check_selection, named_arguments, named_outputs, tensor_names
 from ..events import Scope, TensorMeta
 from ..grammar import plural
@@ -86,16 +87,25 @@ class CompiledRuntime:
             run = self.begin(fn, args, kwargs, push_mode=True, call_frame=frame)
             return run.cleanup if run is not None else _nothing
         except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise  # on_nonfinite="raise" found a NaN in the inputs: the forward stops here
             internal_error("starting a compiled forward", exc)
             return _nothing
 
     def begin(self, fn, args, kwargs, push_mode: bool, call_frame=None) -> Optional["CompiledRun"]:
+        run = None
         try:
             self.passes += 1
             run = CompiledRun(self, header=f"pass {self.passes}", call_frame=call_frame)
             run.begin(fn, args, kwargs, push_mode)
             return run
         except Exception as exc:
+            if run is not None:
+                if getattr(exc, "torchlens_stop", False):
+                    run.fail(exc)  # the partial trace of the inputs, attached to the stop
+                run.close()
+            if getattr(exc, "torchlens_stop", False):
+                raise
             internal_error("starting a compiled forward", exc)
             return None
 
@@ -164,6 +174,8 @@ class CompiledRun:
         self.call = (None, (), {})
         self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
         self._done = False
+        keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
+        self._fast_paths_kept = True
 
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
         self.call = (fn, args, kwargs)
@@ -296,6 +308,11 @@ class CompiledRun:
         concrete, scope, args, events = self._live[graph]
         self.add_plan_ops(graph.plan, scope, concrete, index, index + 1, values=[value], args=args, events=events)
 
+    def live_narrated(self, graph) -> int:
+        """How many of `graph`'s ops this call has narrated so far (live mode)."""
+        events = self._live[graph][3] if graph in self._live else {}
+        return max(events) + 1 if events else 0
+
     def end_live(self, graph, out) -> None:
         """A live graph call returned `out`."""
         if graph in self._live:
@@ -368,6 +385,9 @@ class CompiledRun:
 
     def close(self) -> None:
         self.pop_mode()
+        if self._fast_paths_kept:
+            self._fast_paths_kept = False
+            release_fast_paths()
         if getattr(_local, "run", None) is self:
             _local.run = None
         self._live.clear()
