@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 import torchlens as tl
 from helpers import OP_LINE, check_nesting, op_lines, ordinals
@@ -343,3 +344,15 @@ def test_compiled_entry_points_check_their_arguments():
         tl.compile(Tiny(), options={"narrate": True})
     with pytest.raises(tl.errors.OptionTypeError, match="did you mean 'dynamic'"):
         tl.compile(Tiny(), dynamc=True)
+
+
+def test_planning_a_dynamic_graph_keeps_its_sizes_symbolic_and_the_lines_concrete():
+    # A Linear compiled before at another batch size makes dynamo trace the next graph with a
+    # symbolic batch: reading the graph for narration must not specialise it.
+    torch.compile(nn.Linear(16, 16), backend="eager")(torch.randn(7, 16))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    trace = tl.trace(model, x, compiled={"compiler": "eager"})
+    assert [list(e.outputs[0].shape) for e in trace.ops] == [[5, 8], [5, 16], [5, 16], [5, 4]]
+    assert tl.debug.compare(tl.trace(model, x), trace).first_divergence is None
