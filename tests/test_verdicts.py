@@ -719,3 +719,23 @@ def test_a_failed_op_on_a_nested_tensor_is_still_named():
         tl.record(Nested(), torch.randn(2, 3, 4))
     tail = info.value.partial_trace.narrate(last=1).lines[-1]
     assert tail.startswith("!! attempted #") and " matmul " in tail and "[2,*,4] f32 cpu" in tail
+
+
+# -- torchvision (benchmark environments) --------------------------------------------------------
+
+
+def test_roi_align_results_written_into_zeros_are_narrated_as_the_write():
+    torchvision = pytest.importorskip("torchvision")
+    from torchvision.ops import MultiScaleRoIAlign
+
+    pool = MultiScaleRoIAlign(["0", "1"], output_size=2, sampling_ratio=2)
+    features = {"0": torch.rand(1, 3, 16, 16), "1": torch.rand(1, 3, 8, 8)}
+    boxes = [torch.tensor([[0.0, 0.0, 4.0, 4.0], [1.0, 1.0, 15.0, 15.0]])]
+    plain = pool(features, boxes, [(32, 32)])
+    text, rec = narrated(pool, features, boxes, [(32, 32)], value_stats="exact", on_nonfinite="track")
+    assert torch.equal(rec.output, plain)
+    ops = [e.op for e in rec.ops]
+    assert "roi_align" in ops and "setitem" in ops[ops.index("roi_align"):], ops
+    last_write = max(e.ordinal for e in rec.ops if e.op == "setitem")
+    assert rec.ops[-1].ordinal >= last_write  # the output's values come from the writes, not `zeros`
+    assert torchvision.__version__
