@@ -29,6 +29,7 @@ def leftover_state():
         len(torch.overrides._get_current_function_mode_stack()),
         torch._C._len_torch_dispatch_stack(),
         runtime is not None and runtime.active_run() is not None,
+        torch.overrides.has_torch_function is torch._C._has_torch_function,  # fast paths given back
     )
 
 

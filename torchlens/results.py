@@ -72,7 +72,7 @@ class Recording:
 
     @property
     def first_nonfinite(self) -> Optional[Event]:
-        if getattr(self.settings, "on_nonfinite", None) is not None:
+        if self.settings.on_nonfinite is not None:
             return self.findings[0].event if self.findings else None
         for event in self.events:
             if event.stats is not None and event.stats.nonfinite:

@@ -33,6 +33,11 @@ class ScopeTable:
         self._unknown: Dict[int, weakref.ref] = {}  # modules not in the root when it was last read
         self.refresh()
 
+    @property
+    def root(self) -> Optional[torch.nn.Module]:
+        """The model this table names (None once it is collected, or for a compiled function)."""
+        return self._root() if self._root is not None else None
+
     @classmethod
     def for_model(cls, root: torch.nn.Module) -> "ScopeTable":
         """The table of `root`, kept between captures of the same model (building it walks every

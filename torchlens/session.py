@@ -94,23 +94,31 @@ class Session:
         return event
 
     def _measured(self, event: Event, value) -> Event:
-        meter = self.meter
-        if meter is not None and value is not None:
-            if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
-                event.stats = Stats("na", 0, meter.rung != "off", note="uninitialized")
-            else:
-                live = (self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
-                        or (self._judge_live and _on_cpu(value)))
-                event.stats = meter.measure_output(value, live)  # never raises: "n/a" when it cannot
-        findings = self.tracker.judge(event) if self.tracker is not None else ()
-        for finding in findings:
-            finding.live = finding.live and finding.event is event  # known as its line is narrated
-            if finding.event is not None and finding.event.finding is None:
-                finding.event.finding = finding
+        if self.meter is not None and value is not None:
+            event.stats = self._measure(event, value)
+        findings = self._judge(event) if self.tracker is not None else ()
         self.record(event)
         if self.raise_on_nonfinite and findings:  # the NaN at this op; its message names the cause
             raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
         return event
+
+    def _measure(self, event: Event, value):
+        """The statistics of an op's output: read now when its line is printed, when `raise` must
+        decide at once, or when tracking narrates on CPU (no device to wait for); else at the end."""
+        if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
+            return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
+        live = (self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
+                or (self._judge_live and _on_cpu(value)))
+        return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+
+    def _judge(self, event: Event) -> list:
+        """The tracker's findings made now; those about this very op get their `!!` line after it."""
+        findings = self.tracker.judge(event)
+        for finding in findings:
+            finding.live = finding.live and finding.event is event
+            if finding.event is not None and finding.event.finding is None:
+                finding.event.finding = finding
+        return findings
 
     def add_output(self, label: str, metas, value=None) -> Event:
         if self.tracker is not None and value is not None:
@@ -289,9 +297,10 @@ class Session:
 
 
 def _on_cpu(value) -> bool:
-    tensor = value if isinstance(value, torch.Tensor) else next(
-        (t for t in value if isinstance(t, torch.Tensor)), None) if isinstance(value, (tuple, list)) else None
-    return tensor is not None and tensor.device.type == "cpu"
+    """Whether an op's output (a tensor, or the first tensor of a tuple) lives on the CPU."""
+    if isinstance(value, (tuple, list)):
+        value = next((t for t in value if isinstance(t, torch.Tensor)), None)
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
 def _in_chain(target: BaseException, exc: BaseException) -> bool:

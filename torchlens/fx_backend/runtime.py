@@ -158,9 +158,9 @@ class CompiledRun:
         self.call_frame = call_frame  # dynamo's wrapper frame running this call
         settings = runtime.config.settings
         self.narrator = Narrator(settings.narration) if settings.narration is not None else None
-        root = runtime.scopes._root
-        self.session = Session(settings, runtime.scopes.root_scope, self.narrator, header,
-                               tensor_names=lambda: tensor_names(root() if root is not None else None))
+        scopes = runtime.scopes
+        self.session = Session(settings, scopes.root_scope, self.narrator, header,
+                               tensor_names=lambda: tensor_names(scopes.root))
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         if meter.active:
             self.session.meter = meter  # ops between graphs, and every op in live mode
