@@ -739,3 +739,25 @@ def test_roi_align_results_written_into_zeros_are_narrated_as_the_write():
     last_write = max(e.ordinal for e in rec.ops if e.op == "setitem")
     assert rec.ops[-1].ordinal >= last_write  # the output's values come from the writes, not `zeros`
     assert torchvision.__version__
+
+
+def test_vmap_over_a_transformer_encoder_layer_measures_every_op_over_the_batch():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0).train()  # the slow path
+    batch = torch.randn(3, 5, 16)
+    recs = []
+
+    def one(sequence):
+        recs.append(tl.record(layer, sequence[None], value_stats="exact", on_nonfinite="track"))
+        return recs[-1].output[0]
+
+    out = torch.func.vmap(one)(batch)
+    torch.testing.assert_close(out, torch.func.vmap(lambda s: layer(s[None])[0])(batch), rtol=0, atol=0)
+    rec = recs[0]
+    parts = [p for e in rec.ops for p in getattr(e.stats, "parts", (e.stats,))]
+    assert parts and all(part.kind != "na" or part.note == "empty" for part in parts), parts
+    assert rec.footer_extra[-1] == "no non-finite values"
+    mn, mx, mean, sd = finite_stats_of(out)
+    last = rec.ops[-1].stats
+    assert (last.min, last.max) == pytest.approx((mn, mx), abs=1e-6)
+    assert (last.mean, last.sd) == pytest.approx((mean, sd), rel=1e-4, abs=1e-6)
