@@ -629,7 +629,8 @@ def test_a_selection_still_gets_the_alarm_line_after_the_op():
 
 
 def test_the_alarm_line_is_the_same_live_and_after_the_fact():
-    text, _ = narrated(Overflow(), torch.ones(3), on_nonfinite="track")
+    text, rec = narrated(Overflow(), torch.ones(3), on_nonfinite="track")
+    assert rec.narrate() == text  # the transcript after the fact is the live one, byte for byte
     after = tl.record(Overflow(), torch.ones(3), on_nonfinite="track").narrate()
     alarms = [[line for line in t.splitlines() if line.startswith("!!")] for t in (text, after)]
     assert alarms[0] == alarms[1] == ["!! NaN born at #4 sub (nan=3) (out of +inf born at #3 exp)"]
