@@ -648,7 +648,7 @@ def test_a_recorder_tail_with_tracking_keeps_no_whole_pass_alive():
             for _ in range(2):
                 model(torch.randn(1, 4))
         gc.collect()
-        counts.append(sum(isinstance(o, Event) for o in gc.get_objects()))
+        counts.append(sum(type(o) is Event for o in gc.get_objects()))
         del recorder
         gc.collect()
     assert counts[1] <= counts[0] + 5, counts
