@@ -366,3 +366,43 @@ def test_a_traces_transcript_is_the_live_narration_and_runs_repeat_byte_for_byte
               for path in paths]
     assert traces[0].narrate() == paths[0].read_text()
     assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+# -- alignment on everything both sides share ------------------------------------------------------
+
+
+def _op(ordinal, op, shape, module=""):
+    from torchlens.events import OP, Event, Scope, TensorMeta
+
+    return Event(OP, ordinal, op, Scope(module, "M", None), (TensorMeta(tuple(shape), torch.float32, torch.device("cpu")),))
+
+
+def test_an_extra_twin_on_one_side_does_not_shift_the_pairing():
+    from torchlens.debug.compare import align
+
+    a = [_op(1, "view", [2, 4]), _op(2, "getitem", [1, 1, 1, 1]), _op(3, "getitem", [1, 1, 7, 1]), _op(4, "add", [2, 4])]
+    b = [_op(1, "view", [2, 4]), _op(2, "getitem", [1, 1, 7, 1]), _op(3, "add", [2, 4])]
+    pairs = [(x.ordinal if x else None, y.ordinal if y else None) for x, y in align(a, b)]
+    assert pairs == [(1, 1), (2, None), (3, 2), (4, 3)]
+
+
+def test_an_op_whose_shape_really_changed_still_pairs_with_its_twin():
+    from torchlens.debug.compare import align
+
+    a = [_op(1, "linear", [2, 4]), _op(2, "relu", [2, 4])]
+    b = [_op(1, "linear", [2, 5]), _op(2, "relu", [2, 5])]
+    assert [(x.ordinal, y.ordinal) for x, y in align(a, b)] == [(1, 1), (2, 2)]
+
+
+def test_mistral_eager_against_compiled_has_no_false_divergence():
+    pytest.importorskip("transformers")
+    from real_models import REAL_MODELS
+
+    model, args, kwargs = REAL_MODELS["mistral"].build()
+    with torch.no_grad():
+        eager = tl.trace(model, *args, **kwargs)
+        compiled = tl.trace(model, *args, compiled={"compiler": "eager"}, **kwargs)
+    report = tl.debug.compare(eager, compiled)
+    assert report.first_divergence is None, report.first_divergence
+    counts = report.counts
+    assert counts["not_comparable"] == 0 and counts["matched"] == counts["within_tolerance"] > 100

@@ -276,14 +276,35 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
 def align(ops_a: Sequence[Event], ops_b: Sequence[Event]) -> List[Tuple[Optional[Event], Optional[Event]]]:
     """Pair the ops of two traces in order: (a, b) when matched, (a, None) / (None, b) otherwise.
 
-    The key is (module, op). The common head and tail are paired directly, which makes the usual
-    cases (identical structure, a few ops inserted or removed in one place) linear; only the part
-    between goes through `difflib.SequenceMatcher`, with `autojunk=False` because difflib would
-    otherwise treat any key that fills more than 1% of a long trace (every `view` in an attention
-    module) as noise.
+    Ops are matched on everything the two sides share: module, op name and each output's shape
+    and dtype. What that leaves unmatched is matched again on module and op alone, so an op whose
+    shape really changed still pairs with its twin (and is reported not comparable), but never
+    in place of a twin that matches in full: when one side has an extra `getitem`, its same-named
+    neighbour is not paired with the wrong one.
     """
-    keys_a = [(event.module, event.op) for event in ops_a]
-    keys_b = [(event.module, event.op) for event in ops_b]
+    return _align(list(ops_a), list(ops_b), (_full_key, _name_key))
+
+
+def _full_key(event: Event) -> tuple:
+    return (event.module, event.op, tuple((tuple(meta.shape), meta.dtype) for meta in event.outputs))
+
+
+def _name_key(event: Event) -> tuple:
+    return (event.module, event.op)
+
+
+def _align(ops_a: List[Event], ops_b: List[Event], key_functions) -> List[Tuple[Optional[Event], Optional[Event]]]:
+    """`align` with the first key function; what it leaves unmatched, with the next ones.
+
+    The common head and tail are paired directly, which makes the usual cases (identical
+    structure, a few ops inserted or removed in one place) linear; only the part between goes
+    through `difflib.SequenceMatcher`, with `autojunk=False` because difflib would otherwise treat
+    any key that fills more than 1% of a long trace (every `view` in an attention module) as noise.
+    """
+    if not key_functions:
+        return [(event, None) for event in ops_a] + [(None, event) for event in ops_b]
+    key, rest = key_functions[0], key_functions[1:]
+    keys_a, keys_b = [key(event) for event in ops_a], [key(event) for event in ops_b]
     head = _common_length(zip(keys_a, keys_b))
     tail = _common_length(zip(reversed(keys_a[head:]), reversed(keys_b[head:])))
     middle_a, middle_b = ops_a[head:len(ops_a) - tail], ops_b[head:len(ops_b) - tail]
@@ -294,8 +315,7 @@ def align(ops_a: Sequence[Event], ops_b: Sequence[Event]) -> List[Tuple[Optional
         if tag == "equal":
             pairs.extend(zip(middle_a[a_start:a_end], middle_b[b_start:b_end]))
         else:
-            pairs.extend((event, None) for event in middle_a[a_start:a_end])
-            pairs.extend((None, event) for event in middle_b[b_start:b_end])
+            pairs.extend(_align(middle_a[a_start:a_end], middle_b[b_start:b_end], rest))
     pairs.extend(zip(ops_a[len(ops_a) - tail:], ops_b[len(ops_b) - tail:]))
     return pairs
 
