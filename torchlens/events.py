@@ -78,6 +78,9 @@ class TensorMeta(tuple):
     def __new__(cls, shape, dtype, device):
         return tuple.__new__(cls, (shape, dtype, device))
 
+    def __getnewargs__(self):  # copy and pickle build it from its three fields, like the constructor
+        return tuple(self)
+
     @classmethod
     def of(cls, tensor) -> "TensorMeta":
         return tuple.__new__(cls, (tensor.shape, tensor.dtype, tensor.device))

@@ -8,13 +8,21 @@ All three render their transcript after the fact through the same narrator the l
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import tree_map
 
 from . import grammar
 from .events import INPUT, OP, Attempt, Event
 from .narrator import failure_block, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) and not value.is_leaf else value
 
 
 def _check_last(last) -> None:
@@ -61,6 +69,17 @@ class Recording:
         self.header = header
         self.footer_extra = list(footer_extra)
         self._values = values
+
+    def __deepcopy__(self, memo):
+        """A copy whose output tensors are detached: torch refuses to deep-copy a tensor that is
+        part of an autograd graph, and a recording is a record of values, not of that graph."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            if name == "output":
+                value = tree_map(_detached, value)
+            setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
 
     @property
     def ops(self) -> List[Event]:

@@ -76,7 +76,9 @@ def compile_model(model, config: CompileConfig, torch_compile_kwargs: dict, back
         backend = Backend(CompiledRuntime(config, model if isinstance(model, nn.Module) else module_of(model)))
     compiled = torch.compile(model, backend=backend, **torch_compile_kwargs)
     install(compiled, backend.runtime)
-    compiled.torchlens = backend.runtime
+    # On the wrapper torch.compile returned, not on the user's module (which `nn.Module` attribute
+    # setting would reach through it): the model itself stays as copyable and saveable as before.
+    object.__setattr__(compiled, "torchlens", backend.runtime)
     return compiled
 
 

@@ -125,12 +125,21 @@ class CompiledRuntime:
         if not dynamo_seams.end_call_with(frame, run.cleanup):
             run.call_frame = None  # ended when the next call begins
 
+    def __reduce__(self):
+        """A copied or saved compiled model carries no narration state: its copy's runtime is
+        None (the runtime holds the sink, weak references and dynamo's hooks, none of which copy)."""
+        return (_no_runtime, ())
+
     def record(self, recording: Recording, graph_calls: int) -> None:
         self.last_recording = recording
         self.last_graph_calls = graph_calls
 
 
 def _nothing() -> None:
+    return None
+
+
+def _no_runtime() -> None:
     return None
 
 
