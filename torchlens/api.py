@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 
 from torch import nn
@@ -98,22 +99,37 @@ def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
 
 
 def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) -> None:
-    """A keyword the forward cannot take is most likely a misspelt option: say so, with both lists."""
+    """A keyword the forward cannot take is most likely a misspelt option: say so, with both lists.
+
+    A forward taking `**kwargs` (nearly every transformers model) would swallow `value_stat=` or
+    `narate=` without a word, so there a keyword the forward does not name and that is a near miss
+    of a torchlens option is refused too; a forward that really wants such a keyword gets it by
+    calling the model inside `tl.recording.Recorder(model, ...)`.
+    """
     if not kwargs:
         return
     try:
         parameters = forward_signature(model).parameters
     except (TypeError, ValueError):
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     for name in kwargs:
-        if name in _COMPILED_ONLY and name not in parameters:
+        if name in parameters:
+            continue
+        if name in _COMPILED_ONLY:
             raise OptionTypeError(f"{entry} got {name!r}, an option of compiled runs only: pass it to "
                                   f"tl.compile(model, {name}=...) or torch.compile(..., backend='torchlens')")
-        if name not in parameters:
+        if not takes_any:
             raise OptionTypeError(
                 f"{entry} got {name!r}, which is neither a torchlens option{suggest(name, keywords)} "
                 f"({', '.join(keywords)}) nor a parameter of {type(model).__name__}.forward "
                 f"({', '.join(parameters) or 'none'})"
+            )
+        close = difflib.get_close_matches(name, list(keywords), n=1, cutoff=0.8)
+        if close:
+            raise OptionTypeError(
+                f"{entry} got {name!r}: did you mean the torchlens option {close[0]!r}? "
+                f"{type(model).__name__}.forward takes **kwargs, so it would have received {name!r} "
+                f"silently. If it really is for the forward, call the model yourself inside "
+                f"`with tl.recording.Recorder(model, ...):`, which passes every argument through."
             )
