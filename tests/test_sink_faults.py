@@ -289,7 +289,10 @@ def test_warnings_as_errors_do_not_turn_a_broken_sink_into_an_exception(fault):
         recording = tl.record(model, GOOD, narrate=fault.target)
         exc = _raised(lambda: tl.record(model, BAD, narrate=fault.target))
     assert torch.equal(recording.output, model(GOOD))
-    assert isinstance(exc, IndexError) and exc.partial_trace is not None
+    if getattr(fault.target, "closed", False):  # closed by the first run: refused before the second
+        assert isinstance(exc, tl.errors.OptionValueError) and "is not writable" in str(exc)
+    else:
+        assert isinstance(exc, IndexError) and exc.partial_trace is not None
 
 
 # -- Recorder --------------------------------------------------------------------------------------

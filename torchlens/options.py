@@ -13,7 +13,7 @@ from typing import Optional
 
 from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
 from .selectors import Selector, as_selector
-from .sinks import checked_sink, is_sink_target
+from .sinks import check_writable, checked_sink, is_sink_target
 
 VALUE_STATS = ("off", "reuse", "sampled", "exact")
 ON_NONFINITE = (None, "track", "raise")
@@ -210,8 +210,11 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
             "value_stats='reuse' prints what non-finite tracking computed; turn tracking on with "
             "on_nonfinite='track' (or 'raise'), or pick value_stats='sampled' or 'exact'"
         )
+    narration = resolve_narrate(narrate)
+    if narration is not None:
+        check_writable(narration.sink)
     return Settings(
-        resolve_narrate(narrate),
+        narration,
         check_value_stats(value_stats),
         check_on_nonfinite(on_nonfinite),
         keep_values=keep_values,

@@ -85,6 +85,18 @@ class StderrSink(StreamSink):
         super().__init__(sys.stderr)
 
 
+class StandardStream(str):
+    """`narrate="stdout"` or `"stderr"`: that stream of the process, as it is when a run starts —
+    not a file of that name in the working directory."""
+
+    __slots__ = ()
+
+
+# Bare words that read as a switch, not a file name: `narrate="yes"` must not create a file "yes".
+_FLAG_WORDS = {"yes", "no", "true", "false", "on", "off", "y", "n", "none", "1", "0", "print", "console",
+               "verbose", "stream"}
+
+
 class CallableSink(Sink):
     def __init__(self, fn):
         self.fn = fn
@@ -125,6 +137,8 @@ def open_sink(target) -> Sink:
         return StderrSink()
     if isinstance(target, Sink):
         return target
+    if isinstance(target, StandardStream):
+        return StreamSink(getattr(sys, target))
     if isinstance(target, (str, os.PathLike)):
         return FileSink(expand_path(os.fsdecode(target)))
     if isinstance(target, logging.Logger):
@@ -169,12 +183,36 @@ def checked_sink(target):
     created at the run's first line, inside the forward, where a failure could only turn
     narration off with a warning.
     """
-    if isinstance(target, SinkPath) or not isinstance(target, (str, os.PathLike)):
+    if isinstance(target, (SinkPath, StandardStream)) or not isinstance(target, (str, os.PathLike)):
         return target
     path = os.fsdecode(target)
+    if path in ("stdout", "stderr"):
+        return StandardStream(path)
+    if path.lower() in _FLAG_WORDS:
+        raise OptionValueError(
+            f"narration sink {path!r} (narrate= or NarrationOptions(sink=)) reads as a switch, not a file: "
+            f"narrate=True or 'stderr' narrates to stderr, 'stdout' to stdout, None turns it off; a file "
+            f"needs a name that is not a bare yes/no word (such as {path + '.log'!r})")
     template_fields(path)
     _check_directory(path)
     return SinkPath(path)
+
+
+def check_writable(stream) -> None:
+    """A stream opened for reading, or closed, would fail at the first line, inside the forward.
+
+    Checked when an entry point is called, not whenever options are made: a transcript rendered
+    after the run (`recording.narrate()`) must not fail because the stream was closed since."""
+    if not is_stream(stream):
+        return
+    writable = getattr(stream, "writable", None)
+    try:
+        ok = writable() if callable(writable) else True
+    except ValueError:  # a closed file
+        ok = False
+    if not ok:
+        raise OptionValueError(f"narration sink {stream!r} (narrate= or NarrationOptions(sink=)) is not writable "
+                               f"(closed, or opened for reading); open it for writing ('w' or 'a')")
 
 
 def _check_directory(path: str) -> None:
