@@ -106,9 +106,11 @@ def test_live_narration_prints_the_tail_on_failure_and_partial_narrate_reproduce
     assert lines[:10] == exc.partial_trace.narrate(last=None).splitlines()[:10]
     assert exc.partial_trace.narrate() == sink.getvalue()
     failed_at = lines.index(next(line for line in lines if line.startswith("!! forward failed")))
-    assert lines[failed_at + 1:] == exc.partial_trace.narrate(last=3).splitlines()[1:]
-    assert len(lines[failed_at + 1:]) == 2 + 1 + 3 + 1  # open modules, the elision note, 3 lines, the marker
-    assert lines[-1].startswith("!! attempted #5 linear @inner.fc")
+    # every line was printed above it: the block repeats none, and ends the transcript
+    assert lines[failed_at + 1:] == exc.partial_trace.narrate(last=3).splitlines()[-1:]
+    assert len(lines[failed_at + 1:]) == 1 and lines[-1].startswith("!! attempted #5 linear @inner.fc")
+    # asked for after the fact, the tail view still shows the last lines with their context
+    assert len(exc.partial_trace.narrate(last=3).splitlines()) == 1 + 2 + 1 + 3 + 1
 
 
 def test_on_error_only_prints_nothing_on_success_and_the_tail_on_failure():

@@ -185,7 +185,8 @@ class Narrator:
         if self._disabled:
             return
         try:
-            lines = failure_block(events, attempt, error, self.options, self.options.tail_on_error)
+            printed = printed_events(events, self.options)
+            lines = failure_block(events, attempt, error, self.options, self.options.tail_on_error, printed)
         except Exception as exc:
             self._narration_failed(f"torchlens could not narrate the failure ({_describe(exc)}); "
                                    f"exc.partial_trace still holds every event")
@@ -279,11 +280,29 @@ def render_lines(events: Sequence[Event], options: NarrationOptions, header=None
     return sink.lines
 
 
-def failure_block(events, attempt, error: str, options: NarrationOptions, last: Optional[int]) -> List[str]:
+def printed_events(events, options: NarrationOptions) -> set:
+    """The ids of the events whose lines a live narration with `options` printed (none with
+    `on_error_only`): run again over the events, only when a forward has failed."""
+    if options.on_error_only:
+        return set()
+    sink = ListSink()
+    narrator = Narrator(options.replace(prefix=""), sink)
+    printed = set()
+    for event in events:
+        narrator.feed(event)
+        if sink.lines:
+            printed.add(id(event))
+            sink.lines.clear()
+    return printed
+
+
+def failure_block(events, attempt, error: str, options: NarrationOptions, last: Optional[int],
+                  printed: frozenset = frozenset()) -> List[str]:
     """`!! forward failed`, the last lines (with the enter lines of still-open modules), the marker.
 
     The window ignores selection, depth folding and `max_lines`: after a failure what matters is
-    what ran last, wherever it was.
+    what ran last, wherever it was. Lines of `printed` events (shown just above, by the same
+    narration) are not repeated: each line appears once, and the failure block ends the transcript.
     """
     plain = options.replace(select=None, depth=None, max_lines=None, on_error_only=False, prefix="")
     sink = ListSink()
@@ -291,7 +310,8 @@ def failure_block(events, attempt, error: str, options: NarrationOptions, last: 
     rendered = []  # (line, event that produced it)
     for event in events:
         narrator.feed(event)
-        rendered.extend((line, event) for line in sink.lines)
+        if id(event) not in printed:
+            rendered.extend((line, event) for line in sink.lines)
         sink.lines.clear()
     start = 0 if last is None else max(0, len(rendered) - last)
     out = [grammar.render_failure(f"forward failed: {error}")]

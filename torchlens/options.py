@@ -44,8 +44,9 @@ class NarrationOptions:
     - `depth`: narrate modules down to this depth; ops of deeper modules are folded into the
       exit line of their depth-`depth` ancestor as a count.
     - `normalize`: strip what differs between machines (directories of sites, device indices).
-    - `tail_on_error`: on a failure, print this many of the last lines again, then the attempted
-      op. 0 prints just the failure and the attempted op.
+    - `tail_on_error`: on a failure, show the last this-many lines — those the narration did not
+      already print (each line appears once) — then the attempted op. 0 prints just the failure
+      and the attempted op.
     - `on_error_only`: narrate nothing unless the forward fails; then print the tail.
     - `symbolic_shapes`: in compiled graphs with dynamic shapes, show sizes symbolically (`[s0,16]`).
     """

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from . import grammar
 from .events import INPUT, OP, Attempt, Event
-from .narrator import failure_block, render_lines
+from .narrator import failure_block, printed_events, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector
 
@@ -176,7 +176,8 @@ class PartialTrace(Recording):
             live = self.settings.narration
             lines = [] if live is not None and live.on_error_only else render_lines(
                 self.events, options.replace(prefix=""), self.header)
-            lines += failure_block(self.events, self.attempt, self.error, options, options.tail_on_error)
+            shown = printed_events(self.events, options.replace(on_error_only=bool(live and live.on_error_only)))
+            lines += failure_block(self.events, self.attempt, self.error, options, options.tail_on_error, shown)
         else:
             lines = failure_block(self.events, self.attempt, self.error, options, last)
         return _transcript(lines, options.prefix)
