@@ -356,3 +356,36 @@ def test_planning_a_dynamic_graph_keeps_its_sizes_symbolic_and_the_lines_concret
     trace = tl.trace(model, x, compiled={"compiler": "eager"})
     assert [list(e.outputs[0].shape) for e in trace.ops] == [[5, 8], [5, 16], [5, 16], [5, 4]]
     assert tl.debug.compare(tl.trace(model, x), trace).first_divergence is None
+
+
+def test_on_error_only_writes_nothing_for_a_successful_compiled_call_and_the_pass_when_one_fails():
+    sink = io.StringIO()
+    compiled = tl.compile(Tiny(), narrate=NarrationOptions(sink=sink, on_error_only=True), compiler="eager")
+    compiled(torch.randn(1, 2))
+    compiled(torch.randn(1, 2))
+    assert sink.getvalue() == ""
+    with pytest.raises(RuntimeError) as info:
+        compiled(torch.randn(1, 3))
+    lines = sink.getvalue().splitlines()
+    assert lines[0] == "-- pass 3" and lines[1].startswith("!! forward failed")
+    assert info.value.partial_trace.narrate() == sink.getvalue()
+
+
+def test_a_recorder_with_on_error_only_prints_only_the_failed_pass():
+    sink = io.StringIO()
+    model = Tiny()
+    with tl.recording.Recorder(model, narrate=NarrationOptions(sink=sink, on_error_only=True)):
+        model(torch.randn(1, 2))
+        with pytest.raises(RuntimeError):
+            model(torch.randn(1, 3))
+    lines = sink.getvalue().splitlines()
+    assert lines[0] == "-- pass 2" and lines[1].startswith("!! forward failed")
+
+
+@pytest.mark.parametrize("entry", ["compile", "trace"])
+def test_disable_true_is_refused_rather_than_narrating_nothing(entry):
+    with pytest.raises(tl.errors.OptionValueError, match="disable=True turns torch.compile off"):
+        if entry == "compile":
+            tl.compile(Tiny(), disable=True)
+        else:
+            tl.trace(Tiny(), torch.randn(1, 2), compiled={"disable": True})

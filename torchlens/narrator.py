@@ -59,7 +59,8 @@ class Narrator:
         self._folded = {}
         self._limit_noted = False
         self._nonfinite_noted = False
-        if header is not None:
+        self._header = header
+        if header is not None and not self._quiet:  # with on_error_only, only a failed pass shows it
             self._write(grammar.render_note(header))
 
     def feed(self, event: Event) -> None:
@@ -191,6 +192,8 @@ class Narrator:
             self._narration_failed(f"torchlens could not narrate the failure ({_describe(exc)}); "
                                    f"exc.partial_trace still holds every event")
             return
+        if self._quiet and self._header is not None:
+            lines = [grammar.render_note(self._header)] + lines  # which pass failed
         for line in lines:
             self._write(line)
 

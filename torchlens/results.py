@@ -174,8 +174,10 @@ class PartialTrace(Recording):
         options = self._options(select, normalize=normalize, prefix=prefix)
         if last is None:
             live = self.settings.narration
-            lines = [] if live is not None and live.on_error_only else render_lines(
-                self.events, options.replace(prefix=""), self.header)
+            if live is not None and live.on_error_only:
+                lines = [grammar.render_note(self.header)] if self.header is not None else []
+            else:
+                lines = render_lines(self.events, options.replace(prefix=""), self.header)
             shown = printed_events(self.events, options.replace(on_error_only=bool(live and live.on_error_only)))
             lines += failure_block(self.events, self.attempt, self.error, options, options.tail_on_error, shown)
         else:

@@ -54,6 +54,10 @@ def _check_torch_compile_value(entry: str, key: str, value) -> None:
     a misspelt mode would surface at the first call, wrapped by dynamo, or never (compiler="eager")."""
     if key in ("fullgraph", "disable") and not isinstance(value, bool):
         raise OptionTypeError(f"{entry}: {key}= takes True or False, got {value!r}")
+    if key == "disable" and value:  # torch.compile would hand the model back untouched: nothing narrates
+        raise OptionValueError(f"{entry}: disable=True turns torch.compile off, and the torchlens backend with "
+                               f"it, so nothing would be narrated; narrate the model eagerly with tl.record, "
+                               f"tl.trace or tl.recording.Recorder instead")
     if key == "dynamic" and value is not None and not isinstance(value, bool):
         raise OptionTypeError(f"{entry}: dynamic= takes True, False or None (decide per input), got {value!r}")
     if key == "mode" and value is not None:
