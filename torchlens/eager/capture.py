@@ -36,6 +36,7 @@ from ..naming import op_name
 from ..scopes import ScopeTable
 from ..writes import written_tensor
 from .fastpaths import keep_fast_paths, release_fast_paths
+from .structure import named_outputs
 
 _Tensor = torch.Tensor
 _Size = torch.Size
@@ -214,6 +215,7 @@ class EagerCapture(OpReporter):
         self._handles = []
         self._counted = False
         self.nested = under_another_capture()
+        self.scripted = 0  # TorchScript calls narrated as one op each
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -260,9 +262,9 @@ class EagerCapture(OpReporter):
             return None
         if self.nested or captures_in_thread() > 1:
             with _own_work():
-                self._exited(module, unwinding())
+                self._exited(module, unwinding(), args, output)
         else:
-            self._exited(module, unwinding())
+            self._exited(module, unwinding(), args, output)
         return None
 
     def _entered(self, module) -> None:
@@ -277,17 +279,41 @@ class EagerCapture(OpReporter):
             self.session.incomplete = self.session.incomplete or "an internal error recording a module enter"
             internal_error("recording a module enter", exc)
 
-    def _exited(self, module, unwinding: bool) -> None:
+    def _exited(self, module, unwinding: bool, args=(), output=None) -> None:
         self.paused = True
         try:
             session = self.session
+            if not unwinding and isinstance(module, _ScriptModule):
+                self._scripted_call(args, output)
             scope = session.open_scope(self.scopes.path_of(module))
             if scope is not None:
                 session.exit(scope, unwinding)
             self.paused = False
         except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise  # on_nonfinite="raise" stopped at the scripted call's outputs
             self.session.incomplete = self.session.incomplete or "an internal error recording a module exit"
             internal_error("recording a module exit", exc)
+
+
+    def _scripted_call(self, args, output) -> None:
+        """A TorchScript module ran as one opaque call: the mode sees nothing inside it, so it is
+        narrated as one `scripted` op with its outputs (measured like any op's) in its module."""
+        tensors = tuple(tensor for _, tensor in named_outputs(output))
+        if not tensors:
+            return
+        value = tensors[0] if len(tensors) == 1 else tensors
+        tracker = self.session.tracker
+        reads = tracker.reads_of(args, {}) if tracker is not None else None
+        event = self.session.add_op("scripted", tuple(TensorMeta.of(t) for t in tensors), None, None, value, reads)
+        if tracker is not None:
+            tracker.produced(event, value)
+        for observe in self.observers:
+            observe(event, value)
+        self.scripted += 1
+
+
+_ScriptModule = torch.jit.ScriptModule
 
 
 def remove_mode(mode: TorchFunctionMode) -> None:

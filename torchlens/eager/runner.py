@@ -8,6 +8,7 @@ from typing import Optional
 from torch import nn
 
 from ..events import TensorMeta
+from ..grammar import plural
 from ..narrator import Narrator
 from ..results import Recording
 from ..options import Settings
@@ -67,6 +68,10 @@ class EagerRun:
             try:
                 for label, tensor in named_outputs(output):
                     self.session.add_output(label, (TensorMeta.of(tensor),), tensor)
+                if self.capture.scripted:
+                    self.session.footer_extra.append(
+                        f"{plural(self.capture.scripted, 'TorchScript call')} narrated as one op each "
+                        f"(`scripted`): their insides are not visible")
                 return self.session.finish(output)
             except Exception as exc:
                 internal_error("finishing the recording", exc)
