@@ -192,6 +192,8 @@ def test_live_mode_names_the_op_after_the_last_narrated_when_the_frame_is_gone()
     compiled(torch.ones(2, 3), torch.tensor([0]))
     exc = _fail(lambda: compiled(torch.ones(2, 3), torch.tensor([7])))
     tail = exc.partial_trace.narrate(last=3).lines
+    assert tail[-3].startswith("-- live mode ran this graph op by op, eagerly: the exception is the eager op's")
     assert tail[-2] == "-- located live: the op after the last one narrated (its inputs could not be read)"
     assert tail[-1].startswith("!! attempted #5 index_select") and "inputs: not read" in tail[-1]
-    assert " relu " in tail[-3]
+    assert " relu " in exc.partial_trace.narrate(last=4).lines[-4]
+    assert isinstance(exc, RuntimeError)

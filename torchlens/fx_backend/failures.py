@@ -32,6 +32,8 @@ _TRACING = "<dynamo tracing>"  # the attempted call when the op dynamo failed to
 REPLAYED = "located by replaying the compiled graph op by op"
 LIVE = "located live: the graph runs op by op, and this op had started but not returned"
 LIVE_NEXT = "located live: the op after the last one narrated (its inputs could not be read)"
+LIVE_TYPES = ("live mode ran this graph op by op, eagerly: the exception is the eager op's, and may differ "
+              "in type from what the same fault raises in an inductor-compiled graph")
 LIVE_UNREAD = "not located: the op-by-op graph's frame could not be read from the traceback"
 LIVE_OWN = "not located: the error came from torchlens's own narration call between ops, not from a model op"
 
@@ -76,7 +78,7 @@ def _locate_live(run, graph, scope: Scope, arg_metas, exc: BaseException):
         return _after_last_narrated(run, graph, scope, arg_metas)
     if located.node.name not in {node.name for node in graph.replay_copy.graph.nodes}:
         return _graph_call(scope, arg_metas, [LIVE_OWN])  # a narration call torchlens inserted raised
-    return _at_node(run, graph, scope, located.node, located.inputs, [LIVE])
+    return _at_node(run, graph, scope, located.node, located.inputs, [LIVE_TYPES, LIVE])
 
 
 def _after_last_narrated(run, graph, scope: Scope, arg_metas):
@@ -87,7 +89,7 @@ def _after_last_narrated(run, graph, scope: Scope, arg_metas):
         return _graph_call(scope, arg_metas, [LIVE_UNREAD])
     op = graph.plan.ops[following]
     op_scope = graph.plan.op_scopes(run.runtime.scopes, scope)[op.index]
-    return following, op.op, op_scope, op.site, None, [LIVE_NEXT]
+    return following, op.op, op_scope, op.site, None, [LIVE_TYPES, LIVE_NEXT]
 
 
 def _at_node(run, graph, scope: Scope, node, inputs, notes):
