@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
-import re
 import sys
 import textwrap
 

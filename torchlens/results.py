@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import grammar
-from .events import INPUT, OP, Attempt, Event
+from .events import OP, Attempt, Event
 from .narrator import failure_block, printed_events, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector

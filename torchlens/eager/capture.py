@@ -295,7 +295,6 @@ class EagerCapture(OpReporter):
             self.session.incomplete = self.session.incomplete or "an internal error recording a module exit"
             internal_error("recording a module exit", exc)
 
-
     def _scripted_call(self, args, output) -> None:
         """A TorchScript module ran as one opaque call: the mode sees nothing inside it, so it is
         narrated as one `scripted` op with its outputs (measured like any op's) in its module."""
