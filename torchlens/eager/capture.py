@@ -216,6 +216,8 @@ class EagerCapture(OpReporter):
         self._counted = False
         self.nested = under_another_capture()
         self.scripted = 0  # TorchScript calls narrated as one op each
+        # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
+        self._closers = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -234,6 +236,10 @@ class EagerCapture(OpReporter):
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        closers, self._closers = self._closers, {}
+        for pending in closers.values():  # calls a KeyboardInterrupt cut short, say
+            for handle in pending:
+                handle.remove()
         remove_mode(self._mode)  # a no-op when the mode is not on the stack
         if self._counted:
             self._counted = False
@@ -250,6 +256,8 @@ class EagerCapture(OpReporter):
     def _pre_hook(self, module, args):
         if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
+        if module._forward_hooks:
+            self._close_after_users_hooks(module)
         if self.nested or captures_in_thread() > 1:
             with _own_work():
                 self._entered(module)
@@ -257,9 +265,34 @@ class EagerCapture(OpReporter):
             self._entered(module)
         return None
 
-    def _post_hook(self, module, args, output):
-        if _is_compiling() or self.paused or _get_ident() != self.thread:
+    def _close_after_users_hooks(self, module) -> None:
+        """The module has forward hooks of its own (a probe, a steering hook): torch runs them
+        after the global hooks, so the ops they run would land in the parent module. One rule for
+        both substrates (dynamo traces them inside the module): the module's call closes after its
+        own hooks, by a one-shot hook of ours placed after them."""
+        handle = module.register_forward_hook(self._closing_hook, always_call=True)
+        self._closers.setdefault(id(module), []).append(handle)
+
+    def _closing_hook(self, module, args, output):
+        if _get_ident() != self.thread:
+            return None  # another thread's call of the same module: not ours to close
+        handles = self._closers.get(id(module))
+        if handles:
+            handles.pop().remove()
+            if not handles:
+                del self._closers[id(module)]
+        if _is_compiling() or self.paused:
             return None
+        if self.nested or captures_in_thread() > 1:
+            with _own_work():
+                self._exited(module, unwinding(), args, output)
+        else:
+            self._exited(module, unwinding(), args, output)
+        return None
+
+    def _post_hook(self, module, args, output):
+        if _is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers:
+            return None  # (a module with hooks of its own is closed by `_closing_hook`)
         if self.nested or captures_in_thread() > 1:
             with _own_work():
                 self._exited(module, unwinding(), args, output)
@@ -359,4 +392,5 @@ def outside_dynamo(fn):
     return fn
 
 
-exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook)
+exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook,
+                    EagerCapture._closing_hook)
