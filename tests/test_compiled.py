@@ -398,3 +398,16 @@ def test_disable_true_is_refused_rather_than_narrating_nothing(entry):
             tl.compile(Tiny(), disable=True)
         else:
             tl.trace(Tiny(), torch.randn(1, 2), compiled={"disable": True})
+
+
+def test_generate_is_narrated_when_the_forward_itself_is_compiled():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.arange(4)[None]
+    plain = model.generate(ids, max_new_tokens=3, do_sample=False)
+    lines = []
+    model.forward = tl.compile(model.forward, narrate=lines.append, compiler="eager")  # as docs/compiled.md says
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), plain)
+    assert sum(line.startswith("-- pass") for line in lines) == 3  # one narrated pass per decoding step
