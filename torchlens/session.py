@@ -115,9 +115,7 @@ class Session:
         """The tracker's findings made now; those about this very op get their `!!` line after it."""
         findings = self.tracker.judge(event)
         for finding in findings:
-            finding.live = finding.live and finding.event is event
-            if finding.event is not None and finding.event.finding is None:
-                finding.event.finding = finding
+            _attach_finding(finding, finding.live and finding.event is event)
         return findings
 
     def add_output(self, label: str, metas, value=None) -> Event:
@@ -270,9 +268,7 @@ class Session:
             try:
                 for finding in tracker.judge_rest():
                     # with no live narration, nothing was printed it must match: the note shows
-                    finding.live = finding.live and self.narrator is None
-                    if finding.event is not None and finding.event.finding is None:
-                        finding.event.finding = finding
+                    _attach_finding(finding, finding.live and self.narrator is None)
                 for label, value in self._outputs:
                     tracker.output_reached(label, value)
                 self.footer_extra.append(tracker.summary(self.incomplete))
@@ -294,6 +290,13 @@ class Session:
             return Attempt(op, self.ordinal + 1, scope, site, metas, notes)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
+
+
+def _attach_finding(finding, live: bool) -> None:
+    """Put a finding on its op; `live`: its `!!` line follows the op's line (when printed)."""
+    finding.live = live
+    if finding.event is not None and finding.event.finding is None:
+        finding.event.finding = finding
 
 
 def _on_cpu(value) -> bool:

@@ -80,10 +80,16 @@ def plain_values(tensor: torch.Tensor) -> torch.Tensor:
     it wraps holds them (for vmap: every example of the batch, so the statistics cover the batch).
     A nested tensor (`nn.TransformerEncoder`'s fast path) is measured over its components.
     """
-    while _is_wrapped(tensor):
-        tensor = _unwrapped(tensor)
+    tensor = unwrapped(tensor)
     if tensor.is_nested:  # its components only (a jagged tensor's buffer may hold more)
         return torch.cat([part.reshape(-1) for part in tensor.unbind()])
+    return tensor
+
+
+def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a functorch transform's wrapper (vmap, grad, jvp) holds, or `tensor` itself."""
+    while _is_wrapped(tensor):
+        tensor = _unwrapped(tensor)
     return tensor
 
 

@@ -36,8 +36,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import INPUT, Event, StatsGroup
-from .grammar import op_ref
-from .stats import plain_values
+from .grammar import counts_text, op_ref
+from .stats import plain_values, unwrapped
 
 NAN, POSINF, NEGINF = 1, 2, 4
 _NAMES = ((NAN, "NaN"), (POSINF, "+inf"), (NEGINF, "-inf"))
@@ -172,8 +172,8 @@ def carried_kinds(args, kwargs) -> int:
 
 def _storage_key(tensor: torch.Tensor):
     try:
-        return plain_values(tensor).untyped_storage()._cdata
-    except Exception:
+        return unwrapped(tensor).untyped_storage()._cdata
+    except Exception:  # no storage of its own (a nested tensor)
         return None
 
 
@@ -181,17 +181,35 @@ def _storage_of(tensor: torch.Tensor):
     """(storage key, weak reference, element span) of a tensor's memory; None if it has none.
 
     The key is only trusted while the weak reference lives: freed memory can come back under the
-    same address, holding another tensor. The span, [first, last] element offsets, tells whether a
-    write covered all of another view of the same storage."""
+    same address, holding another tensor. The span tells whether a write covered all of another
+    view of the same storage (None when it cannot be told)."""
     try:
-        tensor = plain_values(tensor)
-        storage = tensor.untyped_storage()
-        ref = StorageWeakRef(storage)
-        offset = tensor.storage_offset()
-        extent = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-        return ref.cdata, ref, (offset, offset + extent) if tensor.numel() else (offset, offset - 1)
+        tensor = unwrapped(tensor)
+        ref = StorageWeakRef(tensor.untyped_storage())
     except Exception:
         return None
+    return ref.cdata, ref, memory_span(tensor)
+
+
+def memory_span(tensor) -> Optional[Tuple[int, int]]:
+    """[first, last] element offsets a tensor (or a fake one in a graph) covers in its storage;
+    None when a size is symbolic (converting it to an int would specialise the graph) or the tensor
+    has no plain strides. An empty tensor covers nothing: (offset, offset - 1)."""
+    try:
+        numbers = (tensor.storage_offset(), *tensor.shape, *tensor.stride())
+    except RuntimeError:
+        return None
+    if not all(type(n) is int for n in numbers):
+        return None
+    offset = tensor.storage_offset()
+    if any(size == 0 for size in tensor.shape):
+        return offset, offset - 1
+    return offset, offset + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def covers(span, other) -> bool:
+    """Whether a write over `span` replaced everything in `other` (unknown spans never do)."""
+    return span is not None and other is not None and span[0] <= other[0] and other[1] <= span[1]
 
 
 def _label(tensor: torch.Tensor) -> str:
@@ -235,15 +253,8 @@ class Tracker:
 
     def reads_of(self, args, kwargs):
         """(what each tensor argument came from, scalar kinds carried in) for an op's arguments."""
-        refs = []
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                refs.extend(self.origin_of(value))
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    if isinstance(item, torch.Tensor):
-                        refs.extend(self.origin_of(item))
-        return tuple(refs), carried_kinds(args, kwargs)
+        refs = tuple(ref for tensor in _tensor_arguments(args, kwargs) for ref in self.origin_of(tensor))
+        return refs, carried_kinds(args, kwargs)
 
     def origin_of(self, tensor: torch.Tensor) -> tuple:
         """Where `tensor`'s values come from: the op that produced it (or a Source) and the ops
@@ -263,7 +274,7 @@ class Tracker:
         refs = [first]
         for writer, span in entry[1]:
             if writer.ordinal > after and writer is not producer:
-                if span[0] <= memory[2][0] and memory[2][1] <= span[1]:
+                if covers(span, memory[2]):
                     refs = []  # this write replaced everything the tensor holds
                 refs.append(writer)
         return tuple(refs)
@@ -508,6 +519,4 @@ def _count_of(event: Event, bit: int) -> str:
 
 
 def _counts(event: Event) -> str:
-    from .grammar import counts_text
-
     return counts_text(event.stats)

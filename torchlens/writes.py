@@ -13,7 +13,6 @@ The table is read from torch's own operator schemas, not listed by hand, so it f
 
 from __future__ import annotations
 
-import operator
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -61,8 +60,3 @@ def written_tensor(name: str, args, kwargs):
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
             return tuple(value)
     return None
-
-
-def is_setitem(target) -> bool:
-    """An FX target that is indexed assignment."""
-    return target is operator.setitem or getattr(target, "__name__", None) == "__setitem__"

@@ -96,19 +96,18 @@ class CaptureMode(TorchFunctionMode):
             raise
         kind = type(out)
         if kind is _Tensor or (kind is not _Size and isinstance(out, (tuple, list, _Tensor))):
-            if capture.nested:  # an outer capture is below this mode: keep our work from it
-                with _own_work():
-                    capture.op_done(func, out, args, kwargs)
-            else:
-                capture.op_done(func, out, args, kwargs)  # sizes, dtypes, bools: not ops, and frequent
+            produced = out  # sizes, dtypes, bools: not ops, and frequent
         elif out is None:  # `y[i] = v` and the few other calls that write a tensor and return nothing
-            written = written_tensor(getattr(func, "__name__", ""), args, kwargs)
-            if written is not None:
-                if capture.nested:
-                    with _own_work():
-                        capture.op_done(func, written, args, kwargs)
-                else:
-                    capture.op_done(func, written, args, kwargs)
+            produced = written_tensor(getattr(func, "__name__", ""), args, kwargs)
+            if produced is None:
+                return out
+        else:
+            return out
+        if capture.nested:  # an outer capture is below this mode: keep our work from it
+            with _own_work():
+                capture.op_done(func, produced, args, kwargs)
+        else:
+            capture.op_done(func, produced, args, kwargs)
         return out
 
 
@@ -171,28 +170,31 @@ class OpReporter:
         metas = output_metas(out)
         if metas is None:
             return
-        tracker = self.session.tracker
         try:
             # the frame only when needed: 0: here, 1: the mode, 2: the code that called the op
             frame = sys._getframe(2) if self.sites or self.follows_stack else None
             if self.follows_stack:
                 self.locate(frame)
             site = find_user_site(frame) if self.sites else None
-            if tracker is None:
-                event = self.session.add_op(op_name(func), metas, site, None, out)
-            else:
-                reads = tracker.reads_of(args, kwargs or {})
-                event = self.session.add_op(op_name(func), metas, site, None, out, reads)
-                tracker.produced(event, out, args, kwargs)
-            for observe in self.observers:
-                observe(event, out)
-            self.ops += 1
+            self.record_op(op_name(func), metas, site, out, args, kwargs)
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise  # a deliberate stop (on_nonfinite="raise", a trace budget): the run ends here
             self.paused = True
             self.session.incomplete = self.session.incomplete or "an internal error recording an op"
             internal_error("recording an op", exc)
+
+    def record_op(self, name: str, metas, site, out, args, kwargs=None) -> None:
+        """Add an op to the session, with what it read when tracking, and show it to observers."""
+        tracker = self.session.tracker
+        if tracker is None:
+            event = self.session.add_op(name, metas, site, None, out)
+        else:
+            event = self.session.add_op(name, metas, site, None, out, tracker.reads_of(args, kwargs or {}))
+            tracker.produced(event, out, args, kwargs)
+        for observe in self.observers:
+            observe(event, out)
+        self.ops += 1
 
     def op_raised(self, func, args, kwargs, exc) -> None:
         try:
@@ -281,24 +283,22 @@ class EagerCapture(OpReporter):
             handles.pop().remove()
             if not handles:
                 del self._closers[id(module)]
-        if _is_compiling() or self.paused:
-            return None
-        if self.nested or captures_in_thread() > 1:
-            with _own_work():
-                self._exited(module, unwinding(), args, output)
-        else:
-            self._exited(module, unwinding(), args, output)
+        if not (_is_compiling() or self.paused):
+            self._close(module, unwinding(), args, output)
         return None
 
     def _post_hook(self, module, args, output):
         if _is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers:
             return None  # (a module with hooks of its own is closed by `_closing_hook`)
+        self._close(module, unwinding(), args, output)
+        return None
+
+    def _close(self, module, unwinding: bool, args, output) -> None:
         if self.nested or captures_in_thread() > 1:
             with _own_work():
-                self._exited(module, unwinding(), args, output)
+                self._exited(module, unwinding, args, output)
         else:
-            self._exited(module, unwinding(), args, output)
-        return None
+            self._exited(module, unwinding, args, output)
 
     def _entered(self, module) -> None:
         self.paused = True  # a sink may call torch: that is not the model's op
@@ -335,13 +335,7 @@ class EagerCapture(OpReporter):
         if not tensors:
             return
         value = tensors[0] if len(tensors) == 1 else tensors
-        tracker = self.session.tracker
-        reads = tracker.reads_of(args, {}) if tracker is not None else None
-        event = self.session.add_op("scripted", tuple(TensorMeta.of(t) for t in tensors), None, None, value, reads)
-        if tracker is not None:
-            tracker.produced(event, value)
-        for observe in self.observers:
-            observe(event, value)
+        self.record_op("scripted", tuple(TensorMeta.of(t) for t in tensors), None, value, args)
         self.scripted += 1
 
 

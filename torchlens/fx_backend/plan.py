@@ -24,8 +24,8 @@ from ..events import Scope, TensorMeta
 from ..scopes import ScopeTable
 from ..naming import dunder_name, op_name
 from ..sites import site_from_stack_trace
-from ..tracking import carried_kinds
-from ..writes import is_setitem, writes_without_returning
+from ..tracking import carried_kinds, covers, memory_span
+from ..writes import writes_without_returning
 from .replay import is_in_place, target_name
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 
@@ -140,7 +140,7 @@ def _written_node(node: fx.Node) -> Optional[fx.Node]:
     """The tensor node an op that returns nothing wrote into (`y[i] = v`), else None."""
     if node.meta.get("example_value") is not None or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    if is_setitem(node.target) or writes_without_returning(target_name(node)):
+    if writes_without_returning(target_name(node)):  # `operator.setitem` included
         return node.args[0]
     return None
 
@@ -214,7 +214,7 @@ class _Sources:
         refs = [first]
         for index, span in self._writers.get(memory[0], ()) if memory is not None else ():
             if index > after:
-                if span is not None and memory[1] is not None and span[0] <= memory[1][0] and memory[1][1] <= span[1]:
+                if covers(span, memory[1]):
                     refs = []  # this write replaced everything the value holds
                 refs.append(("op", index))
         return tuple(refs)
@@ -243,7 +243,7 @@ class _Sources:
 
 
 def _storage(node: fx.Node):
-    """(storage key, [first, last] element offsets or None) of a node's fake value."""
+    """(storage key, element span or None) of a node's fake value: views share the storage."""
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor):
         return None
@@ -251,10 +251,4 @@ def _storage(node: fx.Node):
         key = StorageWeakRef(value.untyped_storage()).cdata
     except Exception:
         return None
-    # Only plain ints: converting a symbolic size would specialise it (a guard), changing the graph.
-    numbers = (value.storage_offset(), *value.shape, *value.stride())
-    if not all(type(n) is int for n in numbers):
-        return key, None  # symbolic: the extent is not known, and no write is taken to cover it
-    offset = value.storage_offset()
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(value.shape, value.stride()))
-    return key, (offset, offset + extent)
+    return key, memory_span(value)
