@@ -36,6 +36,7 @@ from ..naming import op_name
 from ..scopes import ScopeTable
 from ..writes import written_tensor
 from .fastpaths import keep_fast_paths, release_fast_paths
+from .hidden_from_dynamo import hide_capture_modes
 from .structure import named_outputs
 
 _Tensor = torch.Tensor
@@ -227,6 +228,7 @@ class EagerCapture(OpReporter):
         _threads.captures = captures_in_thread() + 1
         self._counted = True
         keep_fast_paths()
+        hide_capture_modes()  # a compiled region inside this forward traces as if we were absent
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..events import Scope, TensorMeta
 from ..scopes import ScopeTable
-from ..naming import dunder_name, op_name
+from ..naming import USER_SPELLING, node_name
 from ..sites import site_from_stack_trace
 from ..tracking import carried_kinds, covers, memory_span
 from ..writes import writes_without_returning
@@ -110,11 +110,12 @@ def _tensors(value):
 
 def node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
     """The op name a node is narrated under (the eager substrate's vocabulary)."""
-    if node.op == "call_method":
-        return dunder_name(node.target)
+    spelled = node.meta.get(USER_SPELLING)
+    if spelled is not None:
+        return spelled
     if node.op == "call_module":
         return type(gm.get_submodule(node.target)).__name__.lower()
-    return op_name(node.target)
+    return node_name(node.target, node.args, node.op)
 
 
 def _is_unpacking(node: fx.Node) -> bool:

@@ -8,6 +8,7 @@ then: registering a name twice is an error in dynamo).
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from typing import Optional
 
 import torch
@@ -17,6 +18,16 @@ _RUNTIME_ATTR = "_torchlens_runtime"
 
 # The compiled path imports dynamo and inductor (seconds): this module imports them only when a
 # backend is actually used, so that `import torchlens` stays cheap for eager use.
+
+
+def prepare_tracing() -> None:
+    """Before dynamo traces a frame for this backend: it traces the user's code as plain
+    `torch.compile` does, and records the spellings the op names need (see `dynamo_seams`)."""
+    from ..eager.hidden_from_dynamo import hide_capture_modes
+    from .dynamo_seams import record_user_spellings
+
+    record_user_spellings()
+    hide_capture_modes()
 
 
 def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
@@ -62,6 +73,7 @@ def install(compiled, runtime) -> None:
     """Hook a runtime to what `torch.compile` returned, before its first call."""
     from . import dynamo_seams
 
+    prepare_tracing()
     ctx = dynamo_seams.context_of_compiled(compiled)
     if ctx is None or not dynamo_seams.add_enter_hook(ctx, runtime.enter):
         return  # graphs still narrate, each call of a graph as a forward of its own
@@ -80,3 +92,8 @@ def register_without_entry_point() -> None:
 
     if NAME not in registry._BACKENDS:
         registry.register_backend(name=NAME)(torchlens_backend)
+    prepare_tracing()
+
+
+if "torch._dynamo" in sys.modules:  # imported by dynamo looking up the backend: before its first trace
+    prepare_tracing()
