@@ -60,6 +60,9 @@ def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> List[Tuple[str
 
 def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
     """The tensors among a call's arguments, named after `fn`'s parameters."""
+    wrapped = getattr(fn, "__wrapped__", None)
+    if isinstance(wrapped, nn.Module):  # dynamo calls a torch.nn module through a wrapper function
+        fn = wrapped
     if isinstance(fn, nn.Module):
         fn = fn.forward
     elif isinstance(getattr(fn, "__self__", None), nn.Module) and getattr(fn, "__name__", "") in (
