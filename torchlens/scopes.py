@@ -24,7 +24,7 @@ class ScopeTable:
     """
 
     def __init__(self, root: Optional[torch.nn.Module]):
-        self.root_scope = Scope("", type(root).__name__ if root is not None else "<compiled>", None)
+        self.root_scope = Scope("", type(_module_of(root)).__name__ if root is not None else "<compiled>", None)
         self._root = weakref.ref(root) if root is not None else None  # a table never keeps a model alive
         self._names: Dict[int, str] = {}
         self._refs: Dict[int, weakref.ref] = {}
@@ -62,6 +62,7 @@ class ScopeTable:
             return
         names, refs = {}, {}
         for name, module in root.named_modules():
+            name = clean_module_path(name)  # a compiled module is named as the module it wraps
             if id(module) not in names:
                 names[id(module)] = name
                 refs[id(module)] = weakref.ref(module)
@@ -189,6 +190,12 @@ class ScopeTable:
 _tables: "weakref.WeakKeyDictionary[torch.nn.Module, ScopeTable]" = weakref.WeakKeyDictionary()
 
 _MAX_FRAMES = 64
+
+
+def is_compile_wrapper(module: torch.nn.Module) -> bool:
+    """Whether `module` is what `torch.compile(module)` returned (an `OptimizedModule`): it stands
+    for the module it wraps, whose own call is the one narrated."""
+    return "_orig_mod" in module._modules
 
 
 def _module_of(obj) -> Optional[torch.nn.Module]:

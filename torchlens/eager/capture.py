@@ -33,10 +33,10 @@ from ..events import TensorMeta
 from ..session import Session, internal_error
 from ..sites import find_user_site
 from ..naming import op_name
-from ..scopes import ScopeTable
+from ..scopes import ScopeTable, is_compile_wrapper
 from ..writes import written_tensor
 from .fastpaths import keep_fast_paths, release_fast_paths
-from .hidden_from_dynamo import hide_capture_modes
+from .compiled_regions import hide_capture_modes
 from .structure import named_outputs
 
 _Tensor = torch.Tensor
@@ -163,6 +163,7 @@ class OpReporter:
         self.nested = False  # another capture's mode is below ours in this thread
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
+    reports_graph_calls = False  # whether compiled graph calls inside its forward are its ops
 
     def locate(self, frame) -> None:
         """Bring the session's open module to the one the call at `frame` runs in."""
@@ -210,6 +211,8 @@ class OpReporter:
 class EagerCapture(OpReporter):
     """Installs the mode and module hooks for one forward and reports to its `Session`."""
 
+    reports_graph_calls = True
+
     def __init__(self, session: Session, scopes: ScopeTable, observers=()):
         super().__init__(session, observers)
         self.scopes = scopes
@@ -219,6 +222,7 @@ class EagerCapture(OpReporter):
         self._counted = False
         self.nested = under_another_capture()
         self.scripted = 0  # TorchScript calls narrated as one op each
+        self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
         self._closers = {}
 
@@ -258,7 +262,7 @@ class EagerCapture(OpReporter):
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
-        if _is_compiling() or self.paused or _get_ident() != self.thread:
+        if _is_compiling() or self.paused or _get_ident() != self.thread or is_compile_wrapper(module):
             return None
         if module._forward_hooks:
             self._close_after_users_hooks(module)
@@ -290,7 +294,8 @@ class EagerCapture(OpReporter):
         return None
 
     def _post_hook(self, module, args, output):
-        if _is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers:
+        if (_is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers
+                or is_compile_wrapper(module)):
             return None  # (a module with hooks of its own is closed by `_closing_hook`)
         self._close(module, unwinding(), args, output)
         return None
@@ -339,6 +344,41 @@ class EagerCapture(OpReporter):
         value = tensors[0] if len(tensors) == 1 else tensors
         self.record_op("scripted", tuple(TensorMeta.of(t) for t in tensors), None, value, args)
         self.scripted += 1
+
+
+    # -- compiled graphs run inside the forward (see `compiled_regions`) --------------------------
+
+    def graph_called(self, args, output, caller) -> None:
+        """A compiled graph ran as one opaque call: one `compiled` op with its outputs."""
+        if _get_ident() != self.thread:
+            return
+        tensors = tuple(tensor for _, tensor in named_outputs(output))
+        if not tensors:
+            return
+        self.paused = True
+        try:
+            with own_work(self.nested or captures_in_thread() > 1):
+                value = tensors[0] if len(tensors) == 1 else tensors
+                site = find_user_site(caller) if self.sites else None
+                self.record_op("compiled", tuple(TensorMeta.of(t) for t in tensors), site, value, args)
+                self.graph_calls += 1
+        except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise  # on_nonfinite="raise" stopped at the graph's outputs
+            self.session.incomplete = self.session.incomplete or "an internal error recording a compiled graph call"
+            internal_error("recording a compiled graph call", exc)
+        finally:
+            self.paused = False
+
+    def graph_failed(self, args, exc, caller) -> None:
+        """A compiled graph raised: the attempted op is the graph call."""
+        if _get_ident() != self.thread:
+            return
+        try:
+            with own_work(self.nested or captures_in_thread() > 1):
+                self.session.op_failed("compiled", input_metas(args, {}), find_user_site(caller), exc)
+        except Exception as inner:
+            internal_error("describing the failed compiled graph call", inner)
 
 
 _ScriptModule = torch.jit.ScriptModule

@@ -72,6 +72,10 @@ class EagerRun:
                     self.session.footer_extra.append(
                         f"{plural(self.capture.scripted, 'TorchScript call')} narrated as one op each "
                         f"(`scripted`): their insides are not visible")
+                if self.capture.graph_calls:
+                    self.session.footer_extra.append(
+                        f"{plural(self.capture.graph_calls, 'compiled graph call')} narrated as one op each "
+                        f"(`compiled`): narrate their ops with backend=\"torchlens\" or tl.compile")
                 return self.session.finish(output)
             except Exception as exc:
                 internal_error("finishing the recording", exc)

@@ -55,7 +55,7 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
 
 def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
     """The forward's tensor arguments, named after its parameters (`x`, `input_ids`, `batch[0]`)."""
-    return named_arguments(module.forward, args, kwargs)
+    return named_arguments(module, args, kwargs)
 
 
 def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
@@ -64,7 +64,7 @@ def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tens
     if isinstance(wrapped, nn.Module):  # dynamo calls a torch.nn module through a wrapper function
         fn = wrapped
     if isinstance(fn, nn.Module):
-        fn = fn.forward
+        fn = getattr(fn, "_orig_mod", fn).forward  # a compiled module: named by the wrapped forward
     elif isinstance(getattr(fn, "__self__", None), nn.Module) and getattr(fn, "__name__", "") in (
         "__call__", "_wrapped_call_impl", "_call_impl"):
         fn = getattr(fn.__self__, "_orig_mod", fn.__self__).forward  # a module's call: name by forward

@@ -23,7 +23,7 @@ _RUNTIME_ATTR = "_torchlens_runtime"
 def prepare_tracing() -> None:
     """Before dynamo traces a frame for this backend: it traces the user's code as plain
     `torch.compile` does, and records the spellings the op names need (see `dynamo_seams`)."""
-    from ..eager.hidden_from_dynamo import hide_capture_modes
+    from ..eager.compiled_regions import hide_capture_modes
     from .dynamo_seams import record_user_spellings
 
     record_user_spellings()

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..eager.capture import CaptureMode, own_work, remove_mode, under_another_capture
 from ..eager.fastpaths import keep_fast_paths, release_fast_paths
-from ..eager.hidden_from_dynamo import hide_capture_modes
+from ..eager.compiled_regions import hide_capture_modes
 from ..eager.structure import check_selection, named_arguments, named_outputs, tensor_names
 from ..events import Scope, TensorMeta
 from ..grammar import plural

@@ -1,0 +1,175 @@
+"""One rule for what an eager capture shows of compiled code running inside its forward.
+
+Each compiled graph call is one op, `compiled`, with the graph's outputs (statistics and tracking
+apply to them), in the module that made the call, named as the user's module (`block (Block)`,
+not `(OptimizedModule)`); code dynamo runs eagerly between graphs is narrated as usual; the footer
+says how many graph calls were narrated so and how to see their ops. It holds whichever backend
+compiled the graph: plain inductor, the `torchlens` string backend, or `tl.compile`.
+"""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import torchlens as tl
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * 2
+
+
+class Parent(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = block
+
+    def forward(self, x):
+        return self.block(self.pre(x)) + 1
+
+
+def ops(recording):
+    return [(event.op, event.scope.path) for event in recording.events if event.kind is tl.EventKind.OP]
+
+
+COMPILERS = {
+    "inductor": lambda block: torch.compile(block),
+    "string backend": lambda block: torch.compile(block, backend="torchlens", options={"compiler": "eager"}),
+    "tl.compile": lambda block: tl.compile(block, compiler="eager"),
+}
+
+
+@pytest.mark.parametrize("compiler", list(COMPILERS))
+def test_a_compiled_submodule_is_one_compiled_op_in_its_module(compiler):
+    torch.manual_seed(0)
+    model, x = Parent(Block()), torch.randn(2, 8)
+    expected = model(x)
+    model.block = COMPILERS[compiler](model.block)
+    torch._dynamo.reset()
+    try:
+        recording = tl.record(model, x, narrate=io.StringIO())
+        again = tl.record(model, x)  # the same compiled graph, called again
+    finally:
+        torch._dynamo.reset()
+    text = recording.narrate()
+    assert ops(recording) == [("linear", "pre"), ("compiled", "block"), ("add", "")]
+    assert ops(again) == ops(recording)
+    assert "> block (Block)" in text and "OptimizedModule" not in text and "_orig_mod" not in text
+    assert "addmm" not in text  # inductor's kernels are not the user's ops
+    assert "1 compiled graph call narrated as one op each (`compiled`)" in text
+    assert torch.allclose(recording.output, expected, atol=1e-6)
+
+
+def test_a_compiled_model_as_the_root_is_its_graph_calls():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.arange(8).reshape(1, 8) % 50
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            recording = tl.record(torch.compile(model, backend="eager"), input_ids=ids, value_stats="exact")
+    finally:
+        torch._dynamo.reset()
+    assert {op for op, _ in ops(recording)} == {"compiled"}
+    assert recording.events[0].label == "input_ids"
+    assert recording.events[-2].stats is not None  # statistics apply to a graph call's outputs
+    assert torch.equal(recording.output.logits, expected)
+
+
+def test_code_between_graphs_is_narrated_as_usual():
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(y.sin())
+
+    model = Parent.__new__(Parent)
+    nn.Module.__init__(model)
+    model.pre, model.block = nn.Linear(4, 4), torch.compile(Breaks(), backend="eager")
+    torch._dynamo.reset()
+    try:
+        recording = tl.record(model, torch.randn(2, 4))
+    finally:
+        torch._dynamo.reset()
+    names = [op for op, _ in ops(recording)]
+    assert names == ["linear", "compiled", "compiled", "add"]
+    assert all(path == "block" for op, path in ops(recording) if op == "compiled")
+
+
+def test_a_nan_made_inside_a_graph_is_found_at_its_graph_call():
+    class MakesNaN(nn.Module):
+        def forward(self, x):
+            return torch.log(x - 10)
+
+    model = Parent(torch.compile(MakesNaN(), backend="eager"))
+    torch._dynamo.reset()
+    try:
+        recording = tl.record(model, torch.randn(2, 8), on_nonfinite="track")
+        with pytest.raises(tl.errors.NonFiniteError):
+            tl.record(model, torch.randn(2, 8), on_nonfinite="raise")
+    finally:
+        torch._dynamo.reset()
+    first = recording.first_nonfinite
+    assert (first.op, first.scope.path) == ("compiled", "block")
+
+
+def test_a_graph_that_fails_is_the_attempted_op_and_the_error_is_the_users():
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(4, 8)
+
+        def forward(self, x):
+            return self.table(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lookup = torch.compile(Lookup(), backend="eager")
+
+        def forward(self, ids):
+            return self.lookup(ids + 1)
+
+    model, ids = Model(), torch.tensor([1, 2, 3])
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(IndexError) as plain:
+            model(ids)
+        with pytest.raises(IndexError) as narrated:
+            tl.record(model, ids)
+    finally:
+        torch._dynamo.reset()
+    assert str(narrated.value) == str(plain.value)
+    attempt = narrated.value.partial_trace.attempt
+    assert (attempt.op, attempt.scope.path) == ("compiled", "lookup")
+    assert ops(narrated.value.partial_trace) == [("add", "")]
+
+
+def test_a_tl_compile_submodule_narrates_its_ops_in_its_own_transcript():
+    inner_lines = []
+    model, x = Parent(Block()), torch.randn(2, 8)
+    model.block = tl.compile(model.block, narrate=inner_lines.append, compiler="eager")
+    torch._dynamo.reset()
+    try:
+        outer = tl.record(model, x)
+    finally:
+        torch._dynamo.reset()
+    assert ops(outer) == [("linear", "pre"), ("compiled", "block"), ("add", "")]
+    inner = "\n".join(inner_lines)
+    assert " linear " in inner and " relu " in inner and " mul " in inner
