@@ -15,7 +15,7 @@ reported as one with no torch call in flight. Both only ever add to the session;
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -36,35 +36,60 @@ LIVE_TYPES = ("live mode ran this graph op by op, eagerly: the exception is the 
               "in type from what the same fault raises in an inductor-compiled graph")
 LIVE_UNREAD = "not located: the op-by-op graph's frame could not be read from the traceback"
 LIVE_OWN = "not located: the error came from torchlens's own narration call between ops, not from a model op"
+REPLAY_VALUES = ("the values of the ops before it (statistics, kept values) are the replay's, computed again "
+                 "from the graph's inputs")
+
+
+class Location(NamedTuple):
+    """Where a graph call failed: how many of its plan ops completed before, and the op in flight."""
+
+    completed: Optional[int]
+    op: str
+    scope: Scope
+    site: Optional[str]
+    inputs: Optional[tuple]
+    notes: Sequence[str]
+    values: Optional[list] = None  # the completed ops' outputs, from the replay, when they are wanted
 
 
 def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
     """Record what a failed graph call did before failing, and the op it failed at."""
     try:
-        completed, op, op_scope, site, inputs, notes = _locate(run, graph, args, scope, exc)
-        if completed and not graph.live:
+        where = _locate(run, graph, args, scope, exc)
+        if where.completed and not graph.live:
             plan = graph.plan
             concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
-            run.add_plan_ops(plan, scope, concrete, 0, completed)
-        run.session.move_to(op_scope)  # the enter lines of the op's modules, as eager would show
-        run.session.op_failed(op, inputs, site, exc, op_scope, notes)
+            run.add_plan_ops(plan, scope, concrete, 0, where.completed, values=where.values, args=args, events={})
+        run.session.move_to(where.scope)  # the enter lines of the op's modules, as eager would show
+        run.session.op_failed(where.op, where.inputs, where.site, exc, where.scope, where.notes)
     except Exception as inner:
         internal_error("locating the failure in a compiled graph", inner)
 
 
-def _locate(run, graph, args, scope: Scope, exc: BaseException):
-    """(plan ops completed before the failure, op name, scope, site, input metas, notes)."""
+def _wants_values(run) -> bool:
+    """Whether the ops completed before a failure need their values: statistics, tracking or a
+    trace's kept values (a `tl.trace` that fails compares up to the failure)."""
+    meter = run.session.meter
+    return run.keeper is not None or (meter is not None and meter.active)
+
+
+def _locate(run, graph, args, scope: Scope, exc: BaseException) -> Location:
     arg_metas = tuple(TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor))
     if graph.live:
         return _locate_live(run, graph, scope, arg_metas, exc)
     reason = why_not_replay(graph.replay_copy, exc)
     if reason is not None:
         return _graph_call(scope, arg_metas, [f"not replayed: {reason}"])
-    located = locate_failure(graph.replay_copy, args)
+    keep = {op.value for op in graph.plan.ops} if _wants_values(run) else None
+    located = locate_failure(graph.replay_copy, args, keep)
     notes = [REPLAYED] + [f"replay caveat: {c}" for c in located.caveats]
     if located.node is None:
         return _graph_call(scope, arg_metas, notes)
-    return _at_node(run, graph, scope, located.node, located.inputs, notes)
+    where = _at_node(run, graph, scope, located.node, located.inputs, notes)
+    if keep is None or not where.completed:
+        return where
+    values = [located.values.get(op.value) for op in graph.plan.ops[:where.completed]]
+    return where._replace(values=values, notes=list(where.notes) + [REPLAY_VALUES])
 
 
 def _locate_live(run, graph, scope: Scope, arg_metas, exc: BaseException):
@@ -89,7 +114,7 @@ def _after_last_narrated(run, graph, scope: Scope, arg_metas):
         return _graph_call(scope, arg_metas, [LIVE_UNREAD])
     op = graph.plan.ops[following]
     op_scope = graph.plan.op_scopes(run.runtime.scopes, scope)[op.index]
-    return following, op.op, op_scope, op.site, None, [LIVE_TYPES, LIVE_NEXT]
+    return Location(following, op.op, op_scope, op.site, None, [LIVE_TYPES, LIVE_NEXT])
 
 
 def _at_node(run, graph, scope: Scope, node, inputs, notes):
@@ -101,15 +126,15 @@ def _at_node(run, graph, scope: Scope, node, inputs, notes):
     table = run.runtime.scopes
     plan_op = plan.by_node.get(node.name)
     if plan_op is not None:
-        return completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes
+        return Location(completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes)
     modules = table.relative_stack(node.meta.get("nn_module_stack"), plan.compiled_in.path)
     site = site_from_stack_trace(node.meta.get("stack_trace"))
-    return completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes
+    return Location(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes)
 
 
-def _graph_call(scope, arg_metas, notes):
+def _graph_call(scope, arg_metas, notes) -> Location:
     """The graph call itself as the attempted call, when the op inside it is not known."""
-    return None, _NOT_LOCATED, scope, None, arg_metas, notes
+    return Location(None, _NOT_LOCATED, scope, None, arg_metas, notes)
 
 
 def locate_by_running_eagerly(run, exc: BaseException) -> None:

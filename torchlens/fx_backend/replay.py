@@ -17,7 +17,7 @@ frame in the traceback (`locate_live`); it is never replayed.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import fx
@@ -43,16 +43,29 @@ def untouched_copy(gm: fx.GraphModule) -> fx.GraphModule:
 class _Locator(fx.Interpreter):
     """Runs a graph node by node, remembering the node in flight and its real arguments."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, keep: Optional[Set[str]] = None):
         super().__init__(gm, garbage_collect_values=True)
         self.current: Optional[fx.Node] = None
         self.current_inputs: Tuple = ()
+        self.keep = keep or set()
+        self.values: Dict[str, object] = {}
 
     def run_node(self, n: fx.Node):
         self.current = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         self.current_inputs = tuple(a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor))
-        return super().run_node(n)
+        result = super().run_node(n)
+        if n.name in self.keep:
+            self.values[n.name] = _copied(result)  # as it was right after the op: later ops may write it
+        return result
+
+
+def _copied(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(item) for item in value)
+    return value
 
 
 def _flatten(value) -> List:
@@ -64,17 +77,20 @@ def _flatten(value) -> List:
 
 
 class Located:
-    """Where a replay failed: the node, the metadata of its tensor inputs, and the replay's caveats."""
+    """Where a replay failed: the node, the metadata of its tensor inputs, the replay's caveats, and
+    the outputs of the nodes asked for that completed before it (copies, by node name)."""
 
-    def __init__(self, node: Optional[fx.Node], inputs: Tuple[TensorMeta, ...], caveats: List[str]):
+    def __init__(self, node: Optional[fx.Node], inputs: Tuple[TensorMeta, ...], caveats: List[str], values=None):
         self.node = node
         self.inputs = inputs
         self.caveats = caveats
+        self.values = values or {}
 
 
-def locate_failure(gm: fx.GraphModule, args) -> Located:
-    """Replay `gm` on `args`; return the node that raises (None if the replay does not fail)."""
-    locator = _Locator(gm)
+def locate_failure(gm: fx.GraphModule, args, keep: Optional[Set[str]] = None) -> Located:
+    """Replay `gm` on `args`; return the node that raises (None if the replay does not fail),
+    with the outputs of the nodes named in `keep` that completed before it."""
+    locator = _Locator(gm, keep)
     watch = _DrawWatch()
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
     with torch.no_grad(), torch.random.fork_rng(devices=devices), watch:  # the user's generators are untouched
@@ -83,7 +99,7 @@ def locate_failure(gm: fx.GraphModule, args) -> Located:
         except Exception:
             node = locator.current
             inputs = tuple(TensorMeta.of(t) for t in locator.current_inputs)
-            return Located(node, inputs, replay_caveats(gm, watch.drew))
+            return Located(node, inputs, replay_caveats(gm, watch.drew), locator.values)
     unknown = "the replay ran without error, so the failing op is unknown"
     return Located(None, (), replay_caveats(gm, watch.drew) + [unknown])
 
