@@ -48,16 +48,18 @@ COMPILERS = {
 }
 
 
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode], ids=["grad", "inference_mode"])
 @pytest.mark.parametrize("compiler", list(COMPILERS))
-def test_a_compiled_submodule_is_one_compiled_op_in_its_module(compiler):
+def test_a_compiled_submodule_is_one_compiled_op_in_its_module(compiler, mode):
     torch.manual_seed(0)
     model, x = Parent(Block()), torch.randn(2, 8)
     expected = model(x)
     model.block = COMPILERS[compiler](model.block)
     torch._dynamo.reset()
     try:
-        recording = tl.record(model, x, narrate=io.StringIO())
-        again = tl.record(model, x)  # the same compiled graph, called again
+        with mode():
+            recording = tl.record(model, x, narrate=io.StringIO())
+            again = tl.record(model, x)  # the same compiled graph, called again
     finally:
         torch._dynamo.reset()
     text = recording.narrate()
