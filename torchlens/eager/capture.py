@@ -36,7 +36,7 @@ from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
 from ..writes import written_tensor
 from .fastpaths import keep_fast_paths, release_fast_paths
-from .compiled_regions import hide_capture_modes
+from .compiled_regions import install_for_dynamo
 from .structure import named_outputs
 
 _Tensor = torch.Tensor
@@ -232,7 +232,7 @@ class EagerCapture(OpReporter):
         _threads.captures = captures_in_thread() + 1
         self._counted = True
         keep_fast_paths()
-        hide_capture_modes()  # a compiled region inside this forward traces as if we were absent
+        install_for_dynamo()  # a compiled region inside this forward traces as if we were absent
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
             torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
@@ -344,7 +344,6 @@ class EagerCapture(OpReporter):
         value = tensors[0] if len(tensors) == 1 else tensors
         self.record_op("scripted", tuple(TensorMeta.of(t) for t in tensors), None, value, args)
         self.scripted += 1
-
 
     # -- compiled graphs run inside the forward (see `compiled_regions`) --------------------------
 

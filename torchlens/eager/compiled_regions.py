@@ -45,7 +45,7 @@ def _reports_graph_calls(mode) -> bool:
     return _is_capture(mode) and getattr(getattr(mode, "capture", None), "reports_graph_calls", False)
 
 
-def hide_capture_modes() -> None:
+def install_for_dynamo() -> None:
     """Install both rules if dynamo is loaded and they are not installed yet (cheap after the first)."""
     global _installed
     if _installed or "torch._dynamo.output_graph" not in sys.modules:
@@ -139,5 +139,4 @@ def reporting_graph_calls(compiled):
             capture.graph_called(args, out, caller)
         return out
 
-    graph_call.torchlens_reports_graph_calls = True
     return graph_call

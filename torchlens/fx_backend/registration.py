@@ -23,11 +23,11 @@ _RUNTIME_ATTR = "_torchlens_runtime"
 def prepare_tracing() -> None:
     """Before dynamo traces a frame for this backend: it traces the user's code as plain
     `torch.compile` does, and records the spellings the op names need (see `dynamo_seams`)."""
-    from ..eager.compiled_regions import hide_capture_modes
+    from ..eager.compiled_regions import install_for_dynamo
     from .dynamo_seams import record_user_spellings
 
     record_user_spellings()
-    hide_capture_modes()
+    install_for_dynamo()
 
 
 def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):

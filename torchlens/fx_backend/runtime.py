@@ -20,7 +20,7 @@ from torch import nn
 
 from ..eager.capture import CaptureMode, own_work, remove_mode, under_another_capture
 from ..eager.fastpaths import keep_fast_paths, release_fast_paths
-from ..eager.compiled_regions import hide_capture_modes
+from ..eager.compiled_regions import install_for_dynamo
 from ..eager.structure import check_selection, named_arguments, named_outputs, tensor_names
 from ..events import Scope, TensorMeta
 from ..grammar import plural
@@ -185,7 +185,7 @@ class CompiledRun:
         self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
         self._done = False
         keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
-        hide_capture_modes()  # dynamo traces the user's code, not the gap capture's mode
+        install_for_dynamo()  # dynamo traces the user's code, not the gap capture's mode
         self._fast_paths_kept = True
 
     def begin(self, fn, args, kwargs, push_mode: bool) -> None:
