@@ -8,6 +8,7 @@ its plain, reflected and in-place forms) and cover a broad set of tensor methods
 """
 
 import operator
+import sys
 
 import pytest
 import torch
@@ -178,3 +179,33 @@ def test_dynamo_errors_read_as_under_plain_torch_compile():
         messages.append((type(caught.value), str(caught.value)))
     assert messages[0] == messages[1]
     assert "torchlens" not in messages[1][1]
+
+
+def test_a_torch_whose_tracer_is_shaped_otherwise_still_compiles(monkeypatch):
+    """The hooks into dynamo's tracer fit one torch's internals; on another they must step aside,
+    never break the compile (torch 2.14 renamed the attribute hook these wrap)."""
+    from torch._dynamo.variables import tensor as tensor_variables
+
+    from torchlens.eager import compiled_regions
+    from torchlens.fx_backend import dynamo_seams
+
+    class Reshaped:  # a tracer class with none of the methods the hooks wrap
+        pass
+
+    monkeypatch.setattr(tensor_variables, "TensorVariable", Reshaped)
+    monkeypatch.setattr(dynamo_seams, "_spellings_recorded", False)
+    dynamo_seams.record_user_spellings()  # installs nothing, raises nothing
+    assert not hasattr(Reshaped, "call_method") and not hasattr(Reshaped, "var_getattr")
+
+    monkeypatch.setattr(compiled_regions, "_installed", False)
+    monkeypatch.setitem(sys.modules, "torch._dynamo.variables.torch_function", Reshaped)
+    compiled_regions.install_for_dynamo()  # installs nothing, raises nothing
+    monkeypatch.undo()
+
+    class Doubles(nn.Module):
+        def forward(self, x):
+            return x // 2
+
+    torch._dynamo.reset()
+    trace = tl.trace(Doubles(), torch.randn(3), compiled={"compiler": "eager"})
+    assert op_names(trace) == ["floordiv"]

@@ -160,7 +160,8 @@ def record_user_spellings() -> None:
     user wrote: `x.new_tensor(d)` is traced as `torch.tensor(d, dtype=..., device=...)`, `x.data`
     as `torch._C._autograd._get_data_attr(x)`. The plan then names the op as eager narration
     does (`new_tensor`, `data`). Installed once, when the backend is first looked up or used;
-    without it (torch's tracer moved), such ops keep the name of the call dynamo wrote.
+    where torch's tracer is shaped otherwise, each hook that does not fit is left out and such ops
+    keep the name of the call dynamo wrote.
     """
     global _spellings_recorded
     if _spellings_recorded:
@@ -170,21 +171,25 @@ def record_user_spellings() -> None:
         from torch._dynamo.variables.tensor import TensorVariable
     except Exception:
         return
-    original_method, original_getattr = TensorVariable.call_method, TensorVariable.var_getattr
+    _wrap(TensorVariable, "call_method", lambda name: node_name(name, (), "call_method"))
+    for attribute_hook in ("var_getattr", "tp_getattro_impl"):  # its name differs between torch versions
+        _wrap(TensorVariable, attribute_hook, lambda name: name)
 
-    def call_method(self, tx, name, args, kwargs):
+
+def _wrap(owner, method: str, spelling) -> None:
+    """Wrap `owner.method(self, tx, name, ...)` to mark the node its result stands for."""
+    original = owner.__dict__.get(method)
+    if not callable(original):
+        return
+
+    def marking(self, tx, name, *args, **kwargs):
         before = _last_node(tx)
-        result = original_method(self, tx, name, args, kwargs)
-        _mark(tx, before, result, node_name(name, (), "call_method"))
+        result = original(self, tx, name, *args, **kwargs)
+        if isinstance(name, str):
+            _mark(tx, before, result, spelling(name))
         return result
 
-    def var_getattr(self, tx, name):
-        before = _last_node(tx)
-        result = original_getattr(self, tx, name)
-        _mark(tx, before, result, name)
-        return result
-
-    TensorVariable.call_method, TensorVariable.var_getattr = call_method, var_getattr
+    setattr(owner, method, marking)
 
 
 def _last_node(tx):
