@@ -175,3 +175,26 @@ def test_a_tl_compile_submodule_narrates_its_ops_in_its_own_transcript():
     assert ops(outer) == [("linear", "pre"), ("compiled", "block"), ("add", "")]
     inner = "\n".join(inner_lines)
     assert " linear " in inner and " relu " in inner and " mul " in inner
+
+
+def test_a_compiled_function_called_in_a_forward_is_one_compiled_op():
+    @torch.compile(backend="eager")
+    def gate(x):
+        return torch.sigmoid(x) * x
+
+    class UsesGate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return gate(self.fc(x)).sum(-1)
+
+    model, x = UsesGate(), torch.randn(2, 8)
+    torch._dynamo.reset()
+    try:
+        recording = tl.record(model, x)
+    finally:
+        torch._dynamo.reset()
+    assert ops(recording) == [("linear", "fc"), ("compiled", ""), ("sum", "")]
+    assert torch.equal(recording.output, model(x))
