@@ -19,7 +19,7 @@ def leftover_state():
 
     from torchlens.eager.capture import captures_in_thread
 
-    runtime = sys.modules.get("torchlens.fx_backend.runtime")
+    active = sys.modules.get("torchlens.fx_backend.active")
     return (
         captures_in_thread(),
         len(_module._global_forward_pre_hooks),
@@ -28,7 +28,7 @@ def leftover_state():
         len(_module._global_backward_hooks),
         len(torch.overrides._get_current_function_mode_stack()),
         torch._C._len_torch_dispatch_stack(),
-        runtime is not None and runtime.active_run() is not None,
+        active is not None and active.active_run() is not None,
         torch.overrides.has_torch_function is torch._C._has_torch_function,  # fast paths given back
     )
 

@@ -12,7 +12,7 @@ from .options import check_count, make_settings
 from .results import Recording, Trace
 from .eager.capture import outside_dynamo
 from .eager.runner import run_eager
-from .eager.structure import check_model, forward_signature
+from .structure import check_model, forward_signature
 from .values import DEFAULT_MAX_BYTES
 
 _RECORD_KEYWORDS = ("narrate", "value_stats", "on_nonfinite")

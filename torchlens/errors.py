@@ -11,6 +11,19 @@ import difflib
 import warnings
 from typing import Iterable
 
+__all__ = [
+    "TorchlensError",
+    "OptionTypeError",
+    "OptionValueError",
+    "ModelTypeError",
+    "UnknownModuleError",
+    "RecorderStateError",
+    "TraceBudgetError",
+    "NonFiniteError",
+    "CompareInputError",
+    "NarrationWarning",
+]
+
 
 class TorchlensError(Exception):
     """Base class of every error torchlens raises on its own account."""

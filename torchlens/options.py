@@ -15,6 +15,8 @@ from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
 from .selectors import Selector, as_selector
 from .sinks import check_writable, checked_sink, is_sink_target
 
+__all__ = ["NarrationOptions", "VALUE_STATS", "ON_NONFINITE"]
+
 VALUE_STATS = ("off", "reuse", "sampled", "exact")
 ON_NONFINITE = (None, "track", "raise")
 

@@ -37,7 +37,8 @@ from ..scopes import ScopeTable, is_compile_wrapper
 from ..writes import written_tensor
 from .fastpaths import keep_fast_paths, release_fast_paths
 from .compiled_regions import install_for_dynamo
-from .structure import named_outputs
+from ..mode_stack import remove_mode, under_a_capture
+from ..structure import named_outputs
 
 _Tensor = torch.Tensor
 _Size = torch.Size
@@ -50,11 +51,6 @@ _threads = threading.local()  # .captures: eager captures active in this thread
 
 def captures_in_thread() -> int:
     return getattr(_threads, "captures", 0)
-
-
-def under_another_capture() -> bool:
-    """Whether a capture's mode is already on this thread's stack (a capture starting now nests)."""
-    return any(isinstance(mode, CaptureMode) for mode in torch.overrides._get_current_function_mode_stack())
 
 
 def own_work(nested: bool):
@@ -220,7 +216,7 @@ class EagerCapture(OpReporter):
         self._mode = CaptureMode(self)
         self._handles = []
         self._counted = False
-        self.nested = under_another_capture()
+        self.nested = under_a_capture()
         self.scripted = 0  # TorchScript calls narrated as one op each
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
@@ -381,21 +377,6 @@ class EagerCapture(OpReporter):
 
 
 _ScriptModule = torch.jit.ScriptModule
-
-
-def remove_mode(mode: TorchFunctionMode) -> None:
-    """Pop `mode` from the torch function mode stack, keeping any modes above it in place."""
-    stack = torch.overrides._get_current_function_mode_stack()
-    if mode not in stack:
-        return
-    above = []
-    while True:
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
 
 
 def exclude_from_dynamo(*functions) -> None:

@@ -31,18 +31,14 @@ from __future__ import annotations
 import sys
 import threading
 
-import torch
+from ..mode_stack import capture_modes, is_capture, with_captures_kept
 
 _lock = threading.Lock()
 _installed = False
 
 
-def _is_capture(mode) -> bool:
-    return getattr(mode, "torchlens_capture", False)
-
-
 def _reports_graph_calls(mode) -> bool:
-    return _is_capture(mode) and getattr(getattr(mode, "capture", None), "reports_graph_calls", False)
+    return is_capture(mode) and getattr(getattr(mode, "capture", None), "reports_graph_calls", False)
 
 
 def install_for_dynamo() -> None:
@@ -71,8 +67,8 @@ def _install_filter(torch_function, utils, _output_graph) -> None:
     def init_without_captures(self, py_stack, *args, **kwargs):
         original_init(self, py_stack, *args, **kwargs)
         modes = list(py_stack)
-        if any(_is_capture(mode) for mode in modes) and len(modes) == len(self.mode_stack):
-            kept = [var for var, mode in zip(list(self.mode_stack), modes) if not _is_capture(mode)]
+        if any(is_capture(mode) for mode in modes) and len(modes) == len(self.mode_stack):
+            kept = [var for var, mode in zip(list(self.mode_stack), modes) if not is_capture(mode)]
             self.mode_stack.clear()
             self.mode_stack.extend(kept)
 
@@ -81,24 +77,6 @@ def _install_filter(torch_function, utils, _output_graph) -> None:
 
     state.__init__ = init_without_captures
     utils.set_torch_function_mode_stack = set_keeping_captures
-
-
-def with_captures_kept(stack: list) -> list:
-    """`stack` (written back by traced code) with the capture modes now active put back, each above
-    the same number of other modes as it is now."""
-    current = torch.overrides._get_current_function_mode_stack()
-    if not any(_is_capture(mode) for mode in current) or any(_is_capture(mode) for mode in stack):
-        return stack
-    result = list(stack)
-    others_below = 0
-    inserted = 0
-    for mode in current:
-        if _is_capture(mode):
-            result.insert(min(others_below + inserted, len(result)), mode)
-            inserted += 1
-        else:
-            others_below += 1
-    return result
 
 
 def _install_graph_reports(_torch_function, _utils, output_graph) -> None:
@@ -120,7 +98,7 @@ def reporting_graph_calls(compiled):
     active on the calling thread as one op."""
 
     def graph_call(*args, **kwargs):
-        captures = [mode.capture for mode in torch.overrides._get_current_function_mode_stack()
+        captures = [mode.capture for mode in capture_modes()
                     if _reports_graph_calls(mode) and not mode.capture.paused]
         if not captures:
             return compiled(*args, **kwargs)

@@ -22,6 +22,8 @@ import threading
 import torch
 from torch import nn
 
+from ..mode_stack import only_capture_modes_lifted
+
 _original = torch.overrides.has_torch_function
 _is_compiling = torch.compiler.is_compiling
 _lock = threading.Lock()
@@ -60,15 +62,9 @@ def _has_torch_function(args) -> bool:
 
 def _without_capture(args) -> bool:
     """What `has_torch_function(args)` would say with the capture modes off the stack."""
-    stack = torch.overrides._get_current_function_mode_stack()
-    if not stack or not all(getattr(mode, "torchlens_capture", False) for mode in stack):
-        return True  # a tensor subclass, or somebody else's mode: the slow path, as without us
-    popped = [torch._C._pop_torch_function_stack() for _ in stack]
-    try:
-        return _original(args)
-    finally:
-        for mode in reversed(popped):
-            torch._C._push_on_torch_function_stack(mode)
+    with only_capture_modes_lifted() as lifted:
+        # not lifted: a tensor subclass, or somebody else's mode: the slow path, as without us
+        return _original(args) if lifted else True
 
 
 def _same_to_dynamo() -> None:

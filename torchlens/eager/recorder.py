@@ -24,7 +24,7 @@ from ..sites import still_running
 from ..session import internal_error
 from .capture import unwinding
 from .runner import EagerRun
-from .structure import check_model, check_selection
+from ..structure import check_model, check_selection
 
 
 class Recorder:

@@ -16,7 +16,7 @@ from ..session import Session, internal_error
 from ..stats import Meter
 from .capture import EagerCapture
 from ..scopes import ScopeTable
-from .structure import check_selection, named_inputs, named_outputs, tensor_names
+from ..structure import check_selection, named_inputs, named_outputs, tensor_names
 from ..values import ValueKeeper
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

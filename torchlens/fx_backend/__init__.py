@@ -8,7 +8,7 @@ its own frame (`replay.py`, `failures.py`). What relies on dynamo's runtime stru
 `dynamo_seams.py`; the format of its `nn_module_stack` metadata is read by `torchlens.scopes`.
 
 The seam with the eager substrate: the capture mode and its reporting (`CaptureMode`,
-`OpReporter`, `remove_mode` from `eager.capture`), the argument and output
-naming and selection checks of `eager.structure`, and `eager.runner.run_eager`, with which a
-forward dynamo failed to trace is run again eagerly to find the failing op.
+`OpReporter` from `eager.capture`), and `eager.runner.run_eager`, with which a forward dynamo
+failed to trace is run again eagerly to find the failing op. Argument and output naming and the
+selection checks are core (`torchlens.structure`), shared by both.
 """

@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from ..errors import ModelTypeError, OptionTypeError, OptionValueError, describe_choices, suggest, warn_safely
-from ..eager.structure import check_selection
+from ..structure import check_selection
 from ..results import Trace
 from .config import OPTION_KEYS, CompileConfig
 from .registration import Backend, install
-from .runtime import CompiledRuntime, module_of
+from ..structure import module_of
+from .runtime import CompiledRuntime
 
 
 

@@ -24,6 +24,8 @@ from ..events import INPUT, Scope, TensorMeta
 from ..options import make_settings
 from ..session import internal_error
 from ..sites import site_from_stack_trace
+from ..structure import module_of
+from .active import quiet_runs
 from .plan import node_op_name
 from .replay import locate_failure, locate_live, why_not_replay
 
@@ -146,8 +148,6 @@ def locate_by_running_eagerly(run, exc: BaseException) -> None:
     Whatever stops the op being found, the tail says so: dynamo raised in a torch call it traced,
     so "no torch call was in flight" would be false.
     """
-    from .runtime import module_of, quiet_runs  # the runtime imports this module
-
     fn, args, kwargs = run.call
     model = module_of(fn)
     reason = _why_not_rerun(model)

@@ -24,7 +24,8 @@ from .config import inner_compile
 from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
-from .runtime import CompiledRun, CompiledRuntime, active_run
+from .active import active_run
+from .runtime import CompiledRun, CompiledRuntime
 from .stats_pass import add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
 

@@ -47,7 +47,8 @@ def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optiona
 def runtime_for(ctx, frame, config):
     """Create the runtime of a compiled model the first time the backend sees it."""
     from . import dynamo_seams
-    from .runtime import CompiledRuntime, module_of
+    from ..structure import module_of
+    from .runtime import CompiledRuntime
 
     fn = dynamo_seams.call_of_frame(frame)[0] if frame is not None else None
     runtime = CompiledRuntime(config, module_of(fn))

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..eager.capture import CaptureMode, own_work, remove_mode, under_another_capture
+from ..eager.capture import CaptureMode, own_work
 from ..eager.fastpaths import keep_fast_paths, release_fast_paths
 from ..eager.compiled_regions import install_for_dynamo
-from ..eager.structure import check_selection, named_arguments, named_outputs, tensor_names
+from ..structure import check_selection, named_arguments, named_outputs, tensor_names
 from ..events import Scope, TensorMeta
+from ..mode_stack import lifted_if_on_top, remove_mode, under_a_capture
 from ..grammar import plural
 from ..narrator import Narrator
 from ..results import Recording
@@ -33,27 +33,11 @@ from ..stats import Meter
 from ..values import ValueKeeper
 from . import dynamo_seams
 from .config import CompileConfig
+from .active import active_run, make_active, make_inactive
 from .failures import locate_by_running_eagerly
 from .gaps import GapCapture
 from .plan import GraphPlan
 from .stats_pass import read_stats
-
-_local = threading.local()
-
-
-def active_run() -> Optional["CompiledRun"]:
-    return getattr(_local, "run", None)
-
-
-@contextlib.contextmanager
-def quiet_runs():
-    """No run is active inside the block (its compiled calls narrate nothing into the outer run)."""
-    saved, _local.run = active_run(), None
-    try:
-        yield
-    finally:
-        _local.run = saved
-
 
 class CompiledRuntime:
     """Options, module names and forward count shared by every forward of one compiled model.
@@ -177,7 +161,7 @@ class CompiledRun:
         self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
                        if settings.keep_values else None)
         self.gaps = GapCapture(self.session, runtime.scopes, self.keeper)
-        self.nested = self.gaps.nested = under_another_capture()  # inside an eager capture's forward
+        self.nested = self.gaps.nested = under_a_capture()  # inside an eager capture's forward
         self.mode = CaptureMode(self.gaps)
         self.mode_pushed = False
         self.graph_calls = 0
@@ -198,7 +182,7 @@ class CompiledRun:
         if push_mode:
             self.mode.__enter__()
             self.mode_pushed = True
-        _local.run = self
+        make_active(self)
 
     def own_work(self):
         """Context for this run's own torch calls: kept from an eager capture it runs inside."""
@@ -217,19 +201,14 @@ class CompiledRun:
         The mode is taken off the stack when it is on top (the compiled code's own torch calls,
         such as inductor's extern kernels, then cost nothing extra); otherwise it is paused.
         """
-        mode = self.mode
-        depth = torch._C._len_torch_function_stack()
-        lifted = self.mode_pushed and depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
-        if lifted:
-            torch._C._pop_torch_function_stack()
-        else:
-            self.gaps.paused = True
-        try:
-            yield
-        finally:
+        with lifted_if_on_top(self.mode if self.mode_pushed else None) as lifted:
             if lifted:
-                torch._C._push_on_torch_function_stack(mode)
-            else:
+                yield
+                return
+            self.gaps.paused = True
+            try:
+                yield
+            finally:
                 self.gaps.paused = False
 
     def scope_of_call(self, plan: GraphPlan, caller) -> Scope:
@@ -399,8 +378,7 @@ class CompiledRun:
         if self._fast_paths_kept:
             self._fast_paths_kept = False
             release_fast_paths()
-        if getattr(_local, "run", None) is self:
-            _local.run = None
+        make_inactive(self)
         self._live.clear()
         if self.narrator is not None and not self._done:
             self._done = True
@@ -432,11 +410,3 @@ def _numel(shape) -> Optional[int]:
             return None
         count *= size
     return count
-
-
-def module_of(fn) -> Optional[nn.Module]:
-    """The module a compiled callable belongs to (`OptimizedModule` wraps `module.__call__`)."""
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, nn.Module):
-        return getattr(owner, "_orig_mod", owner)
-    return fn if isinstance(fn, nn.Module) else None

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..errors import ModelTypeError
+from .errors import ModelTypeError
 
 MAX_NESTING = 8
 
@@ -142,3 +142,12 @@ def tensor_names(model) -> dict:
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         names.setdefault(id(tensor), name)
     return names
+
+
+def module_of(fn) -> Optional[nn.Module]:
+    """The module a callable belongs to: a module, its bound call (or forward), or what
+    `torch.compile(module)` wrapped (`OptimizedModule` stands for its `_orig_mod`); else None."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return getattr(owner, "_orig_mod", owner)
+    return fn if isinstance(fn, nn.Module) else None

@@ -1,0 +1,31 @@
+"""The public API stays small and explicit: every public module says what it exports."""
+
+import importlib
+
+import pytest
+
+import torchlens as tl
+
+PUBLIC_MODULES = ["torchlens", "torchlens.options", "torchlens.errors", "torchlens.recording", "torchlens.debug"]
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_every_public_module_declares_what_it_exports(name):
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", None)
+    assert exported, f"{name} has no __all__"
+    missing = [item for item in exported if not hasattr(module, item)]
+    assert missing == []
+
+
+def test_star_imports_bring_no_implementation_details():
+    namespace = {}
+    exec("from torchlens.options import *", namespace)
+    assert "os" not in namespace and "make_settings" not in namespace and "NarrationOptions" in namespace
+    namespace = {}
+    exec("from torchlens.errors import *", namespace)
+    assert "suggest" not in namespace and "warnings" not in namespace and "NonFiniteError" in namespace
+
+
+def test_compile_is_public_but_not_star_exported():
+    assert callable(tl.compile) and "compile" not in tl.__all__
