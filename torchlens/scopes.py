@@ -20,7 +20,7 @@ class ScopeTable:
 
     Three sources name calls: module hooks (eager: `module_scope(module, caller)`), the Python stack
     (code dynamo runs between graphs: `scope_of_stack(frame)`), and FX node metadata (compiled
-    graphs: `relative_stack(...)` at compile time, `resolve(frame_scope, ...)` per call).
+    graphs: `fx_backend.module_stack` reads it at compile time, `resolve(frame_scope, ...)` per call).
     """
 
     def __init__(self, root: Optional[torch.nn.Module]):
@@ -62,7 +62,7 @@ class ScopeTable:
             return
         names, refs = {}, {}
         for name, module in root.named_modules():
-            name = clean_module_path(name)  # a compiled module is named as the module it wraps
+            name = without_compile_wrappers(name)  # a compiled module is named as the module it wraps
             if id(module) not in names:
                 names[id(module)] = name
                 refs[id(module)] = weakref.ref(module)
@@ -144,31 +144,9 @@ class ScopeTable:
             scope = self.module_scope(module, scope)
         return scope
 
-    def relative_stack(self, stack, frame_path: str) -> Tuple[Tuple[str, bool, str, str], ...]:
-        """A node's `nn_module_stack`, relative to the module whose frame was compiled.
-
-        Dynamo's entries are `{key: (path, cls)}`, outermost first; the key is `str(id(module))`,
-        with `@N` for the N-th re-call of a module within the trace. The id gives the module's
-        absolute name (path text is the fallback: `L['self'].blocks[0]` -> `blocks.0`); names
-        inside the compiled frame's module are made relative to it, because dynamo may run the
-        same graph for another instance of that module (`blocks.1` reusing `blocks.0`'s graph).
-        Each entry becomes (name, relative?, call suffix, class name).
-        """
-        entries = []
-        prefix = frame_path + "." if frame_path else ""
-        for key, (path, cls) in (stack or {}).items():
-            base_key, _, call = str(key).partition("@")
-            try:
-                name = self._names[int(base_key)]
-            except (ValueError, KeyError):
-                name = clean_module_path(path)
-                name = prefix + name if name else frame_path
-            if not name or name == frame_path:
-                continue  # the compiled frame's own module (or the root seen through a wrapper)
-            relative = name.startswith(prefix)
-            entries.append((name[len(prefix):] if relative else name, relative, f"@{call}" if call else "",
-                            getattr(cls, "__name__", str(cls))))
-        return tuple(entries)
+    def name_of_id(self, module_id: int) -> Optional[str]:
+        """The path of the model's module with this `id` (None when the table has no such module)."""
+        return self._names.get(module_id)
 
     def resolve(self, frame_scope: Scope, entries) -> Scope:
         """The scope of an op run in `frame_scope` under these `relative_stack` entries."""
@@ -204,17 +182,10 @@ def _module_of(obj) -> Optional[torch.nn.Module]:
     return getattr(obj, "_orig_mod", obj)  # an OptimizedModule stands for the module it wraps
 
 
-_FRAME_LOCAL = re.compile(r"^([LG]\['[^']*'\]|self)\.?")
-_INDEX = re.compile(r"\[(\d+)\]")
-_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
 _WRAPPER = re.compile(r"(?:^|\.)_orig_mod(?=\.|$)")  # torch.compile's OptimizedModule attribute
 
 
-def clean_module_path(path: str) -> str:
-    """`L['self'].blocks[0]._modules['attn']` -> `blocks.0.attn`; `G['cm']._orig_mod.proj` (a
-    compiled module reached through its wrapper) -> `proj`, as the module itself would be named."""
-    path = _FRAME_LOCAL.sub("", str(path))
-    path = _MODULES_ITEM.sub(r".\1", path)
-    path = _INDEX.sub(r".\1", path)
-    path = _WRAPPER.sub("", path)
-    return path.strip(".")
+def without_compile_wrappers(path: str) -> str:
+    """`block._orig_mod.fc` -> `block.fc`: a module reached through what `torch.compile` returned
+    is named as the module itself."""
+    return _WRAPPER.sub("", path).strip(".")

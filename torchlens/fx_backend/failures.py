@@ -26,6 +26,7 @@ from ..session import internal_error
 from ..sites import site_from_stack_trace
 from ..structure import module_of
 from .active import quiet_runs
+from .module_stack import relative_stack
 from .plan import node_op_name
 from .replay import locate_failure, locate_live, why_not_replay
 
@@ -129,7 +130,7 @@ def _at_node(run, graph, scope: Scope, node, inputs, notes):
     plan_op = plan.by_node.get(node.name)
     if plan_op is not None:
         return Location(completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes)
-    modules = table.relative_stack(node.meta.get("nn_module_stack"), plan.compiled_in.path)
+    modules = relative_stack(table, node.meta.get("nn_module_stack"), plan.compiled_in.path)
     site = site_from_stack_trace(node.meta.get("stack_trace"))
     return Location(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes)
 

@@ -26,6 +26,7 @@ from ..naming import USER_SPELLING, node_name
 from ..sites import site_from_stack_trace
 from ..tracking import carried_kinds, covers, memory_span
 from ..writes import writes_without_returning
+from .module_stack import relative_stack
 from .replay import is_in_place, target_name
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 
@@ -166,7 +167,7 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
                 index=len(ops),
                 node=node.name,
                 op=node_op_name(node, gm),
-                modules=scopes.relative_stack(node.meta.get("nn_module_stack"), frame_scope.path),
+                modules=relative_stack(scopes, node.meta.get("nn_module_stack"), frame_scope.path),
                 metas=metas,
                 site=site_from_stack_trace(node.meta.get("stack_trace")),
                 exprs=shapes if dynamic else None,
