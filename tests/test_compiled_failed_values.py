@@ -75,3 +75,35 @@ def test_statistics_and_tracking_cover_the_ops_before_a_failure_in_a_graph():
     assert all(e.stats is not None for e in ops)
     assert partial.first_nonfinite is not None and partial.first_nonfinite.op == "log"
     assert any("are the replay's" in note for note in partial.attempt.notes)
+
+
+def test_a_write_before_the_failure_keeps_the_written_value():
+    """`y[0] = 5` is a `setitem` op whose value is the tensor after the write, as eagerly."""
+
+    class WritesThenFails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(4, 3)
+
+        def forward(self, x, ids):
+            y = x * 2
+            y[0] = 5.0
+            return self.table(ids + 3) + (y + 1)
+
+    def partial(compiled):
+        torch.manual_seed(0)
+        model, x, ids = WritesThenFails(), torch.randn(2, 3), torch.tensor([0, 1])
+        torch._dynamo.reset()
+        try:
+            with pytest.raises((IndexError, RuntimeError)) as caught:
+                tl.trace(model, x, ids, compiled=compiled)
+        finally:
+            torch._dynamo.reset()
+        return caught.value.partial_trace
+
+    eager, compiled = partial(False), partial({"compiler": "eager"})
+    written = next(e.ordinal for e in compiled.events if e.kind is tl.EventKind.OP and e.op == "setitem")
+    assert torch.equal(compiled.values[written][0], eager.values[written][0])
+    assert (compiled.values[written][0][0] == 5.0).all()
+    report = tl.debug.compare(eager, compiled)
+    assert report.first_divergence is None and report.counts["unchecked"] == 0

@@ -198,3 +198,114 @@ def test_a_compiled_function_called_in_a_forward_is_one_compiled_op():
         torch._dynamo.reset()
     assert ops(recording) == [("linear", "fc"), ("compiled", ""), ("sum", "")]
     assert torch.equal(recording.output, model(x))
+
+
+@pytest.mark.parametrize("builtin", ["Linear", "Sequential"])
+def test_a_compiled_torch_nn_module_is_narrated_in_its_own_module(builtin):
+    """torch.compile runs torch.nn modules through a wrapper function whose hooks dynamo traces:
+    the call is still the module's, named by its class."""
+    inner = nn.Linear(8, 8) if builtin == "Linear" else nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    model = nn.Sequential(nn.Linear(8, 8), torch.compile(inner, backend="eager"))
+    torch._dynamo.reset()
+    try:
+        recording = tl.record(model, torch.randn(2, 8), narrate=io.StringIO())
+    finally:
+        torch._dynamo.reset()
+    assert ops(recording) == [("linear", "0"), ("compiled", "1")]
+    assert f"> 1 ({builtin})" in recording.narrate()
+
+
+def test_a_graph_first_compiled_for_tl_compile_is_one_op_under_tl_record():
+    """Which capture a graph call reports to is decided per call, not when it was traced."""
+    block = Block()
+    compiled = tl.compile(block, compiler="eager")
+    model = Parent(block)
+    torch._dynamo.reset()
+    try:
+        compiled(torch.randn(2, 8))  # traced under the compiled run's own capture
+        model.block = compiled
+        recording = tl.record(model, torch.randn(2, 8))
+    finally:
+        torch._dynamo.reset()
+    assert ops(recording) == [("linear", "pre"), ("compiled", "block"), ("add", "")]
+
+
+def test_floats_dynamo_wraps_for_a_graph_are_not_ops_of_the_eager_transcript():
+    class Tempered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, temperature):
+            return self.fc(x) / temperature
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.compile(Tempered(), backend="eager")
+
+        def forward(self, x, temperature):
+            return self.inner(x, temperature) + 1
+
+    model, x = Outer(), torch.randn(2, 8)
+    torch._dynamo.reset()
+    try:
+        seen = [ops(tl.record(model, x, temperature)) for temperature in (0.7, 0.9, 1.3)]
+    finally:
+        torch._dynamo.reset()
+    assert seen == [[("compiled", "inner"), ("add", "")]] * 3  # the recompile's float wrapping is dynamo's
+
+
+def test_a_graph_that_only_writes_its_inputs_shows_what_it_wrote():
+    class Accumulate(nn.Module):
+        def forward(self, total, x):
+            total.add_(x.sum())
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.acc = torch.compile(Accumulate(), backend="eager")
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("total", torch.zeros(()))
+
+        def forward(self, x):
+            self.acc(self.total, x)
+            return self.fc(x)
+
+    model = Model()
+    torch._dynamo.reset()
+    try:
+        recording = tl.record(model, torch.ones(2, 4))
+    finally:
+        torch._dynamo.reset()
+    assert ops(recording) == [("compiled", "acc"), ("linear", "fc")]
+    graph_call = next(e for e in recording.events if e.kind is tl.EventKind.OP and e.op == "compiled")
+    assert [tuple(meta.shape) for meta in graph_call.outputs] == [()]  # the buffer it wrote
+
+
+def test_a_model_compiled_lazily_inside_its_forward_is_one_op(tmp_path):
+    """Dynamo loaded for the first time during a narrated forward: the rules are installed as it
+    loads, before its first trace (a fresh process, where dynamo is not loaded yet)."""
+    script = tmp_path / "lazy.py"
+    script.write_text(
+        "import sys, warnings, torch, torchlens as tl\n"
+        "from torch import nn\n"
+        "warnings.filterwarnings('ignore')\n"
+        "assert 'torch._dynamo.output_graph' not in sys.modules\n"
+        "class Block(nn.Module):\n"
+        "    def forward(self, x): return (x // 2) * 3 + torch.relu(x)\n"
+        "class Lazy(nn.Module):\n"
+        "    def __init__(self): super().__init__(); self.b = Block(); self.c = None\n"
+        "    def forward(self, x):\n"
+        "        if self.c is None: self.c = torch.compile(self.b, backend='eager')\n"
+        "        return self.c(x) + 1\n"
+        "model = Lazy()\n"
+        "for _ in range(2):\n"
+        "    print([(e.op, e.scope.path) for e in tl.record(model, torch.randn(4)).events if e.kind.value == 'op'])\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["[('compiled', 'b'), ('add', '')]"] * 2

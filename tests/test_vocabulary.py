@@ -183,7 +183,9 @@ def test_dynamo_errors_read_as_under_plain_torch_compile():
 
 def test_a_torch_whose_tracer_is_shaped_otherwise_still_compiles(monkeypatch):
     """The hooks into dynamo's tracer fit one torch's internals; on another they must step aside,
-    never break the compile (torch 2.14 renamed the attribute hook these wrap)."""
+    never raise (torch 2.14 renamed the attribute hook `record_user_spellings` wraps, and raising
+    there failed every compile through the backend)."""
+    from torch._dynamo import output_graph
     from torch._dynamo.variables import tensor as tensor_variables
 
     from torchlens.eager import compiled_regions
@@ -195,11 +197,13 @@ def test_a_torch_whose_tracer_is_shaped_otherwise_still_compiles(monkeypatch):
     monkeypatch.setattr(tensor_variables, "TensorVariable", Reshaped)
     monkeypatch.setattr(dynamo_seams, "_spellings_recorded", False)
     dynamo_seams.record_user_spellings()  # installs nothing, raises nothing
-    assert not hasattr(Reshaped, "call_method") and not hasattr(Reshaped, "var_getattr")
+    assert Reshaped.__dict__.get("call_method") is None and Reshaped.__dict__.get("var_getattr") is None
 
+    installed = output_graph.OutputGraph.call_user_compiler
     monkeypatch.setattr(compiled_regions, "_installed", False)
     monkeypatch.setitem(sys.modules, "torch._dynamo.variables.torch_function", Reshaped)
-    compiled_regions.install_for_dynamo()  # installs nothing, raises nothing
+    compiled_regions.install_for_dynamo()  # the mode filter does not fit: left out, nothing raised
+    assert output_graph.OutputGraph.call_user_compiler is installed  # the graph rule is not stacked twice
     monkeypatch.undo()
 
     class Doubles(nn.Module):
@@ -209,3 +213,14 @@ def test_a_torch_whose_tracer_is_shaped_otherwise_still_compiles(monkeypatch):
     torch._dynamo.reset()
     trace = tl.trace(Doubles(), torch.randn(3), compiled={"compiler": "eager"})
     assert op_names(trace) == ["floordiv"]
+
+
+def test_matrix_product_assignment_is_named_as_eager_names_it():
+    """`x @= y`: Tensor has no `__imatmul__`, so Python runs `x = x @ y`; both name it `matmul`."""
+    def product(x):
+        y = x.clone()
+        y @= x
+        return y
+
+    eager, compiled = _eager_and_compiled([product], torch.randn(3, 3))
+    assert compiled == eager == ["clone", "matmul"]

@@ -124,6 +124,9 @@ def _operator_dunders() -> Dict:
                 continue
             core = name.rstrip("_")
             plain = f"__{core}__"
+            if not hasattr(torch.Tensor, plain) and core[:1] == "i" and core[1:] in _BINARY:
+                core = core[1:]  # `x @= y` without `Tensor.__imatmul__`: Python runs `x = x @ y`
+                plain = f"__{core}__"
             if not hasattr(torch.Tensor, plain):
                 continue
             reflected = f"__r{core}__" if hasattr(torch.Tensor, f"__r{core}__") else None

@@ -36,7 +36,7 @@ from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
 from ..writes import written_tensor
 from .fastpaths import keep_fast_paths, release_fast_paths
-from .compiled_regions import install_for_dynamo
+from .compiled_regions import install_for_dynamo, run_by_dynamo
 from ..mode_stack import remove_mode, under_a_capture
 from ..structure import named_outputs
 
@@ -169,8 +169,9 @@ class OpReporter:
         if metas is None:
             return
         try:
-            # the frame only when needed: 0: here, 1: the mode, 2: the code that called the op
-            frame = sys._getframe(2) if self.sites or self.follows_stack else None
+            frame = sys._getframe(2)  # 0: here, 1: the mode, 2: the code that called the op
+            if run_by_dynamo(frame):
+                return  # dynamo's own work between graphs (a float wrapped for a graph): not the user's op
             if self.follows_stack:
                 self.locate(frame)
             site = find_user_site(frame) if self.sites else None
@@ -221,6 +222,7 @@ class EagerCapture(OpReporter):
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
         self._closers = {}
+        self._wrapped = {}  # id(module) -> calls in progress through its torch.compile wrapper
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -240,6 +242,7 @@ class EagerCapture(OpReporter):
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        self._wrapped = {}
         closers, self._closers = self._closers, {}
         for pending in closers.values():  # calls a KeyboardInterrupt cut short, say
             for handle in pending:
@@ -258,9 +261,13 @@ class EagerCapture(OpReporter):
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
-        if _is_compiling() or self.paused or _get_ident() != self.thread or is_compile_wrapper(module):
+        if _is_compiling() or self.paused or _get_ident() != self.thread:
             return None
-        if module._forward_hooks:
+        if self._wrapped and id(module) in self._wrapped:
+            return None  # already entered, by the compiled wrapper that called it
+        if is_compile_wrapper(module):
+            module = self._through_wrapper(module, +1)
+        elif module._forward_hooks:
             self._close_after_users_hooks(module)
         if self.nested or captures_in_thread() > 1:
             with _own_work():
@@ -290,11 +297,26 @@ class EagerCapture(OpReporter):
         return None
 
     def _post_hook(self, module, args, output):
-        if (_is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers
-                or is_compile_wrapper(module)):
+        if _is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers:
             return None  # (a module with hooks of its own is closed by `_closing_hook`)
+        if is_compile_wrapper(module):
+            module = self._through_wrapper(module, -1)
+        elif self._wrapped and id(module) in self._wrapped:
+            return None  # closed by the compiled wrapper that called it
         self._close(module, unwinding(), args, output)
         return None
+
+    def _through_wrapper(self, wrapper, step: int):
+        """What `torch.compile(module)` returned is called: its call is narrated as the wrapped
+        module's (whose own hooks may not fire: dynamo traces them for torch.nn modules), and the
+        wrapped module's hooks, if they fire, are skipped until the wrapper's call ends."""
+        inner = wrapper._orig_mod
+        count = self._wrapped.get(id(inner), 0) + step
+        if count > 0:
+            self._wrapped[id(inner)] = count
+        else:
+            self._wrapped.pop(id(inner), None)
+        return inner
 
     def _close(self, module, unwinding: bool, args, output) -> None:
         if self.nested or captures_in_thread() > 1:
@@ -343,11 +365,12 @@ class EagerCapture(OpReporter):
 
     # -- compiled graphs run inside the forward (see `compiled_regions`) --------------------------
 
-    def graph_called(self, args, output, caller) -> None:
-        """A compiled graph ran as one opaque call: one `compiled` op with its outputs."""
+    def graph_called(self, args, output, caller, written=()) -> None:
+        """A compiled graph ran as one opaque call: one `compiled` op with its outputs (a graph that
+        returns nothing but writes its inputs in place shows the tensors it wrote)."""
         if _get_ident() != self.thread:
             return
-        tensors = tuple(tensor for _, tensor in named_outputs(output))
+        tensors = tuple(tensor for _, tensor in named_outputs(output)) or tuple(written)
         if not tensors:
             return
         self.paused = True

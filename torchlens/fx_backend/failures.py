@@ -83,7 +83,7 @@ def _locate(run, graph, args, scope: Scope, exc: BaseException) -> Location:
     reason = why_not_replay(graph.replay_copy, exc)
     if reason is not None:
         return _graph_call(scope, arg_metas, [f"not replayed: {reason}"])
-    keep = {op.value for op in graph.plan.ops} if _wants_values(run) else None
+    keep = {op.node: op.value for op in graph.plan.ops} if _wants_values(run) else None
     located = locate_failure(graph.replay_copy, args, keep)
     notes = [REPLAYED] + [f"replay caveat: {c}" for c in located.caveats]
     if located.node is None:
@@ -91,7 +91,7 @@ def _locate(run, graph, args, scope: Scope, exc: BaseException) -> Location:
     where = _at_node(run, graph, scope, located.node, located.inputs, notes)
     if keep is None or not where.completed:
         return where
-    values = [located.values.get(op.value) for op in graph.plan.ops[:where.completed]]
+    values = [located.values.get(op.node) for op in graph.plan.ops[:where.completed]]
     return where._replace(values=values, notes=list(where.notes) + [REPLAY_VALUES])
 
 

@@ -10,12 +10,9 @@ the model.
 
 from __future__ import annotations
 
-import sys
-
 from ..eager.capture import OpReporter
 from ..scopes import ScopeTable
 from ..session import Session
-from .dynamo_seams import run_by_dynamo
 
 
 class GapCapture(OpReporter):
@@ -29,8 +26,3 @@ class GapCapture(OpReporter):
 
     def locate(self, frame) -> None:
         self.session.move_to(self.scopes.scope_of_stack(frame))
-
-    def op_done(self, func, out, args=(), kwargs=None) -> None:
-        if run_by_dynamo(sys._getframe(2)):
-            return  # dynamo's own work between graphs (a float wrapped for the graph): not the user's op
-        super().op_done(func, out, args, kwargs)

@@ -17,7 +17,7 @@ frame in the traceback (`locate_live`); it is never replayed.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import fx
@@ -43,20 +43,22 @@ def untouched_copy(gm: fx.GraphModule) -> fx.GraphModule:
 class _Locator(fx.Interpreter):
     """Runs a graph node by node, remembering the node in flight and its real arguments."""
 
-    def __init__(self, gm: fx.GraphModule, keep: Optional[Set[str]] = None):
+    def __init__(self, gm: fx.GraphModule, keep: Optional[Dict[str, str]] = None):
         super().__init__(gm, garbage_collect_values=True)
         self.current: Optional[fx.Node] = None
         self.current_inputs: Tuple = ()
-        self.keep = keep or set()
+        self.keep = keep or {}
         self.values: Dict[str, object] = {}
+        self.nodes = {node.name: node for node in gm.graph.nodes} if keep else {}
 
     def run_node(self, n: fx.Node):
         self.current = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         self.current_inputs = tuple(a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor))
         result = super().run_node(n)
-        if n.name in self.keep:
-            self.values[n.name] = _copied(result)  # as it was right after the op: later ops may write it
+        holder = self.keep.get(n.name)
+        if holder is not None:  # as it is right after the op (a write's tensor, after the write)
+            self.values[n.name] = _copied(result if holder == n.name else self.env[self.nodes[holder]])
         return result
 
 
@@ -87,9 +89,10 @@ class Located:
         self.values = values or {}
 
 
-def locate_failure(gm: fx.GraphModule, args, keep: Optional[Set[str]] = None) -> Located:
+def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = None) -> Located:
     """Replay `gm` on `args`; return the node that raises (None if the replay does not fail),
-    with the outputs of the nodes named in `keep` that completed before it."""
+    with, for each node named in `keep` that completed before it, a copy of the value of the node
+    `keep` maps it to (itself, or the tensor an indexed write wrote) right after it ran."""
     locator = _Locator(gm, keep)
     watch = _DrawWatch()
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
