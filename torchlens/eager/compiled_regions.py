@@ -201,22 +201,47 @@ def _versions(args):
 def run_by_dynamo(frame) -> bool:
     """Whether the torch call made from `frame` is dynamo's own code rather than the user's.
 
-    Told apart by the instruction that made the call, in the innermost frame outside torch: inside
-    a frame dynamo transformed, the instructions copied from the user's code keep their column
-    positions; those dynamo generated have none. Without dynamo's table of transformed code, or
-    when the user's code carries no columns at all (`PYTHONNODEBUGRANGES`), every call is the user's.
+    Told apart by the instruction that made the call, in the innermost frame outside torch (a
+    torch helper such as `torch._as_tensor_fullprec` may stand between): inside a frame dynamo
+    transformed, the instructions copied from the user's code keep their column positions; those
+    dynamo generated have none. Without dynamo's table of transformed code, or when the user's code
+    carries no columns at all (`PYTHONNODEBUGRANGES`), every call is the user's. It runs for every
+    op of every capture once dynamo is loaded, so the common case — the caller, or the caller of a
+    torch frame, is plain user code — costs two dictionary lookups.
     """
     if not _installed:
         return False
-    transformed = getattr(sys.modules.get("torch._dynamo.utils"), "orig_code_map", None)
+    transformed = _transformed_codes()
     if transformed is None:
         return False
-    while frame is not None and is_internal_file(frame.f_code.co_filename):
+    for _ in range(_MAX_HELPER_DEPTH):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if id(code) in transformed:
+            return _generated_instruction(frame)
+        if not is_internal_file(code.co_filename):
+            return False  # the user's own code made the call
         frame = frame.f_back
-    if frame is None:
-        return False
+    return False
+
+
+_MAX_HELPER_DEPTH = 3  # torch frames between a call and the frame dynamo transformed
+_transformed = None
+
+
+def _transformed_codes():
+    """Dynamo's table of the code objects it transformed, by id (None where torch has no such table)."""
+    global _transformed
+    if _transformed is None:
+        table = getattr(sys.modules.get("torch._dynamo.utils"), "orig_code_map", None)
+        _transformed = getattr(table, "values", None) if isinstance(getattr(table, "values", None), dict) else None
+    return _transformed
+
+
+def _generated_instruction(frame) -> bool:
     try:
-        original = transformed.get(frame.f_code) if frame.f_code in transformed else None
+        original = sys.modules["torch._dynamo.utils"].orig_code_map.get(frame.f_code)
         if original is None or not _has_columns(original):
             return False
         return _column_at(frame.f_code, frame.f_lasti) is None
