@@ -107,3 +107,16 @@ def test_a_write_before_the_failure_keeps_the_written_value():
     assert (compiled.values[written][0][0] == 5.0).all()
     report = tl.debug.compare(eager, compiled)
     assert report.first_divergence is None and report.counts["unchecked"] == 0
+
+
+def test_copies_that_fail_during_the_replay_are_never_taken_for_the_failing_op(monkeypatch):
+    from torchlens.fx_backend import replay
+
+    def out_of_memory(value):
+        raise RuntimeError("out of memory copying a value")
+
+    monkeypatch.setattr(replay, "_copied", out_of_memory)
+    compiled = _partial({"compiler": "eager"})
+    assert compiled.attempt.op == "embedding"
+    assert any("could not be copied" in note for note in compiled.attempt.notes)
+    assert sorted(compiled.values) == [1, 2]  # the inputs only: nothing from the replay

@@ -89,7 +89,7 @@ def _locate(run, graph, args, scope: Scope, exc: BaseException) -> Location:
     if located.node is None:
         return _graph_call(scope, arg_metas, notes)
     where = _at_node(run, graph, scope, located.node, located.inputs, notes)
-    if keep is None or not where.completed:
+    if keep is None or not where.completed or not located.values:
         return where
     values = [located.values.get(op.node) for op in graph.plan.ops[:where.completed]]
     return where._replace(values=values, notes=list(where.notes) + [REPLAY_VALUES])

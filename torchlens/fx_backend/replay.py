@@ -50,6 +50,7 @@ class _Locator(fx.Interpreter):
         self.keep = keep or {}
         self.values: Dict[str, object] = {}
         self.nodes = {node.name: node for node in gm.graph.nodes} if keep else {}
+        self.copies_failed = False
 
     def run_node(self, n: fx.Node):
         self.current = n
@@ -58,7 +59,11 @@ class _Locator(fx.Interpreter):
         result = super().run_node(n)
         holder = self.keep.get(n.name)
         if holder is not None:  # as it is right after the op (a write's tensor, after the write)
-            self.values[n.name] = _copied(result if holder == n.name else self.env[self.nodes[holder]])
+            try:
+                self.values[n.name] = _copied(result if holder == n.name else self.env[self.nodes[holder]])
+            except Exception:  # out of memory for the copies, say: never mistaken for the failing op
+                self.keep, self.values = {}, {}
+                self.copies_failed = True
         return result
 
 
@@ -102,7 +107,10 @@ def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = No
         except Exception:
             node = locator.current
             inputs = tuple(TensorMeta.of(t) for t in locator.current_inputs)
-            return Located(node, inputs, replay_caveats(gm, watch.drew), locator.values)
+            caveats = replay_caveats(gm, watch.drew)
+            if locator.copies_failed:
+                caveats.append("the values of the ops before it could not be copied during the replay, and are not kept")
+            return Located(node, inputs, caveats, locator.values)
     unknown = "the replay ran without error, so the failing op is unknown"
     return Located(None, (), replay_caveats(gm, watch.drew) + [unknown])
 
