@@ -291,3 +291,21 @@ def test_a_record_inside_a_compiled_forward_runs_eagerly_once_per_call():
     assert model.inner_texts == [alone, alone]
     compiled_ops = ops_of("\n".join(lines))
     assert compiled_ops == OUTER_OPS * 2, "the compiled narration shows the inner model's ops, run between graphs"
+
+
+def test_a_foreign_model_recorded_inside_a_forward_closes_in_the_outer_transcript():
+    """The outer capture names the foreign model's calls `<Sequential>...`; meeting its unknown
+    submodules must not make it forget the call it has open, or every later op stays inside it."""
+    foreign = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    class Outer(nn.Module):
+        def forward(self, x):
+            y = tl.record(foreign, x.sin()).output
+            return y.cos() + 1
+
+    recording = tl.record(Outer(), torch.randn(2, 4))
+    ops = [(e.op, e.scope.path) for e in recording.events if e.kind is tl.EventKind.OP]
+    assert ops == [("sin", ""), ("linear", "<Sequential>.<Linear>"), ("relu", "<Sequential>.<ReLU>"),
+                   ("cos", ""), ("add", "")]
+    enters = sum(e.kind is tl.EventKind.ENTER for e in recording.events)
+    assert enters == sum(e.kind is tl.EventKind.EXIT for e in recording.events) == 3

@@ -67,7 +67,10 @@ class ScopeTable:
                 names[id(module)] = name
                 refs[id(module)] = weakref.ref(module)
         self._names, self._refs = names, refs
-        self._calls = {}  # names may have moved; the interned scopes stay valid
+        # Names may have moved: calls of the model's modules are named afresh (the interned scopes
+        # stay valid); calls of modules that are not part of it (created on the fly, or another
+        # model run inside this forward) keep theirs, or a call open now could not be closed.
+        self._calls = {key: call for key, call in list(self._calls.items()) if key[0] not in names}
         self._unknown = {}
 
     def knows(self, module) -> bool:
