@@ -375,7 +375,7 @@ class EagerCapture(OpReporter):
             return
         self.paused = True
         try:
-            with own_work(self.nested or captures_in_thread() > 1):
+            with own_work(True):  # a compiled run's gap capture may be active: keep our work from it
                 value = tensors[0] if len(tensors) == 1 else tensors
                 site = find_user_site(caller) if self.sites else None
                 self.record_op("compiled", tuple(TensorMeta.of(t) for t in tensors), site, value, args)
@@ -393,7 +393,7 @@ class EagerCapture(OpReporter):
         if _get_ident() != self.thread:
             return
         try:
-            with own_work(self.nested or captures_in_thread() > 1):
+            with own_work(True):  # a compiled run's gap capture may be active: keep our work from it
                 self.session.op_failed("compiled", input_metas(args, {}), find_user_site(caller), exc)
         except Exception as inner:
             internal_error("describing the failed compiled graph call", inner)
