@@ -29,3 +29,27 @@ def test_star_imports_bring_no_implementation_details():
 
 def test_compile_is_public_but_not_star_exported():
     assert callable(tl.compile) and "compile" not in tl.__all__
+
+
+def test_a_compiled_model_offers_its_narration_not_its_runtime():
+    import copy
+
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    compiled = tl.compile(model, compiler="eager")
+    torch._dynamo.reset()
+    try:
+        assert compiled.torchlens.last_recording is None and compiled.torchlens.forwards == 0
+        compiled(torch.randn(2, 3))
+        compiled(torch.randn(2, 3))
+    finally:
+        torch._dynamo.reset()
+    handle = compiled.torchlens
+    assert handle.forwards == 2 and isinstance(handle.last_recording, tl.Recording)
+    assert repr(handle) == "CompiledNarration(forwards=2, last_recording=Recording)"
+    assert not hasattr(handle, "config") and not hasattr(handle, "scopes")  # no runtime internals
+    with pytest.raises(AttributeError):
+        handle.last_recording = None
+    assert getattr(copy.deepcopy(compiled), "torchlens", None) is None  # a copy carries no narration state

@@ -16,6 +16,7 @@ from ..results import Trace
 from .config import OPTION_KEYS, CompileConfig
 from .registration import Backend, install
 from ..structure import module_of
+from .handle import CompiledNarration
 from .runtime import CompiledRuntime
 
 
@@ -83,7 +84,7 @@ def compile_model(model, config: CompileConfig, torch_compile_kwargs: dict, back
     install(compiled, backend.runtime)
     # On the wrapper torch.compile returned, not on the user's module (which `nn.Module` attribute
     # setting would reach through it): the model itself stays as copyable and saveable as before.
-    object.__setattr__(compiled, "torchlens", backend.runtime)
+    object.__setattr__(compiled, "torchlens", CompiledNarration(backend.runtime))
     return compiled
 
 
