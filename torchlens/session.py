@@ -9,7 +9,7 @@ balanced, stores the events, hands each one to the live narrator, and at the end
 from __future__ import annotations
 
 import traceback
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -21,6 +21,17 @@ from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 from .stats import Meter
 from .tracking import UNINITIALIZED, Tracker
+
+
+class FailedCall(NamedTuple):
+    """A torch call that raised: the attempted op, should the exception end the forward."""
+
+    op: str
+    scope: Scope
+    site: Optional[str]
+    inputs: tuple  # metadata of its tensor inputs
+    exc: BaseException
+    notes: tuple
 
 
 class Session:
@@ -39,7 +50,7 @@ class Session:
         self.values = {} if settings.keep_values else None
         self.ordinal = 0
         self.scope = root
-        self.failed_call = None  # (op, scope, site, input metas, exception, notes) of a call that raised
+        self.failed_call: Optional[FailedCall] = None  # the last torch call that raised
         self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
         self.footer_extra: List[str] = []
         self.meter: Optional[Meter] = None  # set by a substrate that measures values itself (eager)
@@ -202,10 +213,16 @@ class Session:
         if self.narrator is not None:
             self.narrator.feed_block(events, narration_cache)
 
+    def replace_events(self, events, attempt: Attempt) -> None:
+        """Take another capture's record of this same forward, up to its attempted op, as this
+        pass's own (a compiled forward dynamo failed to trace, located by running it eagerly)."""
+        self.events[:] = events
+        self.ordinal, self.scope = attempt.ordinal - 1, attempt.scope
+
     def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
                   notes=()) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails."""
-        self.failed_call = (op, scope or self.scope, site, metas, exc, tuple(notes))
+        self.failed_call = FailedCall(op, scope or self.scope, site, metas, exc, tuple(notes))
 
     # -- ending the pass ------------------------------------------------------------------------
 
@@ -285,9 +302,8 @@ class Session:
 
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
-        if failed is not None and _in_chain(failed[4], exc):
-            op, scope, site, metas, _, notes = failed
-            return Attempt(op, self.ordinal + 1, scope, site, metas, notes)
+        if failed is not None and _in_chain(failed.exc, exc):
+            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
 

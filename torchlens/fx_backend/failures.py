@@ -193,8 +193,7 @@ def _adopt_eager_failure(run, exc: BaseException, partial) -> bool:
     if attempt is None or attempt.op is None:
         return False
     session = run.session
-    session.events[:] = partial.events
-    session.ordinal, session.scope = attempt.ordinal - 1, attempt.scope
+    session.replace_events(partial.events, attempt)
     note = "dynamo raised while tracing; located by running the forward eagerly"
     session.op_failed(attempt.op, attempt.inputs, attempt.site, exc, attempt.scope, (note,))
     return True
