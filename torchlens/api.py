@@ -8,7 +8,7 @@ import inspect
 from torch import nn
 
 from .errors import OptionTypeError, suggest
-from .options import check_count, make_settings
+from .options import check_bool, check_count, make_settings
 from .results import Recording, Trace
 from .eager.capture import outside_dynamo
 from .eager.runner import run_eager
@@ -53,8 +53,7 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     """
     check_model(model, "tl.trace")
     _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS + ("compiled",), "tl.trace")
-    if not isinstance(keep_on_cpu, bool):
-        raise OptionTypeError(f"tl.trace(keep_on_cpu=...) takes True or False, got {keep_on_cpu!r}")
+    check_bool("tl.trace", "keep_on_cpu", keep_on_cpu)
     check_count("tl.trace", "max_bytes", max_bytes, none_means="no limit")
     if compiled is not False:
         from .fx_backend.config import OPTION_KEYS, make_config

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import OptionTypeError, OptionValueError, describe_choices, suggest
-from ..options import Settings, make_settings
+from ..options import Settings, check_bool, make_settings
 
 OPTION_KEYS = ("narrate", "value_stats", "on_nonfinite", "live", "compiler", "stats_on")
 STATS_ON = ("ops", "module_outputs")
@@ -34,8 +34,7 @@ class CompileConfig:
 
 def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",
                 stats_on="ops", keep_values=False, keep_on_cpu=False, max_bytes=None) -> CompileConfig:
-    if not isinstance(live, bool):
-        raise OptionTypeError(f"compiled option live= takes True or False, got {live!r}")
+    check_bool("compiled options", "live", live)
     if not isinstance(stats_on, str):
         raise OptionTypeError(f"compiled option stats_on= takes {describe_choices(STATS_ON)}, got {stats_on!r}")
     if stats_on not in STATS_ON:

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from ..errors import ModelTypeError, OptionTypeError, OptionValueError, describe_choices, suggest, warn_safely
-from ..structure import check_selection
+from ..options import check_bool
 from ..results import Trace
+from ..structure import check_selection, module_of
 from .config import OPTION_KEYS, CompileConfig
-from .registration import Backend, install
-from ..structure import module_of
 from .handle import CompiledNarration
+from .registration import Backend, install
 from .runtime import CompiledRuntime
 
 
@@ -54,8 +54,8 @@ def check_torch_compile_kwargs(kwargs: dict, entry: str) -> None:
 def _check_torch_compile_value(entry: str, key: str, value) -> None:
     """torch.compile takes any truthy `fullgraph=` and checks `mode=` only when inductor compiles:
     a misspelt mode would surface at the first call, wrapped by dynamo, or never (compiler="eager")."""
-    if key in ("fullgraph", "disable") and not isinstance(value, bool):
-        raise OptionTypeError(f"{entry}: {key}= takes True or False, got {value!r}")
+    if key in ("fullgraph", "disable"):
+        check_bool(entry, key, value)
     if key == "disable" and value:  # torch.compile would hand the model back untouched: nothing narrates
         raise OptionValueError(f"{entry}: disable=True turns torch.compile off, and the torchlens backend with "
                                f"it, so nothing would be narrated; narrate the model eagerly with tl.record, "
