@@ -19,7 +19,7 @@ Column layout of an op line::
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -282,6 +282,31 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+# -- footer notes: how a forward ran ------------------------------------------------------------
+
+def opaque_calls_note(scripted: int, graph_calls: int) -> List[str]:
+    """Calls an eager capture narrated as one op each, their insides unseen."""
+    notes = []
+    if scripted:
+        notes.append(f"{plural(scripted, 'TorchScript call')} narrated as one op each (`scripted`): "
+                     f"their insides are not visible")
+    if graph_calls:
+        notes.append(f"{plural(graph_calls, 'compiled graph call')} narrated as one op each (`compiled`): "
+                     f"narrate their ops with backend=\"torchlens\" or tl.compile")
+    return notes
+
+
+def compiled_run_note(graph_calls: int, ops_between: int) -> str:
+    """How a compiled forward ran: its graph calls, and the ops dynamo ran eagerly between them."""
+    note = plural(graph_calls, "compiled graph call")
+    if ops_between:
+        note += f", {plural(ops_between, 'op')} run eagerly between graphs"
+    return note
+
+
+UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
 
 
 def render_footer(parts: Iterable[str]) -> str:

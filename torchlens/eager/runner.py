@@ -8,7 +8,7 @@ from typing import Optional
 from torch import nn
 
 from ..events import TensorMeta
-from ..grammar import plural
+from ..grammar import opaque_calls_note
 from ..narrator import Narrator
 from ..results import Recording
 from ..options import Settings
@@ -68,14 +68,7 @@ class EagerRun:
             try:
                 for label, tensor in named_outputs(output):
                     self.session.add_output(label, (TensorMeta.of(tensor),), tensor)
-                if self.capture.scripted:
-                    self.session.footer_extra.append(
-                        f"{plural(self.capture.scripted, 'TorchScript call')} narrated as one op each "
-                        f"(`scripted`): their insides are not visible")
-                if self.capture.graph_calls:
-                    self.session.footer_extra.append(
-                        f"{plural(self.capture.graph_calls, 'compiled graph call')} narrated as one op each "
-                        f"(`compiled`): narrate their ops with backend=\"torchlens\" or tl.compile")
+                self.session.footer_extra.extend(opaque_calls_note(self.capture.scripted, self.capture.graph_calls))
                 return self.session.finish(output)
             except Exception as exc:
                 internal_error("finishing the recording", exc)

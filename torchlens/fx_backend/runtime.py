@@ -23,7 +23,7 @@ from ..eager.compiled_regions import install_for_dynamo
 from ..structure import check_selection, named_arguments, named_outputs, tensor_names
 from ..events import Scope, TensorMeta
 from ..mode_stack import lifted_if_on_top, remove_mode, under_a_capture
-from ..grammar import plural
+from ..grammar import UNFINISHED_NOTE, compiled_run_note
 from ..narrator import Narrator
 from ..results import Recording
 from ..scopes import ScopeTable
@@ -354,7 +354,7 @@ class CompiledRun:
     def abandon(self) -> None:
         """Close a run whose call ended without its cleanup: what it recorded is kept as is."""
         try:
-            self.session.footer_extra.append("the call ended without torchlens seeing it end")
+            self.session.footer_extra.append(UNFINISHED_NOTE)
             self.finish(None)
         except Exception as exc:
             internal_error("closing an unfinished compiled forward", exc)
@@ -363,10 +363,7 @@ class CompiledRun:
 
     def footer_note(self) -> str:
         """How the forward ran: compiled graph calls, and ops dynamo ran eagerly between them."""
-        note = plural(self.graph_calls, "compiled graph call")
-        if self.gaps.ops:
-            note += f", {plural(self.gaps.ops, 'op')} run eagerly between graphs"
-        return note
+        return compiled_run_note(self.graph_calls, self.gaps.ops)
 
     def pop_mode(self) -> None:
         if self.mode_pushed:
