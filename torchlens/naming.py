@@ -167,19 +167,17 @@ def _probe(dunder: str) -> Optional[str]:
         return None
     unary = _arity(dunder) == 1
     reflected = dunder[2] == "r" and dunder[3:-2] in _BINARY
-    with torch._C.DisableTorchFunction():  # the probes themselves are nobody's ops
-        operands = [torch.ones(2, 2), torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.bool)]
-    for operand in operands:
-        with torch._C.DisableTorchFunction():
-            copy = operand.clone()
-            other = (True if operand.dtype == torch.bool else 2) if reflected else operand.clone()
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        with torch._C.DisableTorchFunction():  # the probe's own tensors are nobody's ops
+            operand = torch.ones(2, 2, dtype=dtype)
+            other = (True if dtype == torch.bool else 2) if reflected else torch.ones(2, 2, dtype=dtype)
         probe = _Probe()
         try:
             with torch.no_grad(), probe:
                 if unary:
-                    method(copy)
+                    method(operand)
                 else:
-                    method(copy, other)
+                    method(operand, other)
         except Exception:
             continue
         if probe.first is not None:

@@ -341,8 +341,8 @@ class EagerCapture(OpReporter):
         self.paused = True
         try:
             session = self.session
-            if not unwinding and isinstance(module, _ScriptModule):
-                self._scripted_call(args, output)
+            if not unwinding and isinstance(module, _ScriptModule) and self._opaque_call("scripted", args, output):
+                self.scripted += 1
             scope = session.open_scope(self.scopes.path_of(module))
             if scope is not None:
                 session.exit(scope, unwinding)
@@ -353,15 +353,16 @@ class EagerCapture(OpReporter):
             self.session.incomplete = self.session.incomplete or "an internal error recording a module exit"
             internal_error("recording a module exit", exc)
 
-    def _scripted_call(self, args, output) -> None:
-        """A TorchScript module ran as one opaque call: the mode sees nothing inside it, so it is
-        narrated as one `scripted` op with its outputs (measured like any op's) in its module."""
-        tensors = tuple(tensor for _, tensor in named_outputs(output))
+    def _opaque_call(self, name: str, args, output, written=(), site=None) -> bool:
+        """A call whose insides the mode cannot see (a TorchScript module: `scripted`; a compiled
+        graph: `compiled`) is narrated as one op with its outputs, measured like any op's, in its
+        module; a call that returns no tensor shows the inputs it wrote, if any. Whether it had any."""
+        tensors = tuple(tensor for _, tensor in named_outputs(output)) or tuple(written)
         if not tensors:
-            return
+            return False
         value = tensors[0] if len(tensors) == 1 else tensors
-        self.record_op("scripted", tuple(TensorMeta.of(t) for t in tensors), None, value, args)
-        self.scripted += 1
+        self.record_op(name, tuple(TensorMeta.of(t) for t in tensors), site, value, args)
+        return True
 
     # -- compiled graphs run inside the forward (see `compiled_regions`) --------------------------
 
@@ -370,16 +371,12 @@ class EagerCapture(OpReporter):
         returns nothing but writes its inputs in place shows the tensors it wrote)."""
         if _get_ident() != self.thread:
             return
-        tensors = tuple(tensor for _, tensor in named_outputs(output)) or tuple(written)
-        if not tensors:
-            return
         self.paused = True
         try:
             with own_work(True):  # a compiled run's gap capture may be active: keep our work from it
-                value = tensors[0] if len(tensors) == 1 else tensors
                 site = find_user_site(caller) if self.sites else None
-                self.record_op("compiled", tuple(TensorMeta.of(t) for t in tensors), site, value, args)
-                self.graph_calls += 1
+                if self._opaque_call("compiled", args, output, written, site):
+                    self.graph_calls += 1
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise  # on_nonfinite="raise" stopped at the graph's outputs

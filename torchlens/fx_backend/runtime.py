@@ -202,10 +202,7 @@ class CompiledRun:
         such as inductor's extern kernels, then cost nothing extra); otherwise it is paused.
         """
         with lifted_if_on_top(self.mode if self.mode_pushed else None) as lifted:
-            if lifted:
-                yield
-                return
-            self.gaps.paused = True
+            self.gaps.paused = not lifted
             try:
                 yield
             finally:
