@@ -71,16 +71,17 @@ def test_a_compiled_submodule_is_one_compiled_op_in_its_module(compiler, mode):
     assert torch.allclose(recording.output, expected, atol=1e-6)
 
 
-def test_a_compiled_model_as_the_root_is_its_graph_calls():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_a_compiled_model_as_the_root_is_its_graph_calls(mode):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.arange(8).reshape(1, 8) % 50
-    with torch.no_grad():
+    with mode():
         expected = model(input_ids=ids).logits
     torch._dynamo.reset()
     try:
-        with torch.no_grad():
+        with mode():
             recording = tl.record(torch.compile(model, backend="eager"), input_ids=ids, value_stats="exact")
     finally:
         torch._dynamo.reset()
