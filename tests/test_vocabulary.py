@@ -188,7 +188,7 @@ def test_a_torch_whose_tracer_is_shaped_otherwise_still_compiles(monkeypatch):
     from torch._dynamo import output_graph
     from torch._dynamo.variables import tensor as tensor_variables
 
-    from torchlens.eager import compiled_regions
+    from torchlens import compiled_regions
     from torchlens.fx_backend import dynamo_seams
 
     class Reshaped:  # a tracer class with none of the methods the hooks wrap

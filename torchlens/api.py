@@ -8,16 +8,16 @@ import inspect
 from torch import nn
 
 from .errors import OptionTypeError, suggest
-from .options import check_bool, check_count, make_settings
+from .options import COMPILE, RECORD, TRACE, check_keyword, keywords_of, make_settings
 from .results import Recording, Trace
 from .eager.capture import outside_dynamo
 from .eager.runner import run_eager
 from .structure import check_model, forward_signature
 from .values import DEFAULT_MAX_BYTES
 
-_RECORD_KEYWORDS = ("narrate", "value_stats", "on_nonfinite")
-_TRACE_KEYWORDS = _RECORD_KEYWORDS + ("keep_on_cpu", "max_bytes")
-_COMPILED_ONLY = ("live", "compiler", "stats_on")  # options of `tl.compile` that eager runs have no use for
+_RECORD_KEYWORDS = keywords_of(RECORD)
+_TRACE_KEYWORDS = keywords_of(TRACE)
+_COMPILED_ONLY = tuple(name for name in keywords_of(COMPILE) if name not in _TRACE_KEYWORDS)
 
 
 @outside_dynamo
@@ -53,8 +53,8 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     """
     check_model(model, "tl.trace")
     _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS + ("compiled",), "tl.trace")
-    check_bool("tl.trace", "keep_on_cpu", keep_on_cpu)
-    check_count("tl.trace", "max_bytes", max_bytes, none_means="no limit")
+    check_keyword("tl.trace", "keep_on_cpu", keep_on_cpu)
+    check_keyword("tl.trace", "max_bytes", max_bytes)
     if compiled is not False:
         from .fx_backend.config import OPTION_KEYS, make_config
         from .fx_backend.entry import trace_compiled

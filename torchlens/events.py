@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 from typing import Optional, Sequence, Tuple
 
+from .stats_text import stats_text
+
 
 class EventKind(str, enum.Enum):
     INPUT = "input"
@@ -190,8 +192,6 @@ class Stats:
 
     def __str__(self) -> str:
         """The statistics segment of the op's line (`min=0 max=2 mean=1 sd=1 finite`)."""
-        from .grammar import stats_text
-
         return stats_text(self)
 
     def __repr__(self) -> str:
@@ -215,9 +215,10 @@ class StatsGroup:
         return any(part.shown for part in self.parts)
 
     def __str__(self) -> str:
-        from .grammar import stats_text
-
         return stats_text(self)
+
+    def __repr__(self) -> str:
+        return f"StatsGroup({', '.join(map(repr, self.parts))})"
 
 
 class Attempt:

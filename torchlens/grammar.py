@@ -23,7 +23,8 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, StatsGroup, TensorMeta
+from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, TensorMeta
+from .stats_text import stats_text
 
 TAG_WIDTH = 6
 OP_WIDTH = 14
@@ -36,7 +37,6 @@ _OP_COLUMNS = {}
 _OP_BODIES = {}
 _MODULE_LINES = {}
 _CACHE_LIMIT = 1 << 16
-_INF = float("inf")
 _INDENTS = ["  " * d for d in range(256)]  # deeper than any real module tree
 
 
@@ -179,66 +179,27 @@ def op_ref(ordinal: int, op: str, path: str) -> str:
     return f"#{ordinal} {op} @{path}" if path else f"#{ordinal} {op}"
 
 
-def fmt(value) -> str:
-    """Compact numbers: 4 significant digits, no trailing noise (`0.08`, `-2.115`, `1.2e+06`)."""
-    if isinstance(value, int):
-        return str(value)
-    if value != value:
-        return "nan"
-    if value in (_INF, -_INF):
-        return "inf" if value > 0 else "-inf"
-    if value == int(value) and abs(value) < 1e6:
-        return str(int(value))
-    return format(value, ".4g")
-
-
-def counts_text(stats) -> str:
-    """`nan=3 +inf=1`, `finite`, or what was not measured (a `Stats` or `StatsGroup`)."""
-    if isinstance(stats, StatsGroup):
-        return " ; ".join(counts_text(part) for part in stats.parts)
-    if stats.nan is None:
-        return "finiteness not measured"
-    parts = [f"{label}={count}" for label, count in (("nan", stats.nan), ("+inf", stats.posinf), ("-inf", stats.neginf))
-             if count]
-    return " ".join(parts) if parts else "finite"
-
-
-def stats_text(stats) -> str:
-    """The statistics segment of a line, evidence-qualified: `=` measured over every element, `~=`
-    estimated from a sample (with its size); only what measured every element says `finite`."""
-    if isinstance(stats, StatsGroup):
-        rendered = [stats_text(part) for part in stats.parts]
-        return " ; ".join(rendered) if any(rendered) else ""
-    if not stats.shown:
-        return ""
-    kind = stats.kind
-    if kind == "na":
-        return f"stats n/a ({stats.note})"
-    if kind == "counts":
-        return counts_text(stats)
-    if kind == "bool":
-        return f"true={stats.true}/{stats.numel if stats.numel is not None else '?'}"
-    values = [(name, value) for name, value in (("min", stats.min), ("max", stats.max), ("mean", stats.mean),
-                                                ("sd", stats.sd)) if value is not None]
-    if kind == "sampled":
-        text = " ".join(f"{name}~={fmt(value)}" for name, value in values) + f" sampled={stats.sampled}/{stats.numel}"
-        if stats.note:
-            text += f" {stats.note}"
-        if stats.nan is not None:  # counted over every element by non-finite tracking
-            text += f" {counts_text(stats)}"
-        return text
-    text = " ".join(f"{name}={fmt(value)}" for name, value in values)
-    if stats.nan is not None:  # not for an integer tensor: always finite, nothing to count
-        text = f"{text} {counts_text(stats)}" if text else counts_text(stats)
-    return f"{text} {stats.note}" if stats.note else text
-
-
 def render_note(text: str) -> str:
     return "-- " + text
 
 
 def render_failure(text: str) -> str:
     return "!! " + text
+
+
+def render_failure_header(error: str) -> str:
+    """The first line of a failure block: what the forward raised."""
+    return render_failure(f"forward failed: {error}")
+
+
+def render_earlier_lines_note(count: int) -> str:
+    """In a failure block: how many lines before its window are not shown again."""
+    return render_note(f"... {plural(count, 'earlier line')}")
+
+
+def render_dropped_events_note(count: int, pass_number: int) -> str:
+    """In a `Recorder` tail: how many events of a pass the tail buffer no longer holds."""
+    return render_note(f"... {count} earlier events of pass {pass_number} not kept")
 
 
 def render_attempt(attempt: Attempt, normalize: bool) -> list:
@@ -307,6 +268,25 @@ def compiled_run_note(graph_calls: int, ops_between: int) -> str:
 
 
 UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
+
+
+def footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: Iterable[str] = ()) -> List[str]:
+    """The footer's parts from a narrator's `PassCounts`: what ran, what was not shown and why,
+    then `extra` (notes of how the forward ran, statistics, the tracking verdict)."""
+    parts = [f"{plural(counts.inputs, 'input')}, {plural(counts.ops, 'op')}, {plural(counts.module_calls, 'module call')}"]
+    if counts.unselected:
+        parts.append(f"{counts.unselected} not selected")
+    if counts.folded_total:
+        parts.append(f"{counts.folded_total} folded (depth={depth})")
+    if counts.lines_suppressed:
+        parts.append(f"{counts.lines_suppressed} lines not printed (max_lines={max_lines})")
+    parts.extend(extra)
+    return parts
+
+
+def render_limit_note(max_lines: int) -> str:
+    """The one note printed when `max_lines` is reached."""
+    return render_note(f"max_lines={max_lines} reached: narration stops here; the run goes on")
 
 
 def render_footer(parts: Iterable[str]) -> str:

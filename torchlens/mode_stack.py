@@ -17,6 +17,14 @@ import torch
 _current = torch.overrides._get_current_function_mode_stack
 _pop = torch._C._pop_torch_function_stack
 _push = torch._C._push_on_torch_function_stack
+_disabled = torch._C.DisableTorchFunction  # torch calls made inside reach no mode, no subclass
+
+
+def own_work(nested: bool):
+    """Context for a capture's own torch calls (statistics, kept copies, inputs, the footer): made
+    invisible to other captures in the thread when there are any (`nested`), a no-op otherwise.
+    Disabling torch function dispatch costs half a microsecond; it is paid only when needed."""
+    return _disabled() if nested else contextlib.nullcontext()
 
 
 def is_capture(mode) -> bool:

@@ -23,6 +23,45 @@ from .ranks import shared_sink_tag
 from .sinks import ListSink, Sink, open_sink
 
 
+class PassCounts:
+    """What a narrator has counted and noted so far in a pass: besides the events and the options,
+    the only thing its later lines and footer depend on.
+
+    The block cache (`Narrator.feed_block`) keys on `snapshot()` and puts a cached block's end
+    state back with `restored()`, both derived from `__slots__`: a counter added here is part of
+    the cache key and of what is restored by construction, so cached narration cannot drift from
+    event-by-event narration.
+    """
+
+    __slots__ = ("lines_written", "lines_suppressed", "ops", "inputs", "module_calls", "unselected",
+                 "folded_total", "folded", "limit_noted", "nonfinite_noted")
+    _MAPPINGS = ("folded",)  # scope key -> ops folded into its exit line, while it is open
+
+    def __init__(self):
+        self.lines_written = 0
+        self.lines_suppressed = 0  # lines past `max_lines`
+        self.ops = 0
+        self.inputs = 0
+        self.module_calls = 0
+        self.unselected = 0  # ops and inputs a selector left out
+        self.folded_total = 0  # ops deeper than `depth`
+        self.folded = {}
+        self.limit_noted = False  # the `max_lines` note was printed
+        self.nonfinite_noted = False  # the pass's `!!` finding line was printed
+
+    def snapshot(self) -> tuple:
+        """A hashable copy of every field."""
+        return tuple(tuple(getattr(self, name).items()) if name in self._MAPPINGS else getattr(self, name)
+                     for name in self.__slots__)
+
+    @classmethod
+    def restored(cls, snapshot: tuple) -> "PassCounts":
+        counts = cls.__new__(cls)
+        for name, value in zip(cls.__slots__, snapshot):
+            setattr(counts, name, dict(value) if name in cls._MAPPINGS else value)
+        return counts
+
+
 class Narrator:
     """Writes the lines of one or more forward passes to one sink."""
 
@@ -49,16 +88,7 @@ class Narrator:
 
     def begin_pass(self, header: Optional[str] = None) -> None:
         """Reset the counters the footer reports; optionally print a pass header note."""
-        self.lines_written = 0
-        self.lines_suppressed = 0
-        self.ops = 0
-        self.inputs = 0
-        self.module_calls = 0
-        self.unselected = 0
-        self.folded_total = 0
-        self._folded = {}
-        self._limit_noted = False
-        self._nonfinite_noted = False
+        self.counts = PassCounts()
         self._header = header
         if header is not None and not self._quiet:  # with on_error_only, only a failed pass shows it
             self._write(grammar.render_note(header))
@@ -66,21 +96,22 @@ class Narrator:
     def feed(self, event: Event) -> None:
         """Narrate one event (or count why it is not narrated)."""
         kind = event.kind
+        counts = self.counts
         if kind is OP:
-            self.ops += 1
+            counts.ops += 1
         elif kind is INPUT:
-            self.inputs += 1
+            counts.inputs += 1
         elif kind is ENTER:
-            self.module_calls += 1
+            counts.module_calls += 1
         if self._plain and event.stats is None:  # the common case, on every event: print it
-            self.lines_written += 1
+            counts.lines_written += 1
             self._write(grammar.render_event(event, self._sites, self._normalize))
             return
         if self._quiet:
             return
         if self._select is not None and not self._select(event):
             if kind is OP or kind is INPUT:
-                self.unselected += 1
+                counts.unselected += 1
             return
         folded = 0
         if self._depth is not None:
@@ -93,13 +124,13 @@ class Narrator:
             if kind is EXIT:
                 if depth > self._depth:
                     return
-                folded = self._folded.pop(event.scope.key, 0)
+                folded = counts.folded.pop(event.scope.key, 0)
         printed = self._emit(grammar.render_event(event, self._sites, self._normalize, folded))
         # Only for a printed line whose finding was known as it was printed (`Finding.live`), so
         # the note appears after the fact exactly where it appeared live.
         finding = event.finding
-        if printed and finding is not None and finding.live and not self._nonfinite_noted:
-            self._nonfinite_noted = True
+        if printed and finding is not None and finding.live and not counts.nonfinite_noted:
+            counts.nonfinite_noted = True
             self._emit(grammar.render_failure(finding.text))
 
     def prints(self, event: Event) -> bool:
@@ -108,16 +139,17 @@ class Narrator:
             return False
         if self._depth is not None and event.scope.depth > self._depth and event.kind is not EXIT:
             return False
-        return self._max_lines is None or self.lines_written < self._max_lines
+        return self._max_lines is None or self.counts.lines_written < self._max_lines
 
     def _fold(self, event: Event) -> None:
         """Count an op too deep to show against the innermost shown module call around it."""
-        self.folded_total += 1
+        counts = self.counts
+        counts.folded_total += 1
         scope = event.scope
         while scope.depth > self._depth:
             scope = scope.parent
         if scope.parent is not None:
-            self._folded[scope.key] = self._folded.get(scope.key, 0) + 1
+            counts.folded[scope.key] = counts.folded.get(scope.key, 0) + 1
 
     def feed_block(self, events: Sequence[Event], cache: dict) -> None:
         """Narrate a run of events that recurs identically (a compiled graph's ops, call after call).
@@ -126,7 +158,7 @@ class Narrator:
         the state before, so they are computed once per starting state and replayed: one sink
         write per graph call instead of one render per op.
         """
-        before = self._state()
+        before = self.counts.snapshot()
         hit = cache.get(before)
         if hit is None:
             self._captured = []
@@ -137,24 +169,12 @@ class Narrator:
             finally:
                 self._captured = None
             if len(cache) < 8:
-                cache[before] = hit = (lines, self._state())
+                cache[before] = hit = (lines, self.counts.snapshot())
             self._write_block(lines)
             return
         lines, after = hit
         self._write_block(lines)
-        self._restore(after)
-
-    def _state(self) -> tuple:
-        return (
-            self.lines_written, self.lines_suppressed, self.ops, self.inputs, self.module_calls,
-            self.unselected, self.folded_total, tuple(self._folded.items()), self._limit_noted,
-            self._nonfinite_noted,
-        )
-
-    def _restore(self, state: tuple) -> None:
-        (self.lines_written, self.lines_suppressed, self.ops, self.inputs, self.module_calls,
-         self.unselected, self.folded_total, folded, self._limit_noted, self._nonfinite_noted) = state
-        self._folded = dict(folded)
+        self.counts = PassCounts.restored(after)
 
     def end_pass(self, extra: Sequence[str] = ()) -> None:
         """Print the footer that closes a pass."""
@@ -163,18 +183,7 @@ class Narrator:
         self._write(grammar.render_footer(self.footer_parts(extra)))
 
     def footer_parts(self, extra: Sequence[str] = ()) -> List[str]:
-        parts = [
-            grammar.plural(self.inputs, "input") + ", " + grammar.plural(self.ops, "op") + ", "
-            + grammar.plural(self.module_calls, "module call")
-        ]
-        if self.unselected:
-            parts.append(f"{self.unselected} not selected")
-        if self.folded_total:
-            parts.append(f"{self.folded_total} folded (depth={self._depth})")
-        if self.lines_suppressed:
-            parts.append(f"{self.lines_suppressed} lines not printed (max_lines={self._max_lines})")
-        parts.extend(extra)
-        return parts
+        return grammar.footer_parts(self.counts, self._depth, self._max_lines, extra)
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -205,13 +214,14 @@ class Narrator:
 
     def _emit(self, line: str) -> bool:
         """A narrated line: counted against `max_lines`. Returns whether it was printed."""
-        if self._max_lines is not None and self.lines_written >= self._max_lines:
-            self.lines_suppressed += 1
-            if not self._limit_noted:
-                self._limit_noted = True
-                self._write(grammar.render_note(f"max_lines={self._max_lines} reached: narration stops here; the run goes on"))
+        counts = self.counts
+        if self._max_lines is not None and counts.lines_written >= self._max_lines:
+            counts.lines_suppressed += 1
+            if not counts.limit_noted:
+                counts.limit_noted = True
+                self._write(grammar.render_limit_note(self._max_lines))
             return False
-        self.lines_written += 1
+        counts.lines_written += 1
         self._write(line)
         return True
 
@@ -317,10 +327,10 @@ def failure_block(events, attempt, error: str, options: NarrationOptions, last: 
             rendered.extend((line, event) for line in sink.lines)
         sink.lines.clear()
     start = 0 if last is None else max(0, len(rendered) - last)
-    out = [grammar.render_failure(f"forward failed: {error}")]
+    out = [grammar.render_failure_header(error)]
     if start:
         out.extend(_open_enter_lines(rendered[:start]))
-        out.append(grammar.render_note(f"... {start} earlier line{'s' if start != 1 else ''}"))
+        out.append(grammar.render_earlier_lines_note(start))
     out.extend(line for line, _ in rendered[start:])
     if attempt is not None:
         out.extend(grammar.render_attempt(attempt, options.normalize))

@@ -7,18 +7,17 @@ reads the environment: narration is only ever turned on by code.
 
 from __future__ import annotations
 
-import logging
-import os
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
 from .selectors import Selector, as_selector
-from .sinks import check_writable, checked_sink, is_sink_target
+from .sinks import check_writable, checked_sink, sink_kind
 
-__all__ = ["NarrationOptions", "VALUE_STATS", "ON_NONFINITE"]
+__all__ = ["NarrationOptions", "VALUE_STATS", "ON_NONFINITE", "STATS_ON"]
 
 VALUE_STATS = ("off", "reuse", "sampled", "exact")
 ON_NONFINITE = (None, "track", "raise")
+STATS_ON = ("ops", "module_outputs")
 
 _FIELDS = (
     "sink",
@@ -76,12 +75,7 @@ class NarrationOptions:
                 f"NarrationOptions got an unknown option {name!r}{suggest(name, _FIELDS)}; "
                 f"accepted: {', '.join(_FIELDS)}"
             )
-        if not is_sink_target(sink):
-            raise OptionTypeError(
-                f"NarrationOptions(sink=...) takes a path, a text stream, a callable taking one line, "
-                f"a logging.Logger, or None for stderr; got {type(sink).__name__}"
-            )
-        sink = checked_sink(sink)  # a path's template fields and directory, before any forward runs
+        sink = checked_sink(sink)  # its kind; a path's template fields and directory, before any forward runs
         self.sink = sink
         self.sites = check_bool("NarrationOptions", "sites", sites)
         self.select = None if select is None else as_selector(select)
@@ -162,9 +156,7 @@ def resolve_narrate(narrate):
         return narrate
     if isinstance(narrate, Selector):
         return NarrationOptions(select=narrate)
-    if isinstance(narrate, (str, os.PathLike, logging.Logger)) or callable(getattr(narrate, "write", None)):
-        return NarrationOptions(sink=narrate)
-    if callable(narrate):
+    if sink_kind(narrate) is not None:
         return NarrationOptions(sink=narrate)
     raise OptionTypeError(f"{NARRATE_ACCEPTS}; got {narrate!r} ({type(narrate).__name__})")
 
@@ -213,14 +205,77 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
             "value_stats='reuse' prints what non-finite tracking computed; turn tracking on with "
             "on_nonfinite='track' (or 'raise'), or pick value_stats='sampled' or 'exact'"
         )
-    narration = resolve_narrate(narrate)
+    narration = check_keyword("narrate", "narrate", narrate)
     if narration is not None:
         check_writable(narration.sink)
     return Settings(
         narration,
-        check_value_stats(value_stats),
-        check_on_nonfinite(on_nonfinite),
+        check_keyword("value_stats", "value_stats", value_stats),
+        check_keyword("on_nonfinite", "on_nonfinite", on_nonfinite),
         keep_values=keep_values,
         keep_on_cpu=keep_on_cpu,
         max_bytes=max_bytes,
     )
+
+
+def check_stats_on(owner: str, value) -> str:
+    if not isinstance(value, str):
+        raise OptionTypeError(f"{owner} stats_on= takes {describe_choices(STATS_ON)}, got {value!r}")
+    if value not in STATS_ON:
+        raise OptionValueError(f"{owner} stats_on={value!r}: accepted are {describe_choices(STATS_ON)}")
+    return value
+
+
+def check_compiler(owner: str, compiler):
+    """A backend callable, or the name of a registered dynamo backend other than torchlens itself."""
+    if callable(compiler):
+        return compiler
+    if not isinstance(compiler, str):
+        raise OptionTypeError(f"compiler= takes a backend name such as 'inductor' or 'eager', or a backend callable; got {compiler!r}")
+    if compiler == "torchlens":
+        raise OptionValueError("compiler='torchlens' would instrument the graph twice; name the compiler underneath, e.g. 'inductor'")
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=()) + ["eager"]
+    if compiler not in known:
+        raise OptionValueError(f"compiler={compiler!r}{suggest(compiler, known)}: not a registered backend; known: {', '.join(sorted(set(known)))}")
+    return compiler
+
+
+# -- every capture keyword, which entry points take it, and how it is checked ----------------------
+
+RECORD, TRACE, RECORDER, COMPILE = "tl.record", "tl.trace", "Recorder", "tl.compile"
+
+
+class Keyword(NamedTuple):
+    """A torchlens keyword: the entry points that take it, and its check `(owner, value) -> value`
+    (raises `OptionTypeError` / `OptionValueError` naming `owner(name=...)` and what is accepted)."""
+
+    name: str
+    takes: Tuple[str, ...]
+    check: Callable[[str, Any], Any]
+
+
+KEYWORDS: Tuple[Keyword, ...] = (
+    Keyword("narrate", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: resolve_narrate(value)),
+    Keyword("value_stats", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_value_stats(value)),
+    Keyword("on_nonfinite", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_on_nonfinite(value)),
+    Keyword("keep_on_cpu", (TRACE,), lambda owner, value: check_bool(owner, "keep_on_cpu", value)),
+    Keyword("max_bytes", (TRACE,), lambda owner, value: check_count(owner, "max_bytes", value, none_means="no limit")),
+    Keyword("keep", (RECORDER,), lambda owner, value: check_count(owner, "keep", value, none_means="every pass")),
+    Keyword("tail", (RECORDER,), lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
+    Keyword("live", (COMPILE,), lambda owner, value: check_bool(owner, "live", value)),
+    Keyword("compiler", (COMPILE,), check_compiler),
+    Keyword("stats_on", (COMPILE,), check_stats_on),
+)
+_BY_NAME = {keyword.name: keyword for keyword in KEYWORDS}
+
+
+def keywords_of(entry: str) -> Tuple[str, ...]:
+    """The names of the keywords `entry` (RECORD, TRACE, RECORDER, COMPILE) takes, in table order."""
+    return tuple(keyword.name for keyword in KEYWORDS if entry in keyword.takes)
+
+
+def check_keyword(owner: str, name: str, value):
+    """`value` of keyword `name`, checked as the table says (the same for every entry point)."""
+    return _BY_NAME[name].check(owner, value)

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 
-from .errors import OptionValueError
+from .errors import OptionTypeError, OptionValueError
 from .ranks import expand_path, template_fields
 
 
@@ -131,37 +131,45 @@ def is_stream(obj) -> bool:
     return callable(getattr(obj, "write", None)) and not isinstance(obj, (str, bytes, os.PathLike))
 
 
-def open_sink(target) -> Sink:
-    """Build the sink for an already-validated `NarrationOptions.sink` value."""
-    if target is None or target is True:
-        return StderrSink()
-    if isinstance(target, Sink):
-        return target
-    if isinstance(target, StandardStream):
-        return StreamSink(getattr(sys, target))
-    if isinstance(target, (str, os.PathLike)):
-        return FileSink(expand_path(os.fsdecode(target)))
-    if isinstance(target, logging.Logger):
-        return LoggerSink(target)
-    if is_stream(target):
-        return StreamSink(target)
-    return CallableSink(target)
-
-
-def is_sink_target(obj) -> bool:
-    """Whether `open_sink` knows what to do with `obj` (used to validate options). A selector is
-    callable but is not a sink: `NarrationOptions(select=...)` is where it goes."""
+def sink_kind(target):
+    """What a `narrate=` / `NarrationOptions(sink=)` value is as a sink — "stderr", "sink",
+    "standard" (a checked "stdout"/"stderr"), "path", "logger", "stream", "callable" — or None
+    when it is none of them. The one reading of a sink target: validating, checking and opening
+    all go by it. A selector is callable but is not a sink: `NarrationOptions(select=...)` is
+    where it goes."""
     from .selectors import Selector
 
-    if isinstance(obj, Selector):
-        return False
-    return (
-        obj is None
-        or obj is True
-        or isinstance(obj, (Sink, str, os.PathLike, logging.Logger))
-        or is_stream(obj)
-        or callable(obj)
-    )
+    if target is None or target is True:
+        return "stderr"
+    if isinstance(target, Sink):
+        return "sink"
+    if isinstance(target, StandardStream):
+        return "standard"
+    if isinstance(target, (str, os.PathLike)):
+        return "path"
+    if isinstance(target, logging.Logger):
+        return "logger"
+    if is_stream(target):
+        return "stream"
+    if callable(target) and not isinstance(target, Selector):
+        return "callable"
+    return None
+
+
+_OPENERS = {
+    "stderr": lambda target: StderrSink(),
+    "sink": lambda target: target,
+    "standard": lambda target: StreamSink(getattr(sys, target)),
+    "path": lambda target: FileSink(expand_path(os.fsdecode(target))),
+    "logger": LoggerSink,
+    "stream": StreamSink,
+    "callable": CallableSink,
+}
+
+
+def open_sink(target) -> Sink:
+    """Build the sink for a value `checked_sink` returned."""
+    return _OPENERS[sink_kind(target)](target)
 
 
 class SinkPath(str):
@@ -177,13 +185,19 @@ class SinkPath(str):
 
 
 def checked_sink(target):
-    """Check a sink target beyond its type, before any forward runs; return what to keep.
+    """Check a sink target before any forward runs; return what to keep (and later open).
 
-    A path must name only fields `ranks` fills in, and its directory must exist: the file is
-    created at the run's first line, inside the forward, where a failure could only turn
-    narration off with a warning.
+    Its kind must be one `sink_kind` knows. A path must name only fields `ranks` fills in, and its
+    directory must exist: the file is created at the run's first line, inside the forward, where a
+    failure could only turn narration off with a warning.
     """
-    if isinstance(target, (SinkPath, StandardStream)) or not isinstance(target, (str, os.PathLike)):
+    kind = sink_kind(target)
+    if kind is None:
+        raise OptionTypeError(
+            f"NarrationOptions(sink=...) takes a path, a text stream, a callable taking one line, "
+            f"a logging.Logger, or None for stderr; got {type(target).__name__}"
+        )
+    if kind != "path" or isinstance(target, SinkPath):
         return target
     path = os.fsdecode(target)
     if path in ("stdout", "stderr"):

@@ -36,7 +36,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import INPUT, Event, StatsGroup
-from .grammar import counts_text, op_ref
+from .grammar import op_ref
+from .stats_text import counts_text
 from .stats import plain_values, unwrapped
 
 NAN, POSINF, NEGINF = 1, 2, 4

@@ -22,7 +22,6 @@ Two rules keep this safe around `torch.compile`:
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 
@@ -35,9 +34,9 @@ from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
 from ..writes import written_tensor
-from .fastpaths import keep_fast_paths, release_fast_paths
-from .compiled_regions import install_for_dynamo, run_by_dynamo
-from ..mode_stack import remove_mode, under_a_capture
+from ..fastpaths import keep_fast_paths, release_fast_paths
+from ..compiled_regions import install_for_dynamo, run_by_dynamo
+from ..mode_stack import own_work, remove_mode, under_a_capture
 from ..structure import named_outputs
 
 _Tensor = torch.Tensor
@@ -53,10 +52,6 @@ def captures_in_thread() -> int:
     return getattr(_threads, "captures", 0)
 
 
-def own_work(nested: bool):
-    """Context for a capture's own torch calls (statistics, kept copies, inputs, the footer): made
-    invisible to other captures in the thread when there are any, a no-op otherwise."""
-    return _own_work() if nested else contextlib.nullcontext()
 
 
 def unwinding() -> bool:
@@ -150,10 +145,10 @@ class OpReporter:
     (the session's current scope), the compiled path's gap capture reads it from the stack.
     """
 
-    def __init__(self, session: Session, observers=()):
+    def __init__(self, session: Session, keeper=None):
         self.session = session
         self.sites = session.settings.sites
-        self.observers = tuple(observers)  # called as observer(event, output) after each op
+        self.keeper = keeper  # `tl.trace`'s ValueKeeper, called as keeper(event, output) after each op
         self.paused = False
         self.ops = 0
         self.nested = False  # another capture's mode is below ours in this thread
@@ -184,15 +179,15 @@ class OpReporter:
             internal_error("recording an op", exc)
 
     def record_op(self, name: str, metas, site, out, args, kwargs=None) -> None:
-        """Add an op to the session, with what it read when tracking, and show it to observers."""
+        """Add an op to the session, with what it read when tracking, and keep its output (`tl.trace`)."""
         tracker = self.session.tracker
         if tracker is None:
             event = self.session.add_op(name, metas, site, None, out)
         else:
             event = self.session.add_op(name, metas, site, None, out, tracker.reads_of(args, kwargs or {}))
             tracker.produced(event, out, args, kwargs)
-        for observe in self.observers:
-            observe(event, out)
+        if self.keeper is not None:
+            self.keeper(event, out)
         self.ops += 1
 
     def op_raised(self, func, args, kwargs, exc) -> None:
@@ -210,8 +205,8 @@ class EagerCapture(OpReporter):
 
     reports_graph_calls = True
 
-    def __init__(self, session: Session, scopes: ScopeTable, observers=()):
-        super().__init__(session, observers)
+    def __init__(self, session: Session, scopes: ScopeTable, keeper=None):
+        super().__init__(session, keeper)
         self.scopes = scopes
         self.thread = _get_ident()
         self._mode = CaptureMode(self)

@@ -16,14 +16,14 @@ from torch import nn
 
 from ..errors import OptionValueError, RecorderStateError
 from ..events import Event
-from ..grammar import render_note
+from ..grammar import render_dropped_events_note
 from ..narrator import Narrator, render_lines
-from ..options import NarrationOptions, Settings, check_count, make_settings
+from ..options import NarrationOptions, Settings, check_keyword, make_settings
 from ..results import Recording, Transcript
 from ..sites import still_running
 from ..session import internal_error
 from .capture import unwinding
-from .runner import EagerRun
+from .runner import EagerPass
 from ..structure import check_model, check_selection
 
 
@@ -47,8 +47,8 @@ class Recorder:
     def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
                  keep: Optional[int] = None, tail: Optional[int] = None):
         check_model(model, "Recorder")
-        keep = check_count("Recorder", "keep", keep, none_means="every pass")
-        tail = check_count("Recorder", "tail", tail, minimum=1, none_means="no tail")
+        keep = check_keyword("Recorder", "keep", keep)
+        tail = check_keyword("Recorder", "tail", tail)
         self.model = model
         self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite)
         check_selection(self.settings, [name for name, _ in model.named_modules()])
@@ -57,7 +57,7 @@ class Recorder:
         self.passes = 0
         self._narrator: Optional[Narrator] = None
         self._handles = []
-        self._run: Optional[EagerRun] = None
+        self._run: Optional[EagerPass] = None
         self._call_frame = None
         self._thread = None
 
@@ -93,7 +93,7 @@ class Recorder:
         """
         run, self._run = self._run, None
         try:
-            self._keep(run.abort(exc if exc is not None else PassCutShort()))
+            self._keep(run.fail(exc if exc is not None else PassCutShort()))
         except Exception as inner:
             internal_error("ending an interrupted pass", inner)
         finally:
@@ -128,7 +128,7 @@ class Recorder:
             rendered = render_lines([event for _, _, event in group], options.replace(prefix=""), f"pass {number}")
             dropped = group[0][1]  # the first kept event's index in its pass
             if dropped:
-                rendered.insert(1, render_note(f"... {dropped} earlier events of pass {number} not kept"))
+                rendered.insert(1, render_dropped_events_note(dropped, number))
             lines += rendered
         return Transcript("".join(options.prefix + line + "\n" for line in lines))
 
@@ -142,7 +142,7 @@ class Recorder:
         self._call_frame = sys._getframe(1)  # the model's `_call_impl`, running this pass
         try:
             self.passes += 1
-            self._run = EagerRun(self.model, self.settings, self._narrator, header=f"pass {self.passes}")
+            self._run = EagerPass(self.model, self.settings, self._narrator, header=f"pass {self.passes}")
             self._run.begin(args, kwargs)
         except Exception as exc:
             if self._run is not None:
@@ -159,7 +159,7 @@ class Recorder:
             return None
         self._run = None
         try:
-            self._keep(run.abort(sys.exc_info()[1]) if unwinding() else run.end(output))
+            self._keep(run.fail(sys.exc_info()[1]) if unwinding() else run.finish(output))
         except Exception as exc:
             internal_error("ending a pass", exc)
         finally:

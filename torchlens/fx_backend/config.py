@@ -13,11 +13,10 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ..errors import OptionTypeError, OptionValueError, describe_choices, suggest
-from ..options import Settings, check_bool, make_settings
+from ..errors import OptionTypeError, suggest
+from ..options import COMPILE, Settings, check_keyword, keywords_of, make_settings
 
-OPTION_KEYS = ("narrate", "value_stats", "on_nonfinite", "live", "compiler", "stats_on")
-STATS_ON = ("ops", "module_outputs")
+OPTION_KEYS = keywords_of(COMPILE)
 
 
 class CompileConfig:
@@ -34,12 +33,9 @@ class CompileConfig:
 
 def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",
                 stats_on="ops", keep_values=False, keep_on_cpu=False, max_bytes=None) -> CompileConfig:
-    check_bool("compiled options", "live", live)
-    if not isinstance(stats_on, str):
-        raise OptionTypeError(f"compiled option stats_on= takes {describe_choices(STATS_ON)}, got {stats_on!r}")
-    if stats_on not in STATS_ON:
-        raise OptionValueError(f"compiled option stats_on={stats_on!r}: accepted are {describe_choices(STATS_ON)}")
-    check_compiler(compiler)
+    live = check_keyword("compiled options", "live", live)
+    stats_on = check_keyword("compiled option", "stats_on", stats_on)
+    compiler = check_keyword("compiled options", "compiler", compiler)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=keep_values,
                              keep_on_cpu=keep_on_cpu, max_bytes=max_bytes)
     return CompileConfig(settings, live, compiler, stats_on)
@@ -58,18 +54,6 @@ def config_from_options(options: Optional[Mapping[str, Any]]) -> CompileConfig:
                 f"accepted: {', '.join(OPTION_KEYS)}"
             )
     return make_config(**options)
-
-
-def check_compiler(compiler) -> None:
-    if callable(compiler):
-        return
-    if not isinstance(compiler, str):
-        raise OptionTypeError(f"compiler= takes a backend name such as 'inductor' or 'eager', or a backend callable; got {compiler!r}")
-    if compiler == "torchlens":
-        raise OptionValueError("compiler='torchlens' would instrument the graph twice; name the compiler underneath, e.g. 'inductor'")
-    known = torch._dynamo.list_backends(exclude_tags=()) + ["eager"]
-    if compiler not in known:
-        raise OptionValueError(f"compiler={compiler!r}{suggest(compiler, known)}: not a registered backend; known: {', '.join(sorted(set(known)))}")
 
 
 def inner_compile(compiler, gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None) -> Callable:

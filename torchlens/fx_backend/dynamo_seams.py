@@ -17,44 +17,70 @@ and its docstring says what is lost then.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from ..naming import USER_SPELLING, node_name
+from ..sites import still_running
 
 _WRAPPER_NAME = "compile_wrapper"
 
 
-def find_call_frame():
-    """The innermost frame of a `torch.compile` wrapper call on this thread's stack, or None."""
+class CompiledCall(NamedTuple):
+    """A call of a `torch.compile` wrapper in progress: the forward boundary of a compiled model.
+
+    Read from the wrapper's frame (`compile_wrapper`'s locals): the callable it runs and this
+    call's arguments. A compiled forward begins when the wrapper calls its context's enter hooks
+    (`hook_calls`) and ends when it runs the cleanups they returned — or, for the call during
+    which the backend first saw the model, the cleanup added by `when_call_ends`.
+    """
+
+    frame: Any
+    fn: Optional[Callable]
+    args: tuple
+    kwargs: dict
+
+    @property
+    def context(self):
+        """The dynamo context whose wrapper runs this call (it holds the enter hooks)."""
+        return self.frame.f_locals.get("self")
+
+    def running(self) -> bool:
+        """Whether this call is still on the stack (false once the wrapper returned or raised)."""
+        return still_running(self.frame)
+
+
+def current_call() -> Optional[CompiledCall]:
+    """The innermost `torch.compile` wrapper call on this thread's stack, or None."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == _WRAPPER_NAME and "cleanups" in frame.f_code.co_varnames:
-            return frame
+            local = frame.f_locals
+            return CompiledCall(frame, local.get("fn"), tuple(local.get("args", ())), dict(local.get("kwargs", {})))
         frame = frame.f_back
     return None
 
 
-def context_of_frame(frame) -> Optional[Any]:
-    """The dynamo context whose wrapper `frame` is running."""
-    return frame.f_locals.get("self") if frame is not None else None
+def hook_calls(ctx, hook: Callable[[], Callable[[], None]]) -> bool:
+    """Have `hook()` called before every call of the compiled callable `ctx` wraps; the cleanup it
+    returns is called after the call, also when it raises. False if `ctx` has no such hooks."""
+    hooks = getattr(ctx, "enter_exit_hooks", None)
+    if not isinstance(hooks, list):
+        return False
+    if hook not in hooks:
+        hooks.append(hook)
+    return True
 
 
-def call_of_frame(frame) -> Tuple[Optional[Callable], tuple, dict]:
-    """The callable the wrapper runs and the arguments of this call."""
-    local = frame.f_locals
-    return local.get("fn"), tuple(local.get("args", ())), dict(local.get("kwargs", {}))
-
-
-def end_call_with(frame, cleanup: Callable[[], None]) -> bool:
-    """Run `cleanup` when the wrapper call running in `frame` returns or raises.
+def when_call_ends(call: CompiledCall, cleanup: Callable[[], None]) -> bool:
+    """Run `cleanup` when `call` returns or raises.
 
     Used once, for the call during which the backend first sees a model compiled with the string
     backend: its own enter hooks were evaluated before the backend existed. Without it that first
     forward is closed when the next one begins.
     """
-    cleanups = frame.f_locals.get("cleanups")
+    cleanups = call.frame.f_locals.get("cleanups")
     if not isinstance(cleanups, list):
         return False
     cleanups.append(cleanup)
@@ -62,17 +88,21 @@ def end_call_with(frame, cleanup: Callable[[], None]) -> bool:
 
 
 def call_outcome():
-    """Called from a cleanup: (whether the wrapper call succeeded, the value it returns).
+    """Called from a cleanup: (whether the wrapper call succeeded, the value it returns, the
+    exception it raised).
 
     Read from the wrapper's own locals, not from `sys.exc_info()`: a cleanup runs in a `finally`,
     where `exc_info` also reports an exception the *caller* is handling (a compiled model called
     inside an `except` block). Without the frame: judged by `exc_info` after all.
     """
-    frame = find_call_frame()
-    if frame is None:
-        return sys.exc_info()[1] is None, None
-    succeeded = bool(frame.f_locals.get("call_succeeded", False))
-    return succeeded, frame.f_locals.get("result") if succeeded else None
+    call = current_call()
+    raised = sys.exc_info()[1]
+    if call is None:
+        return raised is None, None, raised
+    succeeded = bool(call.frame.f_locals.get("call_succeeded", False))
+    if succeeded:
+        return True, call.frame.f_locals.get("result"), None
+    return False, None, raised or RuntimeError("the compiled call failed")
 
 
 def context_of_compiled(compiled) -> Optional[Any]:
@@ -84,15 +114,6 @@ def context_of_compiled(compiled) -> Optional[Any]:
     if code is None or code.co_name != _WRAPPER_NAME or "self" not in code.co_freevars:
         return None
     return compiled.__closure__[code.co_freevars.index("self")].cell_contents
-
-
-def add_enter_hook(ctx, hook: Callable[[], Callable[[], None]]) -> bool:
-    hooks = getattr(ctx, "enter_exit_hooks", None)
-    if not isinstance(hooks, list):
-        return False
-    if hook not in hooks:
-        hooks.append(hook)
-    return True
 
 
 def adopt_mode_for_this_compile(mode) -> bool:

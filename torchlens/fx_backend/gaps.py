@@ -19,7 +19,7 @@ class GapCapture(OpReporter):
     """The capture `CaptureMode` reports to during a compiled forward."""
 
     def __init__(self, session: Session, scopes: ScopeTable, keeper=None):
-        super().__init__(session, [keeper] if keeper is not None else [])
+        super().__init__(session, keeper)
         self.scopes = scopes
 
     follows_stack = True

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from torch import fx
 
-from ..eager.capture import own_work
+from ..mode_stack import own_work
 from ..session import internal_error
 from ..stats import measures
 from .config import inner_compile
@@ -25,7 +25,7 @@ from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
 from .active import active_run
-from .runtime import CompiledRun, CompiledRuntime
+from .runtime import CompiledPass, CompiledRuntime
 from .stats_pass import add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
 
@@ -49,7 +49,7 @@ class CompiledGraph:
             return self._call_alone(args)
         return self._call(run, args, sys._getframe(1))
 
-    def _call(self, run: CompiledRun, args, caller):
+    def _call(self, run: CompiledPass, args, caller):
         prepared = self._prepare(run, args, caller)
         # Inside an eager capture's forward, a graph computing statistics or kept copies runs
         # unseen by that capture: those are not the model's ops (with inductor none are seen).
@@ -77,7 +77,7 @@ class CompiledGraph:
                     internal_error("narrating a compiled graph", exc)
         return out
 
-    def _prepare(self, run: CompiledRun, args, caller):
+    def _prepare(self, run: CompiledPass, args, caller):
         """The module this call runs in (None if it cannot be told: the call is then not narrated)."""
         try:
             run.graph_calls += 1
@@ -102,18 +102,15 @@ class CompiledGraph:
 
     def _call_alone(self, args):
         """A graph called outside any narrated forward (no wrapper hook): a run of its own."""
-        run = self.runtime.begin(None, (), {}, push_mode=False)
+        run = self.runtime.start(None, push_mode=False)
         if run is None:
             return self.fn(*args)
         try:
             out = self._call(run, args, sys._getframe(2))
         except BaseException as exc:
-            run.fail(exc)
+            run.end(False, exc=exc)
             raise
-        else:
-            run.finish(None)
-        finally:
-            run.close()
+        run.end(True)
         return out
 
     def emit(self, index: int, value) -> None:

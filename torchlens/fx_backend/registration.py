@@ -23,7 +23,7 @@ _RUNTIME_ATTR = "_torchlens_runtime"
 def prepare_tracing() -> None:
     """Before dynamo traces a frame for this backend: it traces the user's code as plain
     `torch.compile` does, and records the spellings the op names need (see `dynamo_seams`)."""
-    from ..eager.compiled_regions import install_for_dynamo
+    from ..compiled_regions import install_for_dynamo
     from .dynamo_seams import record_user_spellings
 
     record_user_spellings()
@@ -36,25 +36,25 @@ def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optiona
     from .config import config_from_options
     from .graph import compile_graph
 
-    frame = dynamo_seams.find_call_frame()
-    ctx = dynamo_seams.context_of_frame(frame)
+    call = dynamo_seams.current_call()
+    ctx = call.context if call is not None else None
     runtime = getattr(ctx, _RUNTIME_ATTR, None)
     if runtime is None:
-        runtime = runtime_for(ctx, frame, config_from_options(options))
+        runtime = runtime_for(call, config_from_options(options))
     return compile_graph(runtime, gm, example_inputs, mode)
 
 
-def runtime_for(ctx, frame, config):
-    """Create the runtime of a compiled model the first time the backend sees it."""
+def runtime_for(call, config):
+    """Create the runtime of a compiled model the first time the backend sees it (during `call`,
+    the wrapper call being compiled; None for a graph compiled outside one)."""
     from . import dynamo_seams
     from ..structure import module_of
     from .runtime import CompiledRuntime
 
-    fn = dynamo_seams.call_of_frame(frame)[0] if frame is not None else None
-    runtime = CompiledRuntime(config, module_of(fn))
-    if ctx is not None and dynamo_seams.add_enter_hook(ctx, runtime.enter):
-        setattr(ctx, _RUNTIME_ATTR, runtime)
-        runtime.adopt_current_call(frame)
+    runtime = CompiledRuntime(config, module_of(call.fn if call is not None else None))
+    if call is not None and dynamo_seams.hook_calls(call.context, runtime.enter):
+        setattr(call.context, _RUNTIME_ATTR, runtime)
+        runtime.adopt(call)
     return runtime
 
 
@@ -76,7 +76,7 @@ def install(compiled, runtime) -> None:
 
     prepare_tracing()
     ctx = dynamo_seams.context_of_compiled(compiled)
-    if ctx is None or not dynamo_seams.add_enter_hook(ctx, runtime.enter):
+    if ctx is None or not dynamo_seams.hook_calls(ctx, runtime.enter):
         return  # graphs still narrate, each call of a graph as a forward of its own
     setattr(ctx, _RUNTIME_ATTR, runtime)
 

@@ -1,36 +1,37 @@
-"""Compiled forwards as narrated passes: one `CompiledRun` per call of a compiled model.
+"""Compiled forwards as narrated passes: one `CompiledPass` per call of a compiled model.
 
 A `CompiledRuntime` belongs to one compiled model (or function): its options, module names and
 forward count. Dynamo's wrapper calls the runtime's `enter` hook before each call of the compiled
-callable and the returned cleanup after it, so every call is one run: input events, then each
-compiled graph's plan and the eager code between graphs in the order they execute, all numbered
-by one ordinal sequence, then the outputs and the footer (or, on failure, the partial trace).
+callable and the returned cleanup after it (the boundary `dynamo_seams.CompiledCall` describes),
+so every call is one pass: input events, then each compiled graph's plan and the eager code
+between graphs in the order they execute, all numbered by one ordinal sequence, then the outputs
+and the footer (or, on failure, the partial trace).
+
+A pass begins only through `CompiledRuntime.start` — from the enter hook, from the first compile of
+a string-backend model (`adopt`), or for a graph called outside any wrapper — and ends only
+through `CompiledPass.end`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..eager.capture import CaptureMode, own_work
-from ..eager.fastpaths import keep_fast_paths, release_fast_paths
-from ..eager.compiled_regions import install_for_dynamo
-from ..structure import check_selection, named_arguments, named_outputs, tensor_names
+from ..eager.capture import CaptureMode
+from ..compiled_regions import install_for_dynamo
+from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..events import Scope, TensorMeta
-from ..mode_stack import lifted_if_on_top, remove_mode, under_a_capture
+from ..forward_pass import ForwardPass
 from ..grammar import UNFINISHED_NOTE, compiled_run_note
-from ..narrator import Narrator
+from ..mode_stack import lifted_if_on_top, remove_mode
 from ..results import Recording
 from ..scopes import ScopeTable
-from ..session import Session, internal_error
-from ..sites import still_running
-from ..stats import Meter
-from ..values import ValueKeeper
+from ..session import internal_error
+from ..structure import check_selection, named_arguments, tensor_names
 from . import dynamo_seams
 from .config import CompileConfig
 from .active import active_run, make_active, make_inactive
@@ -56,20 +57,19 @@ class CompiledRuntime:
         self.last_recording: Optional[Recording] = None
         self.last_graph_calls = 0
 
-    # -- forward boundaries ---------------------------------------------------------------------
+    # -- the forward boundary -------------------------------------------------------------------
 
     def enter(self) -> Callable[[], None]:
-        """Dynamo's enter hook: begin a run for this call; return the cleanup that ends it."""
+        """Dynamo's enter hook: begin a pass for this call; return the cleanup that ends it."""
         try:
-            frame = dynamo_seams.find_call_frame()
             current = active_run()
-            if current is not None and not current.in_progress():
+            if current is not None and not current.call_running():
                 current.abandon()  # its call ended without its cleanup (a first call, or dynamo raised)
                 current = None
-            if frame is None or current is not None:
+            call = dynamo_seams.current_call()
+            if call is None or current is not None:
                 return _nothing  # a compiled callable called inside a forward already being narrated
-            fn, args, kwargs = dynamo_seams.call_of_frame(frame)
-            run = self.begin(fn, args, kwargs, push_mode=True, call_frame=frame)
+            run = self.start(call, push_mode=True)
             return run.cleanup if run is not None else _nothing
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
@@ -77,38 +77,41 @@ class CompiledRuntime:
             internal_error("starting a compiled forward", exc)
             return _nothing
 
-    def begin(self, fn, args, kwargs, push_mode: bool, call_frame=None) -> Optional["CompiledRun"]:
-        run = None
-        try:
-            self.passes += 1
-            run = CompiledRun(self, header=f"pass {self.passes}", call_frame=call_frame)
-            run.begin(fn, args, kwargs, push_mode)
-            return run
-        except Exception as exc:
-            if run is not None:
-                if getattr(exc, "torchlens_stop", False):
-                    run.fail(exc)  # the partial trace of the inputs, attached to the stop
-                run.close()
-            if getattr(exc, "torchlens_stop", False):
-                raise
-            internal_error("starting a compiled forward", exc)
-            return None
-
-    def adopt_current_call(self, frame) -> None:
+    def adopt(self, call: dynamo_seams.CompiledCall) -> None:
         """First compile of a model compiled with the string backend: narrate the call in progress.
 
-        Its enter hooks ran before this backend existed, so the run begins here, the capture mode
-        joins the frame being compiled, and the run ends when the call does.
+        Its enter hooks ran before this backend existed, so the pass begins here, the capture mode
+        joins the frame being compiled, and the pass ends when the call does.
         """
         if active_run() is not None:
             return
-        fn, args, kwargs = dynamo_seams.call_of_frame(frame)
-        run = self.begin(fn, args, kwargs, push_mode=False, call_frame=frame)  # dynamo is tracing
+        run = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
         if run is None:
             return
         run.mode_pushed = dynamo_seams.adopt_mode_for_this_compile(run.mode)
-        if not dynamo_seams.end_call_with(frame, run.cleanup):
-            run.call_frame = None  # ended when the next call begins
+        if not dynamo_seams.when_call_ends(call, run.cleanup):
+            run.call = call._replace(frame=None)  # ended when the next call begins
+
+    def start(self, call: Optional[dynamo_seams.CompiledCall], push_mode: bool) -> Optional["CompiledPass"]:
+        """The one way a compiled pass begins: for a wrapper `call` in progress, or (None) for a
+        graph called outside any (then the graph call is the whole pass). None if it cannot."""
+        run = None
+        try:
+            self.passes += 1
+            run = CompiledPass(self, header=f"pass {self.passes}", call=call)
+            run.begin(push_mode)
+            return run
+        except Exception as exc:
+            stop = getattr(exc, "torchlens_stop", False)
+            if run is not None:
+                if stop:
+                    run.end(False, exc=exc)  # the partial trace of the inputs, attached to the stop
+                else:
+                    run.close()
+            if stop:
+                raise
+            internal_error("starting a compiled forward", exc)
+            return None
 
     def __reduce__(self):
         """A copied or saved compiled model carries no narration state: its copy's runtime is
@@ -144,53 +147,35 @@ def _forget_recording(runtime_ref) -> None:
         runtime.last_recording = None
 
 
-class CompiledRun:
-    """One compiled forward: its session, narrator and the capture of code between graphs."""
+class CompiledPass(ForwardPass):
+    """A `ForwardPass` made of compiled graph calls and the code dynamo runs between them."""
 
-    def __init__(self, runtime: CompiledRuntime, header: Optional[str], call_frame=None):
-        self.runtime = runtime
-        self.call_frame = call_frame  # dynamo's wrapper frame running this call
-        settings = runtime.config.settings
-        self.narrator = Narrator(settings.narration) if settings.narration is not None else None
+    def __init__(self, runtime: CompiledRuntime, header: Optional[str],
+                 call: Optional[dynamo_seams.CompiledCall] = None):
         scopes = runtime.scopes
-        self.session = Session(settings, scopes.root_scope, self.narrator, header,
-                               tensor_names=lambda: tensor_names(scopes.root))
-        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
-        if meter.active:
-            self.session.meter = meter  # ops between graphs, and every op in live mode
-        self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
-                       if settings.keep_values else None)
-        self.gaps = GapCapture(self.session, runtime.scopes, self.keeper)
-        self.nested = self.gaps.nested = under_a_capture()  # inside an eager capture's forward
+        super().__init__(runtime.config.settings, scopes.root_scope, lambda: tensor_names(scopes.root), header)
+        self.runtime = runtime
+        self.call = call or _NO_CALL  # the wrapper call this pass narrates
+        self.gaps = GapCapture(self.session, scopes, self.keeper)
+        self.gaps.nested = self.nested  # inside an eager capture's forward
         self.mode = CaptureMode(self.gaps)
         self.mode_pushed = False
         self.graph_calls = 0
-        self.call = (None, (), {})
         self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
-        self._done = False
         keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
         install_for_dynamo()  # dynamo traces the user's code, not the gap capture's mode
         self._fast_paths_kept = True
 
-    def begin(self, fn, args, kwargs, push_mode: bool) -> None:
-        self.call = (fn, args, kwargs)
-        with self.own_work():
-            for label, tensor in named_arguments(fn, args, kwargs):
-                event = self.session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
-                if self.keeper is not None:
-                    self.keeper(event, tensor)
+    def begin(self, push_mode: bool) -> None:
+        super().begin(named_arguments(self.call.fn, self.call.args, self.call.kwargs))
         if push_mode:
             self.mode.__enter__()
             self.mode_pushed = True
         make_active(self)
 
-    def own_work(self):
-        """Context for this run's own torch calls: kept from an eager capture it runs inside."""
-        return own_work(self.nested)
-
-    def in_progress(self) -> bool:
-        """Whether the call this run narrates is still on the stack."""
-        return still_running(self.call_frame)
+    def call_running(self) -> bool:
+        """Whether the call this pass narrates is still on the stack."""
+        return self.call.running()
 
     # -- graphs ---------------------------------------------------------------------------------
 
@@ -315,52 +300,34 @@ class CompiledRun:
             if index is not None and index in events and isinstance(value, torch.Tensor):
                 tracker.produced(events[index], value)
 
-    # -- ending ---------------------------------------------------------------------------------
+    # -- ending -----------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Dynamo's cleanup for the call: finish or fail the run. Never raises."""
+        """Dynamo's cleanup for the call: end the pass as the call ended."""
+        succeeded, result, exc = dynamo_seams.call_outcome()
+        self.end(succeeded, result, exc)
+
+    def abandon(self) -> None:
+        """End a pass whose call ended without its cleanup: what it recorded is kept as is."""
+        self.end(True, None, notes=(UNFINISHED_NOTE,))
+
+    def end(self, succeeded: bool, result=None, exc: Optional[BaseException] = None, notes=()) -> None:
+        """The one way a compiled pass ends: finished with the call's `result`, or failed with
+        `exc`; the recording becomes the runtime's latest. Never raises."""
         try:
-            succeeded, result = dynamo_seams.call_outcome()
             with self.own_work():
+                self.pop_mode()
                 if succeeded:
-                    self.finish(result)
+                    recording = self.finish(result, (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
                 else:
-                    self.fail(sys.exc_info()[1] or RuntimeError("the compiled call failed"))
+                    if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+                        locate_by_running_eagerly(self, exc)
+                    recording = self.fail(exc)
+                self.runtime.record(recording, self.graph_calls)
         except Exception as inner:
             internal_error("ending a compiled forward", inner)
         finally:
             self.close()
-
-    def finish(self, output) -> Recording:
-        self.pop_mode()
-        for label, tensor in named_outputs(output):
-            self.session.add_output(label, (TensorMeta.of(tensor),), tensor)
-        self.session.footer_extra.append(self.footer_note())
-        recording = self.session.finish(output)
-        self.runtime.record(recording, self.graph_calls)
-        return recording
-
-    def fail(self, exc: BaseException):
-        self.pop_mode()
-        if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
-            locate_by_running_eagerly(self, exc)
-        partial = self.session.fail(exc)
-        self.runtime.record(partial, self.graph_calls)
-        return partial
-
-    def abandon(self) -> None:
-        """Close a run whose call ended without its cleanup: what it recorded is kept as is."""
-        try:
-            self.session.footer_extra.append(UNFINISHED_NOTE)
-            self.finish(None)
-        except Exception as exc:
-            internal_error("closing an unfinished compiled forward", exc)
-        finally:
-            self.close()
-
-    def footer_note(self) -> str:
-        """How the forward ran: compiled graph calls, and ops dynamo ran eagerly between them."""
-        return compiled_run_note(self.graph_calls, self.gaps.ops)
 
     def pop_mode(self) -> None:
         if self.mode_pushed:
@@ -374,9 +341,10 @@ class CompiledRun:
             release_fast_paths()
         make_inactive(self)
         self._live.clear()
-        if self.narrator is not None and not self._done:
-            self._done = True
-            self.narrator.close()
+        super().close()
+
+
+_NO_CALL = dynamo_seams.CompiledCall(None, None, (), {})
 
 
 def _reads(tracker, static, args, events) -> tuple:

@@ -22,7 +22,7 @@ import threading
 import torch
 from torch import nn
 
-from ..mode_stack import only_capture_modes_lifted
+from .mode_stack import only_capture_modes_lifted
 
 _original = torch.overrides.has_torch_function
 _is_compiling = torch.compiler.is_compiling

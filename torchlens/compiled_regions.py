@@ -42,8 +42,8 @@ import threading
 
 import torch
 
-from ..mode_stack import capture_modes, is_capture, with_captures_kept
-from ..sites import is_internal_file
+from .mode_stack import capture_modes, is_capture, with_captures_kept
+from .sites import is_internal_file
 
 _lock = threading.Lock()
 _installed = False

@@ -1,0 +1,107 @@
+"""One forward pass, from its inputs to its `Recording`: the lifecycle both substrates share.
+
+Words used across the package: a *pass* is one forward of a model; `ForwardPass` (here) is its
+lifecycle — it owns the `Session` (the pass's event record), the `Narrator` it feeds (unless a
+`Recorder` shares one across passes), the `Meter` that measures values and the `ValueKeeper` of
+`tl.trace`; a `Recording` (or, on failure, a `PartialTrace`) is what the pass leaves the user.
+
+A substrate adds only how ops are seen: `eager.runner.EagerPass` is a `ForwardPass` plus module
+hooks and the capture mode; `fx_backend.runtime.CompiledPass` is a `ForwardPass` plus compiled
+graphs' plans and the capture of code between graphs. Both go through the same four steps:
+
+    begin(inputs)   the forward's input tensors, as (label, tensor) pairs
+    finish(output)  the outputs and the footer: the `Recording`
+    fail(exc)       the partial trace and the failure block, attached to the user's exception
+    close()         release the sink this pass opened (idempotent; runs after either ending)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence, Tuple
+
+import torch
+
+from .events import Scope, TensorMeta
+from .mode_stack import own_work, under_a_capture
+from .narrator import Narrator
+from .options import Settings
+from .results import PartialTrace, Recording
+from .session import Session, internal_error
+from .stats import Meter
+from .structure import named_outputs
+from .values import ValueKeeper
+
+
+class ForwardPass:
+    """One forward's session, narrator, meter and value keeper, begun and ended in one way.
+
+    `narrator`: a narrator shared by several passes (a `Recorder`'s), left open at `close()`;
+    without it the pass opens its own sink when narration is on and closes it at `close()` (a
+    path's `{rank}` is filled in then, so a process group set up between two forwards is seen).
+    `nested` says whether another capture's mode was active when the pass was made: the pass's own
+    torch calls (`own_work()`) must then stay out of that capture's transcript.
+    """
+
+    def __init__(self, settings: Settings, root: Scope, tensor_names: Callable[[], dict],
+                 header: Optional[str] = None, narrator: Optional[Narrator] = None):
+        self.settings = settings
+        self.nested = under_a_capture()
+        self._owned_narrator = None
+        if narrator is None and settings.narration is not None:
+            narrator = self._owned_narrator = Narrator(settings.narration)
+        self.narrator = narrator
+        self.session = Session(settings, root, narrator, header, tensor_names=tensor_names)
+        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+        if meter.active:
+            self.session.meter = meter
+        self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
+                       if settings.keep_values else None)
+
+    def own_work(self):
+        """Context for this pass's own torch calls: invisible to a capture it runs inside."""
+        return own_work(self.nested)
+
+    def begin(self, inputs: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Record the forward's input tensors. A deliberate stop (`on_nonfinite="raise"` on a NaN
+        input, a trace budget the inputs exceed) propagates; any other failure here is torchlens's
+        own, reported, and the forward goes on."""
+        session, keeper = self.session, self.keeper
+        with self.own_work():
+            try:
+                for label, tensor in inputs:
+                    event = session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
+                    if keeper is not None:
+                        keeper(event, tensor)
+            except Exception as exc:
+                if getattr(exc, "torchlens_stop", False):
+                    raise
+                session.incomplete = session.incomplete or "an internal error recording the inputs"
+                internal_error("recording the forward's inputs", exc)
+
+    def finish(self, output, notes: Sequence[str] = ()) -> Recording:
+        """The recording of the forward that returned `output`, with `notes` on how it ran (footer).
+
+        A failure of torchlens here must not turn the user's successful forward into an error: it
+        is reported and a bare recording of the events so far is returned.
+        """
+        session = self.session
+        with self.own_work():
+            try:
+                for label, tensor in named_outputs(output):
+                    session.add_output(label, (TensorMeta.of(tensor),), tensor)
+                session.footer_extra.extend(notes)
+                return session.finish(output)
+            except Exception as exc:
+                internal_error("finishing the recording", exc)
+                return Recording(session.events, output, self.settings)
+
+    def fail(self, exc: BaseException) -> Optional[PartialTrace]:
+        """The partial trace of a forward that raised `exc`, attached to it. Never raises."""
+        with self.own_work():
+            return self.session.fail(exc)
+
+    def close(self) -> None:
+        """Close the sink this pass opened (not a shared one). Safe to call twice."""
+        narrator, self._owned_narrator = self._owned_narrator, None
+        if narrator is not None:
+            narrator.close()
