@@ -214,7 +214,7 @@ def run_by_dynamo(frame) -> bool:
     if not _installed:
         return False
     transformed = _transformed_codes()
-    if transformed is None:
+    if not transformed:  # no table, or dynamo has transformed no code in this process yet
         return False
     for _ in range(_MAX_HELPER_DEPTH):
         if frame is None:

@@ -45,7 +45,7 @@ class Scope:
     are narrated as two enter/exit pairs.
     """
 
-    __slots__ = ("path", "type_name", "depth", "parent", "key")
+    __slots__ = ("path", "type_name", "depth", "parent", "key", "lines")
 
     def __init__(self, path: str, type_name: str, parent: Optional["Scope"], key: Optional[str] = None):
         self.path = path
@@ -53,6 +53,7 @@ class Scope:
         self.parent = parent  # the enclosing module that was *called* (a ModuleList never is)
         self.depth = 0 if parent is None else parent.depth + 1
         self.key = path if key is None else key
+        self.lines = None  # its (enter, exit) lines once rendered: they depend only on the fields above
 
     def chain(self) -> Tuple["Scope", ...]:
         """The scopes from the root's first child down to this one (the root itself excluded)."""

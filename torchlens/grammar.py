@@ -38,6 +38,8 @@ _OP_BODIES = {}
 _MODULE_LINES = {}
 _CACHE_LIMIT = 1 << 16
 _INDENTS = ["  " * d for d in range(256)]  # deeper than any real module tree
+_TAGGED = 1 << 14
+_ORDINAL_TAGS = ["#%-4d " % n for n in range(_TAGGED)]  # the `#N` column of a forward's first ops
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -131,7 +133,11 @@ def render_event(event: Event, sites: bool = False, normalize: bool = False, fol
 
 
 def _module_lines(scope) -> tuple:
-    """A module's enter and exit lines, rendered once per (path, class, depth of the call)."""
+    """A module's enter and exit lines, rendered once per (path, class, depth of the call) and
+    kept on the scope, which every event of the call shares."""
+    lines = scope.lines
+    if lines is not None:
+        return lines
     key = (scope.path, scope.type_name, scope.depth)
     lines = _MODULE_LINES.get(key)
     if lines is None:
@@ -139,6 +145,7 @@ def _module_lines(scope) -> tuple:
         lines = (f"{indent}> {scope.path} ({scope.type_name})", f"{indent}< {scope.path}")
         if len(_MODULE_LINES) < _CACHE_LIMIT:
             _MODULE_LINES[key] = lines
+    scope.lines = lines
     return lines
 
 
@@ -155,7 +162,8 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
             _OP_BODIES[key] = body
     except TypeError:  # an unhashable (symbolic) size
         body = _op_body(event, site, normalize)
-    line = _INDENTS[event.scope.depth] + ("#%-4d " % event.ordinal) + body
+    ordinal = event.ordinal
+    line = _INDENTS[event.scope.depth] + (_ORDINAL_TAGS[ordinal] if ordinal < _TAGGED else "#%-4d " % ordinal) + body
     if event.stats is not None:
         stats = stats_text(event.stats)
         if stats:

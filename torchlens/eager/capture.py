@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -74,11 +75,9 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
-            kwargs = {}
-        if _is_compiling():
-            return func(*args, **kwargs)
+            kwargs = _NO_KWARGS
         capture = self.capture
-        if capture.paused:
+        if capture.paused or _is_compiling():
             return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
@@ -87,6 +86,8 @@ class CaptureMode(TorchFunctionMode):
                 capture.op_raised(func, args, kwargs, exc)
             raise
         kind = type(out)
+        if kind is _Tensor and capture.lean and capture.plain_op_done(func, out):
+            return out  # the common case, in as few calls as possible
         if kind is _Tensor or (kind is not _Size and isinstance(out, (tuple, list, _Tensor))):
             produced = out  # sizes, dtypes, bools: not ops, and frequent
         elif out is None:  # `y[i] = v` and the few other calls that write a tensor and return nothing
@@ -104,6 +105,7 @@ class CaptureMode(TorchFunctionMode):
 
 
 _meta = TensorMeta.of
+_NO_KWARGS = types.MappingProxyType({})  # shared by every call without keyword arguments: read-only
 
 
 def output_metas(out):
@@ -152,6 +154,7 @@ class OpReporter:
         self.paused = False
         self.ops = 0
         self.nested = False  # another capture's mode is below ours in this thread
+        self.lean = False  # whether ops may take `plain_op_done` (set by a capture that allows it)
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
     reports_graph_calls = False  # whether compiled graph calls inside its forward are its ops
@@ -172,11 +175,34 @@ class OpReporter:
             site = find_user_site(frame) if self.sites else None
             self.record_op(op_name(func), metas, site, out, args, kwargs)
         except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise  # a deliberate stop (on_nonfinite="raise", a trace budget): the run ends here
-            self.paused = True
-            self.session.incomplete = self.session.incomplete or "an internal error recording an op"
-            internal_error("recording an op", exc)
+            self.recording_failed(exc)
+
+    def recording_failed(self, exc: Exception) -> None:
+        """An op could not be recorded: a deliberate stop (`on_nonfinite="raise"`, a trace budget)
+        ends the run; a failure of torchlens turns the capture off for the rest of the forward,
+        with a warning and a footer that says the recording is incomplete."""
+        if getattr(exc, "torchlens_stop", False):
+            raise exc
+        self.paused = True
+        self.session.incomplete = self.session.incomplete or "an internal error recording an op"
+        internal_error("recording an op", exc)
+
+    def plain_op_done(self, func, out) -> bool:
+        """`op_done` for the common case, in few calls: an op that returned one tensor, in a capture
+        that records metadata only (`lean`: no statistics, tracking, kept values, sites or nesting).
+        False when the general path must record it (a nested tensor has no plain sizes)."""
+        try:
+            meta = _meta(out)
+        except RuntimeError:
+            return False
+        try:
+            if run_by_dynamo(sys._getframe(2)):  # 0: here, 1: the mode, 2: the code that called the op
+                return True
+            self.session.add_op(op_name(func), (meta,))
+            self.ops += 1
+        except Exception as exc:
+            self.recording_failed(exc)
+        return True
 
     def record_op(self, name: str, metas, site, out, args, kwargs=None) -> None:
         """Add an op to the session, with what it read when tracking, and keep its output (`tl.trace`)."""
@@ -213,6 +239,8 @@ class EagerCapture(OpReporter):
         self._handles = []
         self._counted = False
         self.nested = under_a_capture()
+        self.lean = not (self.nested or self.sites or keeper is not None or session.meter is not None
+                         or session.tracker is not None)
         self.scripted = 0  # TorchScript calls narrated as one op each
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
