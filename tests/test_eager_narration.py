@@ -407,3 +407,33 @@ def test_module_names_follow_a_model_changed_between_forwards():
     rec = tl.record(model, x, narrate=tl.in_module("extra"))  # a valid selection now
     assert [(e.op, e.scope.path, e.scope.type_name) for e in rec.ops[1:]] == [
         ("linear", "0", "Linear"), ("relu", "1", "ReLU"), ("softplus", "extra", "Softplus")]
+
+
+def test_module_names_follow_a_submodule_moved_to_another_parent_between_forwards():
+    """The same modules under other names (a layer moved from one block to its sibling) must be
+    narrated under the new names: the table of names is read again, not reused."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Sequential()
+            self.b = torch.nn.Sequential()
+            self.a.add_module("y", torch.nn.Linear(2, 2))
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model, x = Model(), torch.randn(1, 2)
+    assert tl.record(model, x).ops[1].scope.path == "a.y"
+    layer = model.a.y
+    del model.a.y
+    model.b.add_module("y", layer)
+    rec = tl.record(model, x, narrate=tl.in_module("b.y"))  # a valid selection now
+    assert [(e.op, e.scope.path) for e in rec.ops[1:]] == [("linear", "b.y")]
+
+
+def test_module_names_of_a_model_whose_tree_has_a_cycle_are_read_once():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].back = model  # a reference cycle through `_modules` (named_modules stops at it)
+    x = torch.randn(1, 2)
+    assert [e.scope.path for e in tl.record(model, x).ops[1:]] == ["0"]
+    assert [e.scope.path for e in tl.record(model, x).ops[1:]] == ["0"]

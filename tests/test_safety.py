@@ -131,7 +131,12 @@ def test_the_users_exception_keeps_its_type_message_and_frames():
         "below the entry call, the traceback holds only the user's and torch's frames"
 
 
-def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"value_stats": "exact"}, {"on_nonfinite": "track"}],
+                         ids=["metadata-only path", "statistics path", "tracking path"])
+def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch, options):
+    """Whichever path records an op (the short one of metadata-only captures, or the general one),
+    a failure of torchlens there warns once, the forward's output is untouched, and the verdict
+    does not claim what was not recorded."""
     from torchlens import session
 
     def broken(self, *a, **k):
@@ -139,6 +144,10 @@ def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch):
 
     monkeypatch.setattr(session.Session, "add_op", broken)
     model, x = tiny_gpt(), tokens()
+    lines = []
     with pytest.warns(tl.errors.NarrationWarning, match="torchlens bug"):
-        rec = tl.record(model, x, narrate=lambda line: None)
+        rec = tl.record(model, x, narrate=lines.append, **options)
     assert torch.equal(rec.output, model(x))
+    assert not [event for event in rec.events if event.kind is tl.EventKind.OP]
+    if options.get("on_nonfinite"):
+        assert "nothing is claimed" in lines[-1], lines[-1]  # the verdict covers the input alone

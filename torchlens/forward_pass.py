@@ -50,36 +50,41 @@ class ForwardPass:
         if narrator is None and settings.narration is not None:
             narrator = self._owned_narrator = Narrator(settings.narration)
         self.narrator = narrator
-        self.session = Session(settings, root, narrator, header, tensor_names=tensor_names)
-        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
-        if meter.active:
-            self.session.meter = meter
-        self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
-                       if settings.keep_values else None)
+        try:
+            self.session = Session(settings, root, narrator, header, tensor_names=tensor_names)
+            meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+            if meter.active:
+                self.session.meter = meter
+            self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
+                           if settings.keep_values else None)
+        except BaseException:
+            self.close()  # the sink it opened
+            raise
 
     def own_work(self):
         """Context for this pass's own torch calls: invisible to a capture it runs inside."""
         return own_work(self.nested)
 
-    def begin(self, inputs: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Record the forward's input tensors. A deliberate stop (`on_nonfinite="raise"` on a NaN
+    def begin(self, inputs: Callable[[], Iterable[Tuple[str, torch.Tensor]]]) -> None:
+        """Record the forward's input tensors, named by `inputs()` (naming them may run user code:
+        a key's `repr`, a dataclass field). A deliberate stop (`on_nonfinite="raise"` on a NaN
         input, a trace budget the inputs exceed) propagates; any other failure here is torchlens's
-        own, reported, and the forward goes on."""
+        own, reported, and the forward goes on with its recording marked incomplete."""
         session, keeper = self.session, self.keeper
         with self.own_work():
             try:
-                for label, tensor in inputs:
+                for label, tensor in inputs():
                     event = session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
                     if keeper is not None:
                         keeper(event, tensor)
             except Exception as exc:
                 if getattr(exc, "torchlens_stop", False):
                     raise
-                session.incomplete = session.incomplete or "an internal error recording the inputs"
+                session.mark_incomplete("an internal error recording the inputs")
                 internal_error("recording the forward's inputs", exc)
 
-    def finish(self, output, notes: Sequence[str] = ()) -> Recording:
-        """The recording of the forward that returned `output`, with `notes` on how it ran (footer).
+    def finish(self, output, notes: Callable[[], Sequence[str]] = tuple) -> Recording:
+        """The recording of the forward that returned `output`, with `notes()` on how it ran (footer).
 
         A failure of torchlens here must not turn the user's successful forward into an error: it
         is reported and a bare recording of the events so far is returned.
@@ -89,7 +94,7 @@ class ForwardPass:
             try:
                 for label, tensor in named_outputs(output):
                     session.add_output(label, (TensorMeta.of(tensor),), tensor)
-                session.footer_extra.extend(notes)
+                session.footer_extra.extend(notes())
                 return session.finish(output)
             except Exception as exc:
                 internal_error("finishing the recording", exc)

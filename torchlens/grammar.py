@@ -135,7 +135,7 @@ def render_event(event: Event, sites: bool = False, normalize: bool = False, fol
 def _module_lines(scope) -> tuple:
     """A module's enter and exit lines, rendered once per (path, class, depth of the call) and
     kept on the scope, which every event of the call shares."""
-    lines = scope.lines
+    lines = getattr(scope, "lines", None)  # (absent from a scope pickled before it existed)
     if lines is not None:
         return lines
     key = (scope.path, scope.type_name, scope.depth)
@@ -163,7 +163,7 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
     except TypeError:  # an unhashable (symbolic) size
         body = _op_body(event, site, normalize)
     ordinal = event.ordinal
-    line = _INDENTS[event.scope.depth] + (_ORDINAL_TAGS[ordinal] if ordinal < _TAGGED else "#%-4d " % ordinal) + body
+    line = _INDENTS[event.scope.depth] + (_ORDINAL_TAGS[ordinal] if 0 <= ordinal < _TAGGED else "#%-4d " % ordinal) + body
     if event.stats is not None:
         stats = stats_text(event.stats)
         if stats:

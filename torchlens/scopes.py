@@ -61,7 +61,7 @@ class ScopeTable:
         root = self._root() if self._root is not None else None
         if root is None:
             return
-        self._fingerprint = tree_fingerprint(root)
+        fingerprint = tree_fingerprint(root)
         names, refs = {}, {}
         for name, module in root.named_modules():
             name = without_compile_wrappers(name)  # a compiled module is named as the module it wraps
@@ -69,6 +69,7 @@ class ScopeTable:
                 names[id(module)] = name
                 refs[id(module)] = weakref.ref(module)
         self._names, self._refs = names, refs
+        self._fingerprint = fingerprint  # after the swap: a reader matching it finds the new names
         # Names may have moved: calls of the model's modules are named afresh (the interned scopes
         # stay valid); calls of modules that are not part of it (created on the fly, or another
         # model run inside this forward) keep theirs, or a call open now could not be closed.
@@ -176,18 +177,21 @@ _MAX_FRAMES = 64
 
 
 def tree_fingerprint(root: torch.nn.Module) -> list:
-    """What a model's module names depend on, read ten times faster than `named_modules()`: the
-    names and identities of every module's children, in walk order. Equal fingerprints mean
-    `named_modules()` would give the same modules under the same names."""
+    """What a model's module names depend on, read ten times faster than `named_modules()`: for
+    every module reached, its identity and its children's names and identities, in walk order.
+    Equal fingerprints mean `named_modules()` would give the same modules under the same names
+    (a module reached twice is listed once, as `named_modules()` does)."""
     out = []
+    seen = set()
     stack = [root]
     while stack:
-        children = stack.pop()._modules
-        if children:
-            out.extend(children.keys())
-            present = [child for child in children.values() if child is not None]
-            out.extend(map(id, present))
-            stack.extend(present)
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        children = module._modules
+        out.append((id(module), tuple((name, id(child)) for name, child in children.items())))
+        stack.extend(child for child in reversed(children.values()) if child is not None)
     return out
 
 

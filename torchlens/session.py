@@ -219,6 +219,12 @@ class Session:
         self.events[:] = events
         self.ordinal, self.scope = attempt.ordinal - 1, attempt.scope
 
+    def mark_incomplete(self, why: str) -> None:
+        """Some of the forward went unrecorded (`why`): the footer and the verdict say so. The
+        first reason is kept."""
+        if self.incomplete is None:
+            self.incomplete = why
+
     def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
                   notes=()) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails."""

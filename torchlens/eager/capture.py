@@ -184,7 +184,7 @@ class OpReporter:
         if getattr(exc, "torchlens_stop", False):
             raise exc
         self.paused = True
-        self.session.incomplete = self.session.incomplete or "an internal error recording an op"
+        self.session.mark_incomplete("an internal error recording an op")
         internal_error("recording an op", exc)
 
     def plain_op_done(self, func, out) -> bool:
@@ -357,7 +357,7 @@ class EagerCapture(OpReporter):
                 session.enter(scope)
             self.paused = False
         except Exception as exc:
-            self.session.incomplete = self.session.incomplete or "an internal error recording a module enter"
+            self.session.mark_incomplete("an internal error recording a module enter")
             internal_error("recording a module enter", exc)
 
     def _exited(self, module, unwinding: bool, args=(), output=None) -> None:
@@ -373,7 +373,7 @@ class EagerCapture(OpReporter):
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise  # on_nonfinite="raise" stopped at the scripted call's outputs
-            self.session.incomplete = self.session.incomplete or "an internal error recording a module exit"
+            self.session.mark_incomplete("an internal error recording a module exit")
             internal_error("recording a module exit", exc)
 
     def _opaque_call(self, name: str, args, output, written=(), site=None) -> bool:
@@ -403,7 +403,7 @@ class EagerCapture(OpReporter):
         except Exception as exc:
             if getattr(exc, "torchlens_stop", False):
                 raise  # on_nonfinite="raise" stopped at the graph's outputs
-            self.session.incomplete = self.session.incomplete or "an internal error recording a compiled graph call"
+            self.session.mark_incomplete("an internal error recording a compiled graph call")
             internal_error("recording a compiled graph call", exc)
         finally:
             self.paused = False

@@ -30,15 +30,20 @@ class EagerPass(ForwardPass):
         self.scopes = ScopeTable.for_model(model)
         check_selection(settings, self.scopes.paths)
         super().__init__(settings, self.scopes.root_scope, lambda: tensor_names(model), header, narrator)
-        self.capture = EagerCapture(self.session, self.scopes, self.keeper)
+        try:
+            self.capture = EagerCapture(self.session, self.scopes, self.keeper)
+        except BaseException:
+            super().close()  # the sink it opened
+            raise
 
     def begin(self, args: tuple, kwargs: dict) -> None:
-        super().begin(named_inputs(self.model, args, kwargs))
+        super().begin(lambda: named_inputs(self.model, args, kwargs))
         self.capture.start()
 
     def finish(self, output) -> Recording:
         self.capture.stop()
-        return super().finish(output, opaque_calls_note(self.capture.scripted, self.capture.graph_calls))
+        capture = self.capture
+        return super().finish(output, lambda: opaque_calls_note(capture.scripted, capture.graph_calls))
 
     def fail(self, exc: BaseException):
         self.capture.stop()
@@ -58,8 +63,10 @@ def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings) -
         run.begin(args, kwargs)
         output = model(*args, **kwargs)
     except BaseException as exc:
-        run.fail(exc)
-        run.close()
+        try:
+            run.fail(exc)
+        finally:
+            run.close()
         raise
     try:
         return run.finish(output)

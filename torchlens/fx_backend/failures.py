@@ -149,7 +149,7 @@ def locate_by_running_eagerly(run, exc: BaseException) -> None:
     Whatever stops the op being found, the tail says so: dynamo raised in a torch call it traced,
     so "no torch call was in flight" would be false.
     """
-    _, fn, args, kwargs = run.call
+    fn, args, kwargs = run.call.fn, run.call.args, run.call.kwargs
     model = module_of(fn)
     reason = _why_not_rerun(model)
     if reason is None:

@@ -73,7 +73,7 @@ class CompiledGraph:
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
-                    run.session.incomplete = run.session.incomplete or "an internal error narrating a compiled graph"
+                    run.session.mark_incomplete("an internal error narrating a compiled graph")
                     internal_error("narrating a compiled graph", exc)
         return out
 
@@ -166,7 +166,7 @@ def _unnarrated(fn):
     def call(*args):
         run = active_run()
         if run is not None:
-            run.session.incomplete = run.session.incomplete or "a compiled graph that ran without narration"
+            run.session.mark_incomplete("a compiled graph that ran without narration")
         return fn(*args)
 
     return call

@@ -156,18 +156,24 @@ class CompiledPass(ForwardPass):
         super().__init__(runtime.config.settings, scopes.root_scope, lambda: tensor_names(scopes.root), header)
         self.runtime = runtime
         self.call = call or _NO_CALL  # the wrapper call this pass narrates
-        self.gaps = GapCapture(self.session, scopes, self.keeper)
-        self.gaps.nested = self.nested  # inside an eager capture's forward
-        self.mode = CaptureMode(self.gaps)
         self.mode_pushed = False
         self.graph_calls = 0
         self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
-        keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
-        install_for_dynamo()  # dynamo traces the user's code, not the gap capture's mode
-        self._fast_paths_kept = True
+        self._fast_paths_kept = False
+        try:
+            self.gaps = GapCapture(self.session, scopes, self.keeper)
+            self.gaps.nested = self.nested  # inside an eager capture's forward
+            self.mode = CaptureMode(self.gaps)
+            keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
+            self._fast_paths_kept = True
+            install_for_dynamo()  # dynamo traces the user's code, not the gap capture's mode
+        except BaseException:
+            self.close()  # the fast paths it kept, the sink it opened
+            raise
 
     def begin(self, push_mode: bool) -> None:
-        super().begin(named_arguments(self.call.fn, self.call.args, self.call.kwargs))
+        call = self.call
+        super().begin(lambda: named_arguments(call.fn, call.args, call.kwargs))
         if push_mode:
             self.mode.__enter__()
             self.mode_pushed = True
@@ -303,8 +309,12 @@ class CompiledPass(ForwardPass):
     # -- ending -----------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Dynamo's cleanup for the call: end the pass as the call ended."""
-        succeeded, result, exc = dynamo_seams.call_outcome()
+        """Dynamo's cleanup for the call: end the pass as the call ended. Never raises."""
+        try:
+            succeeded, result, exc = dynamo_seams.call_outcome()
+        except Exception as inner:
+            internal_error("reading how a compiled call ended", inner)
+            succeeded, result, exc = False, None, RuntimeError("torchlens could not read how the compiled call ended")
         self.end(succeeded, result, exc)
 
     def abandon(self) -> None:
@@ -318,7 +328,7 @@ class CompiledPass(ForwardPass):
             with self.own_work():
                 self.pop_mode()
                 if succeeded:
-                    recording = self.finish(result, (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
+                    recording = self.finish(result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
                 else:
                     if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
                         locate_by_running_eagerly(self, exc)
