@@ -53,8 +53,6 @@ def captures_in_thread() -> int:
     return getattr(_threads, "captures", 0)
 
 
-
-
 def unwinding() -> bool:
     """Called from a forward hook: is the module's forward propagating an exception?
 
