@@ -9,7 +9,7 @@ A substrate adds only how ops are seen: `eager.runner.EagerPass` is a `ForwardPa
 hooks and the capture mode; `fx_backend.runtime.CompiledPass` is a `ForwardPass` plus compiled
 graphs' plans and the capture of code between graphs. Both go through the same four steps:
 
-    begin(inputs)   the forward's input tensors, as (label, tensor) pairs
+    begin(inputs)   the forward's input tensors, named by `inputs()` as (label, tensor) pairs
     finish(output)  the outputs and the footer: the `Recording`
     fail(exc)       the partial trace and the failure block, attached to the user's exception
     close()         release the sink this pass opened (idempotent; runs after either ending)
