@@ -151,3 +151,60 @@ def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch, options)
     assert not [event for event in rec.events if event.kind is tl.EventKind.OP]
     if options.get("on_nonfinite"):
         assert "nothing is claimed" in lines[-1], lines[-1]  # the verdict covers the input alone
+
+
+class _CountingSink:
+    """A sink object that counts what it is given and how often it is closed."""
+
+    def __init__(self):
+        from torchlens.sinks import Sink
+
+        outer = self
+        self.lines, self.closes = [], 0
+
+        class Counting(Sink):
+            def write(self, line):
+                outer.lines.append(line)
+
+            def close(self):
+                outer.closes += 1
+
+        self.sink = Counting()
+
+
+class _Boom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.fc(x) @ torch.ones(3, 3)  # a shape error after one op
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+def test_every_pass_closes_the_sink_it_opened_once_and_a_shared_one_is_closed_by_its_owner(fails):
+    model, x = (_Boom() if fails else Tiny()), torch.randn(1, 2)
+
+    def run(call):
+        try:
+            call()
+        except RuntimeError:
+            assert fails
+
+    counting = _CountingSink()
+    options = tl.options.NarrationOptions(sink=counting.sink)
+    run(lambda: tl.record(model, x, narrate=options))
+    assert counting.closes == 1 and counting.lines[-1].startswith(("-- end", "!!"))
+    run(lambda: tl.trace(model, x, narrate=options))
+    assert counting.closes == 2
+    compiled = tl.compile(model, narrate=options, compiler="eager")
+    for _ in range(2):
+        run(lambda: compiled(x))
+    assert counting.closes == 4, "each compiled forward closes the sink it opened"
+
+    shared = _CountingSink()
+    with tl.recording.Recorder(model, narrate=tl.options.NarrationOptions(sink=shared.sink)):
+        for _ in range(2):
+            run(lambda: model(x))
+        assert shared.closes == 0, "a Recorder's passes share its sink and leave it open"
+    assert shared.closes == 1
