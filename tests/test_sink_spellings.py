@@ -64,3 +64,11 @@ def test_a_stream_closed_after_the_run_still_renders_the_transcript():
     text = sink.getvalue()
     sink.close()
     assert recording.narrate() == text
+
+
+def test_a_selector_is_not_a_sink_even_though_it_is_callable():
+    """`narrate=tl.in_module(...)` selects; as `sink=` it would swallow every line: refused."""
+    selector = tl.in_module("proj")
+    assert tl.options.NarrationOptions(sink=None, select=selector).select is not None
+    with pytest.raises(tl.errors.OptionTypeError, match="sink="):
+        tl.options.NarrationOptions(sink=selector)
