@@ -208,3 +208,26 @@ def test_every_pass_closes_the_sink_it_opened_once_and_a_shared_one_is_closed_by
             run(lambda: model(x))
         assert shared.closes == 0, "a Recorder's passes share its sink and leave it open"
     assert shared.closes == 1
+
+
+def test_a_failure_reading_how_a_compiled_call_ended_leaves_the_call_and_torch_as_they_were(monkeypatch):
+    """The compiled forward's end reads dynamo's wrapper frame; if that fails, the user's result
+    (or exception) is untouched, one warning says so, and no mode, hook or active pass is left."""
+    from torchlens.fx_backend import dynamo_seams
+
+    model, x = Tiny(), torch.randn(1, 2)
+    compiled = tl.compile(model, narrate=lambda line: None, compiler="eager")
+    expected = compiled(x)
+    state_before = leftover_state()
+
+    def broken():
+        raise ZeroDivisionError("torchlens bug")
+
+    monkeypatch.setattr(dynamo_seams, "call_outcome", broken)
+    with pytest.warns(tl.errors.NarrationWarning, match="torchlens bug"):
+        out = compiled(x)
+    assert torch.equal(out, expected)
+    assert leftover_state() == state_before
+    with pytest.raises(RuntimeError, match="size|shape|match"), pytest.warns(tl.errors.NarrationWarning):
+        compiled(torch.randn(1, 3))  # the user's own error comes through unchanged
+    assert leftover_state() == state_before
