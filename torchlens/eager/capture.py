@@ -37,7 +37,7 @@ from ..scopes import ScopeTable, is_compile_wrapper
 from ..writes import written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
-from ..mode_stack import own_work, remove_mode, under_a_capture
+from ..mode_stack import own_work, remove_mode
 from ..structure import named_outputs
 
 _Tensor = torch.Tensor
@@ -150,7 +150,7 @@ class OpReporter:
         self.sites = session.settings.sites
         self.keeper = keeper  # `tl.trace`'s ValueKeeper, called as keeper(event, output) after each op
         self.paused = False
-        self.ops = 0
+        self.ops = 0  # ops recorded through `record_op` (what the gap capture counts for the footer)
         self.nested = False  # another capture's mode is below ours in this thread
         self.lean = False  # whether ops may take `plain_op_done` (set by a capture that allows it)
 
@@ -197,7 +197,6 @@ class OpReporter:
             if run_by_dynamo(sys._getframe(2)):  # 0: here, 1: the mode, 2: the code that called the op
                 return True
             self.session.add_op(op_name(func), (meta,))
-            self.ops += 1
         except Exception as exc:
             self.recording_failed(exc)
         return True
@@ -229,14 +228,14 @@ class EagerCapture(OpReporter):
 
     reports_graph_calls = True
 
-    def __init__(self, session: Session, scopes: ScopeTable, keeper=None):
+    def __init__(self, session: Session, scopes: ScopeTable, keeper=None, nested: bool = False):
         super().__init__(session, keeper)
         self.scopes = scopes
         self.thread = _get_ident()
         self._mode = CaptureMode(self)
         self._handles = []
         self._counted = False
-        self.nested = under_a_capture()
+        self.nested = nested  # another capture was active when this forward began (see `ForwardPass`)
         self.lean = not (self.nested or self.sites or keeper is not None or session.meter is not None
                          or session.tracker is not None)
         self.scripted = 0  # TorchScript calls narrated as one op each
@@ -273,11 +272,6 @@ class EagerCapture(OpReporter):
             self._counted = False
             _threads.captures = captures_in_thread() - 1
             release_fast_paths()
-
-    def own_work(self):
-        """Context for work of this capture outside its mode's handler (inputs, outputs, the
-        footer): invisible to any other capture in the thread."""
-        return own_work(self.nested)
 
     # -- module hooks ---------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ class EagerPass(ForwardPass):
         check_selection(settings, self.scopes.paths)
         super().__init__(settings, self.scopes.root_scope, lambda: tensor_names(model), header, narrator)
         try:
-            self.capture = EagerCapture(self.session, self.scopes, self.keeper)
+            self.capture = EagerCapture(self.session, self.scopes, self.keeper, self.nested)
         except BaseException:
             super().close()  # the sink it opened
             raise
