@@ -24,3 +24,12 @@ def no_residue():
     before = leftover_state()
     yield
     assert leftover_state() == before, "torchlens left hooks or modes behind"
+
+
+@pytest.fixture
+def deferred_reads(monkeypatch):
+    """Measure CPU tensors as an accelerator's are: statistics vectors read once per forward, not
+    as each op completes. How the read-once discipline is checked on a machine without one."""
+    import torchlens.meter
+
+    monkeypatch.setattr(torchlens.meter, "READ_NOW", set())

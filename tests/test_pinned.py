@@ -75,7 +75,7 @@ def test_the_attempted_marker_numbers_the_op_that_failed():
 
 
 @pytest.mark.parametrize("max_lines", [None, 5])
-def test_past_max_lines_statistics_are_read_once_per_forward_not_per_op(max_lines):
+def test_past_max_lines_statistics_are_read_once_per_forward_not_per_op(max_lines, deferred_reads):
     model, x = tiny_gpt(), tokens()
     sink = io.StringIO()
     with count_host_syncs() as syncs:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
+import torchlens.meter
 from helpers import count_host_syncs, op_lines
 from models import conv_net, images, tiny_gpt, tokens
 
@@ -55,7 +56,7 @@ def test_tracking_names_log_as_the_first_nonfinite_op_and_shows_its_counts():
     assert text.splitlines()[-1].endswith(f"first non-finite: NaN born at #3 log (nan={expected_nan})")
 
 
-def test_tracking_without_narration_reads_once_per_forward_and_still_finds_the_op():
+def test_tracking_without_narration_reads_once_per_forward_and_still_finds_the_op(deferred_reads):
     model, x = LogOfNegative(), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     with count_host_syncs() as syncs:
         rec = tl.record(model, x, on_nonfinite="track")
@@ -173,7 +174,7 @@ def test_views_of_a_measured_tensor_share_its_statistics_until_it_changes():
         assert counter.count == 6, live  # input, linear, relu_, reshape, [:6], sum; not the 3 views
 
 
-def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values():
+def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values(monkeypatch):
     class Holes(nn.Module):
         def forward(self, x):
             return torch.where(x > 2, float("nan"), x) + 0
@@ -183,7 +184,12 @@ def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values():
     assert (live.min, live.max, live.mean, live.nan) == (0, 2, 1, 3)
     assert live.sd == pytest.approx(1.0)
     assert str(live) == "min=0 max=2 mean=1 sd=1 nan=3"
-    # read at the end of the forward, the tensor is gone: the counts are exact, the rest not claimed
+    # on the CPU, read as the op completes even with no line printed: the same statistics
+    unprinted = tl.record(Holes(), x, value_stats="exact").ops[-1].stats
+    assert str(unprinted) == str(live)
+    # read at the end of the forward (an accelerator's), the tensor is gone: the counts are exact,
+    # the rest not claimed
+    monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
     later = tl.record(Holes(), x, value_stats="exact").ops[-1].stats
     assert (later.nan, later.min, later.mean) == (3, None, None) and str(later) == "nan=3"
     finite = tl.record(Holes(), x - 10, value_stats="exact").ops[-1].stats
@@ -304,7 +310,7 @@ class Holes3(nn.Module):
         return torch.where((x >= 8) & (x < 15), -float("inf"), x)
 
 
-def test_compiled_exact_stats_count_each_kind_of_nonfinite_value_as_eager_does():
+def test_compiled_exact_stats_count_each_kind_of_nonfinite_value_as_eager_does(deferred_reads):
     x = torch.arange(20.0)
     lines = []
     tl.compile(Holes3(), narrate=lines.append, value_stats="exact", on_nonfinite="track")(x)
@@ -360,7 +366,7 @@ def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeyp
     assert len(measured) == 6  # mul, relu_, transpose, two sums, add (inputs are measured on entry)
 
 
-def test_compiled_tracking_reads_once_per_graph_call(monkeypatch):
+def test_compiled_tracking_reads_once_per_graph_call(monkeypatch, deferred_reads):
     class TwoGraphs(nn.Module):
         def __init__(self):
             super().__init__()

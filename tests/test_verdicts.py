@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import torchlens as tl
+import torchlens.meter
 from helpers import check_nesting, count_host_syncs, op_lines
 from models import tiny_gpt, tokens
 
@@ -147,9 +148,10 @@ def test_grad_transform_statistics_are_read():
     assert recs[0].footer_extra[-1] == "no non-finite values"
 
 
-def test_one_vector_that_cannot_be_read_leaves_the_others_and_is_counted_as_unmeasured():
+def test_one_vector_that_cannot_be_read_leaves_the_others_and_is_counted_as_unmeasured(deferred_reads):
     from torchlens.events import Stats
-    from torchlens.stats import Meter, Pending
+    from torchlens.meter import Meter, Pending
+    from torchlens.recipes import recipe
     from torchlens.tracking import Tracker
 
     meter = Meter("exact", tracking=True)
@@ -163,7 +165,8 @@ def test_one_vector_that_cannot_be_read_leaves_the_others_and_is_counted_as_unme
             raise RuntimeError("cannot read")
 
     bad = Stats("exact", 3, True)
-    meter.pending.append(Pending(bad, torch.zeros(7, dtype=torch.float64).as_subclass(Unreadable), "moments+counts"))
+    meter.pending.append(Pending(bad, torch.zeros(7, dtype=torch.float64).as_subclass(Unreadable),
+                                 recipe("float", "exact", True)))
     meter.flush()
     assert (good.min, good.max, good.nan) == (1.0, 3.0, 0)
     assert bad.kind == "na" and "RuntimeError" in bad.note
@@ -499,7 +502,7 @@ def test_an_sd_that_overflows_float32_is_never_printed_as_inf(live):
     assert math.isfinite(rec.ops[-1].stats.max)
 
 
-def test_tracking_still_reads_once_per_forward_without_narration():
+def test_tracking_still_reads_once_per_forward_without_narration(deferred_reads):
     model, x = tiny_gpt(), tokens()
     with count_host_syncs() as syncs:
         tl.record(model, x, on_nonfinite="track")
@@ -575,7 +578,7 @@ def test_a_numpy_infinity_is_carried_in_like_a_python_one():
     assert rec.findings == () and "absorbed" in rec.footer_extra[-1]
 
 
-def test_a_buffer_rewritten_after_it_was_read_is_not_claimed_from_its_later_state():
+def test_a_buffer_rewritten_after_it_was_read_is_not_claimed_from_its_later_state(monkeypatch):
     class Stateful(nn.Module):
         def __init__(self):
             super().__init__()
@@ -586,9 +589,12 @@ def test_a_buffer_rewritten_after_it_was_read_is_not_claimed_from_its_later_stat
             self.state.copy_(x)  # then the state is replaced
             return out
 
-    deferred = tl.record(Stateful(), torch.ones(3), on_nonfinite="track")
     live = tl.record(Stateful(), torch.ones(3), on_nonfinite="track", narrate=lambda line: None)
     assert live.findings[0].text == "NaN in state (nan=1), first read by #2 add"
+    unprinted = tl.record(Stateful(), torch.ones(3), on_nonfinite="track")  # CPU: read as each op ends
+    assert [f.text for f in unprinted.findings] == [f.text for f in live.findings]
+    monkeypatch.setattr(torchlens.meter, "READ_NOW", set())  # an accelerator's: read at the end
+    deferred = tl.record(Stateful(), torch.ones(3), on_nonfinite="track")
     # read at the end of the forward, the buffer no longer holds what #2 read: no false birth
     assert deferred.findings[0].text.startswith("NaN first seen at #2 add")
 

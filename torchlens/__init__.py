@@ -8,11 +8,10 @@ See the README and docs/ for the guide.
 
 from . import debug, errors, options, recording
 from .api import compile, record, trace
-from .events import Attempt, Event, EventKind, Scope, TensorMeta
+from .events import Attempt, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
 from .fx_backend.registration import register_without_entry_point as _register
 from .recording import PartialTrace, Recording, Trace
 from .selectors import in_module
-from .stats import Stats, StatsGroup
 
 # `compile` is left out of __all__ so that `from torchlens import *` does not shadow the builtin.
 __all__ = [

@@ -27,7 +27,7 @@ from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording
 from .session import Session, internal_error
-from .stats import Meter
+from .meter import Meter
 from .structure import named_outputs
 from .values import ValueKeeper
 

@@ -19,7 +19,7 @@ from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
-from .stats import Meter
+from .meter import Meter
 from .tracking import UNINITIALIZED, Tracker
 
 

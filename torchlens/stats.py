@@ -10,22 +10,20 @@ The rungs of `value_stats=`:
 - "exact": min, max, mean and standard deviation over every element, with non-finite counts. When
   non-finite values are present, min/max/mean/sd are those of the finite elements.
 
-Everything is computed on the tensor's device as a small vector and read to the host as late and as
-rarely as possible: once per printed line when a line is narrated live (it cannot be printed
-otherwise), else once per forward for all pending vectors together. A live line computes the cheap
-statistics first and counts non-finite values only when they turn out to be present, while the
-tensor is still at hand; a deferred vector has to hold the counts from the start.
+Everything is computed on the tensor's device as a small vector. This module holds the tensor-level
+pieces: which tensors can be measured, the vectors, and how a read vector fills a `Stats`. Which
+vector a tensor gets is `torchlens.recipes` (shared by both substrates); when it is read is
+`torchlens.meter` (eager) and `fx_backend.stats_pass` (compiled graphs).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .events import Stats, StatsGroup
+from .events import Stats
 
 SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
@@ -199,31 +197,6 @@ def moments(values: Sequence[float]) -> Tuple[Optional[float], Optional[float], 
 _sample_indices: Dict[Tuple[int, str], torch.Tensor] = {}
 
 
-def _same_elements(tensor: torch.Tensor):
-    """(base, key) such that two tensors with equal keys, while `base` lives, hold the same elements:
-    a view (`view`, `transpose`, `contiguous` of a contiguous tensor, eval-mode `dropout`, ...) of a
-    tensor measured earlier in the forward, unchanged since (the version counter is shared with the
-    base and bumped by in-place ops). Statistics depend only on the elements, so they are shared
-    instead of reduced again. None when the tensor does not cover one dense block of memory."""
-    if tensor.layout != torch.strided or not shareable(tensor) or not _dense(tensor):
-        return None
-    base = tensor._base if tensor._base is not None else tensor
-    return base, (id(base), tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version)
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether the elements fill one block of memory, in any order of dimensions."""
-    if tensor.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
-
-
 def sample_indices(numel: int, device) -> torch.Tensor:
     """The seeded positions a sample reads: the same for every tensor of this size, so runs agree."""
     key = (numel, str(device))
@@ -237,172 +210,12 @@ def sample_indices(numel: int, device) -> torch.Tensor:
     return indices
 
 
-# -- measuring ------------------------------------------------------------------------------------
-
-
-class Pending:
-    """A statistics vector still on the device, and how to read it into a `Stats`."""
-
-    __slots__ = ("stats", "vector", "layout")
-
-    def __init__(self, stats: Stats, vector: torch.Tensor, layout: str):
-        self.stats = stats
-        self.vector = vector
-        self.layout = layout  # see `fill`
-
-
-class Meter:
-    """Measures op outputs for one forward, following the rung and the tracking mode.
-
-    `measure(tensor, live)` returns a `Stats` that is complete when `live` (read now, because its
-    line is being printed, or because `on_nonfinite="raise"` must stop at this op) and otherwise
-    filled in by `flush()` at the end of the forward, with one transfer per device.
-    """
-
-    def __init__(self, rung: str, tracking: bool):
-        self.rung = rung
-        self.tracking = tracking
-        self.pending: List[Pending] = []
-        self.reads = 0  # host transfers made, for the footer and the tests
-        # Statistics already taken this forward, by the elements they cover (see `_same_elements`).
-        # A sample depends on the layout, so only exact statistics and counts are shared.
-        self._known: Dict[tuple, Tuple[weakref.ref, Stats, bool]] = {}
-        self._sharing = rung != "sampled"
-
-    @property
-    def active(self) -> bool:
-        return measures(self.rung, self.tracking)
-
-    def measure_output(self, out, live: bool):
-        """Stats of an op's output (a tensor, or a StatsGroup for several)."""
-        if isinstance(out, torch.Tensor):
-            return self.measure(out, live)
-        return StatsGroup([self.measure(t, live) for t in out if isinstance(t, torch.Tensor)])
-
-    def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
-        """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
-        try:
-            identity = _same_elements(tensor) if self._sharing else None
-            if identity is not None:
-                known = self._known.get(identity[1])
-                if known is not None and known[0]() is identity[0] and (known[2] or not live):
-                    return known[1]
-            stats = self._measure(plain_values(tensor), live)
-            if identity is not None:
-                self._known[identity[1]] = (weakref.ref(identity[0]), stats, live)
-            return stats
-        except Exception as exc:
-            return Stats("na", tensor.numel(), self.rung != "off", note=f"{type(exc).__name__} measuring {tensor.dtype}")
-
-    def _measure(self, tensor: torch.Tensor, live: bool) -> Stats:
-        shown = self.rung != "off"
-        reason = applicable(tensor)
-        if reason is not None:
-            return Stats("na", tensor.numel(), shown, note=reason)
-        numel = tensor.numel()
-        measuring = self.rung in ("exact", "sampled")
-        kind = value_kind(tensor.dtype)
-        dtype = vector_dtype(tensor.device)
-        if kind != "float" and not measuring:  # tracking only: integers and bools are always finite
-            return Stats("na", numel, False, note=kind)
-        if kind == "bool":
-            return self._start(Stats("bool", numel, shown), tensor.count_nonzero().to(dtype)[None], "bool", live)
-        if kind == "int":
-            vector = finite_vector(tensor.to(dtype), dtype, tensor.dim())
-            return self._start(Stats("exact", numel, shown), vector, "int", live)
-        f = as_float(tensor, tensor.dtype)
-        if self.rung == "sampled" and numel > SAMPLE_SIZE:
-            return self._sampled(f, numel, shown, live)
-        if measuring:  # exact, or a "sample" that would read every element: exact, and says so
-            stats = Stats("exact", numel, shown)
-            if live:
-                refine = lambda: finite_vector(f, dtype, f.dim())  # noqa: E731
-                return self._start(stats, cheap_vector(f, dtype, numel), "moments", live, refine)
-            # Read later, when the tensor is gone: its counts come along, and a tensor that turns
-            # out to hold non-finite values reports them without min/max/mean/sd (masking every
-            # tensor in case it does would cost several times more, on every op).
-            vector = torch.cat([cheap_vector(f, dtype, numel), count_vector(f, dtype)])
-            return self._start(stats, vector, "moments+counts", live)
-        # tracking only ("off" or "reuse"): counts, shown by "reuse"
-        return self._start(Stats("counts", numel, self.rung == "reuse"), count_vector(f, dtype), "counts", live)
-
-    def _sampled(self, f: torch.Tensor, numel: int, shown: bool, live: bool) -> Stats:
-        dtype = vector_dtype(f.device)
-        sample = torch.take(f, sample_indices(numel, f.device)) if numel > SAMPLE_SIZE else f.reshape(-1)
-        stats = Stats("sampled", numel, shown)
-        stats.sampled = sample.numel()
-        counts = [count_vector(f, dtype)] if self.tracking else []
-        full = lambda: torch.cat([finite_vector(sample, dtype, 1)] + counts)  # noqa: E731
-        if live:
-            vector = torch.cat([cheap_vector(sample, dtype, sample.numel())] + counts)
-            return self._start(stats, vector, "sampled-moments", live, full)
-        return self._start(stats, full(), "sampled", live)
-
-    def _start(self, stats: Stats, vector: torch.Tensor, layout: str, live: bool, refine=None) -> Stats:
-        """Read `vector` now (`live`) or at the end of the forward. A "moments" vector is cheap
-        but only meaningful when finite: if it is not, `refine()` measures again, masking
-        non-finite values and counting them, while the tensor is still at hand."""
-        if not live:
-            self.pending.append(Pending(stats, vector, layout))
-            return stats
-        values = vector.tolist()
-        self.reads += 1
-        if layout.endswith("moments") and not all(map(math.isfinite, values[:4])):
-            values = refine().tolist()
-            self.reads += 1
-            layout = "finite" if layout == "moments" else "sampled"
-        fill(stats, values, layout, self.tracking)
-        return stats
-
-    def flush(self) -> None:
-        """Read every pending vector: one transfer per device for the whole forward."""
-        devices = {item.vector.device for item in self.pending}
-        for device in devices:
-            self.read_along(torch.zeros(0, dtype=vector_dtype(device), device=device))
-
-    def read_along(self, vector: torch.Tensor) -> List[float]:
-        """Read `vector` to the host, and in the same transfer every pending vector on its device.
-
-        The compiled path reads each graph's statistics this way, so the ops measured between
-        graphs cost no transfer of their own.
-        """
-        mine = [item for item in self.pending if item.vector.device == vector.device]
-        self.pending = [item for item in self.pending if item.vector.device != vector.device]
-        try:
-            values = torch.cat([vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]).tolist()
-        except Exception:  # one vector that cannot be read must not take the others with it
-            return self._read_one_by_one(vector, mine)
-        self.reads += 1
-        start = vector.numel()
-        for item in mine:
-            size = item.vector.numel()
-            fill(item.stats, values[start:start + size], item.layout, self.tracking)
-            start += size
-        return values[:vector.numel()]
-
-    def _read_one_by_one(self, vector: torch.Tensor, items: List[Pending]) -> List[float]:
-        """The slow path of `read_along`: each vector on its own; one that fails says why."""
-        for item in items:
-            try:
-                values = item.vector.reshape(-1).tolist()
-                self.reads += 1
-                fill(item.stats, values, item.layout, self.tracking)
-            except Exception as exc:
-                unmeasured(item.stats, f"{type(exc).__name__} reading its statistics")
-        self.reads += 1
-        return vector.reshape(-1).tolist()
-
-
 def unmeasured(stats: Stats, why: str) -> None:
     """Turn `stats` into "not measured" (the footer counts it), keeping whether it was shown."""
     stats.kind = "na"
     stats.note = why
     stats.min = stats.max = stats.mean = stats.sd = None
     stats.nan = stats.posinf = stats.neginf = None
-
-
-# The length of each vector layout `fill` reads (the compiled path slices its one output by these).
-VECTOR_SIZES = {"finite": 9, "int": 9, "counts": 3, "bool": 1, "moments": 4, "moments+counts": 7}
 
 
 def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:

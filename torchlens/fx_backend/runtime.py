@@ -233,9 +233,8 @@ class CompiledPass(ForwardPass):
         """The graph's statistics, read to the host once, with what was measured since the last graph."""
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
-        settings = self.session.settings
         values = self.session.meter.read_along(vector)
-        return read_stats(slots, values, settings.value_stats, settings.on_nonfinite is not None, numels)
+        return read_stats(slots, values, self.session.settings.on_nonfinite is not None, numels)
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
         """The output metadata of plan ops [start, stop) in this call: concrete sizes where they

@@ -11,21 +11,30 @@ either way), so `value_stats="sampled"` measures every element there and says so
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from ..stats import (VECTOR_SIZES, Stats, StatsGroup, as_float, cheap_vector, fill, finite_vector, lean_count_vector,
-                     value_kind, vector_dtype)
+from ..events import StatsGroup
+from ..recipes import Recipe, not_applicable, recipe
+from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
 from .plan import GraphPlan
 from .replay import is_in_place, target_name
 
 
-# Per plan op: None (no statistics), else one layout per tensor output (see `_vector_for`).
-Slots = List[Optional[Tuple[str, ...]]]
+class Slot(NamedTuple):
+    """What the graph's statistics output holds for one plan op: a recipe per tensor output, or
+    (`same_as`) the index of an earlier op whose statistics it shares (the same elements)."""
+
+    recipes: Tuple[Recipe, ...] = ()
+    same_as: Optional[int] = None
+
+
+# Per plan op: None (no statistics), else its `Slot`.
+Slots = List[Optional[Slot]]
 
 
 def module_outputs(plan: GraphPlan) -> List[int]:
@@ -54,25 +63,25 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
         value = holder.meta["example_value"]
         source = _same_elements_as(node, measured)
         if source is not None:
-            slots[op.index] = (f"same:{source}",)
+            slots[op.index] = Slot(same_as=source)
             measured[node] = source  # a chain of views shares one measurement
             continue
         if op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
-            slots[op.index] = ("na:uninitialized",) * len(op.metas)
+            slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
             continue
         with graph.inserting_before(node.next):
             proxy = fx.Proxy(holder, tracer)
             outputs = [(proxy, value)] if isinstance(value, torch.Tensor) else [
                 (proxy[i], t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
-            layouts = []
+            recipes = []
             for output, fake in outputs:
-                layout, vector = _vector_for(output, fake, rung, tracking)
-                layouts.append(layout)
+                recipe_, vector = _vector_for(output, fake, rung, tracking)
+                recipes.append(recipe_)
                 if vector is not None:
                     vectors.append(vector.reshape(-1))
                     devices.append(fake.device)
-        slots[op.index] = tuple(layouts)
-        if holder is node and isinstance(value, torch.Tensor) and layouts[0] in ("moments+counts", "counts", "int", "bool"):
+        slots[op.index] = Slot(tuple(recipes))
+        if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures and not recipes[0].padded:
             measured[node] = op.index
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     with graph.inserting_before(output_node):
@@ -146,84 +155,41 @@ def _may_mutate(node: fx.Node) -> bool:
 
 
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
-    """(layout, vector proxy) for one tensor output.
-
-    Layouts: "moments+counts", "counts", "int", "bool" (see `torchlens.stats.fill`); "finite+pad" and
-    "int+pad" when a NaN was appended to keep the reductions of a possibly-empty dynamic-size tensor
-    defined (it is subtracted again when read); "na:<reason>" when nothing can be measured;
-    "skip:<dtype>" when only tracking was asked for and the tensor cannot hold non-finite values.
-    """
+    """(recipe, vector proxy or None) for one tensor output (see `torchlens.recipes`)."""
     if fake.layout != torch.strided:
-        return "na:" + str(fake.layout).replace("torch.", ""), None
+        return not_applicable(str(fake.layout).replace("torch.", ""), rung), None
     kind = value_kind(fake.dtype)
     if kind is None:
-        return "na:" + str(fake.dtype).replace("torch.", ""), None
+        return not_applicable(str(fake.dtype).replace("torch.", ""), rung), None
     numel = fake.numel()
     if isinstance(numel, int) and numel == 0:
-        return "na:empty", None
+        return not_applicable("empty", rung), None
+    chosen = recipe(kind, rung, tracking, numel_known=isinstance(numel, int), in_graph=True)
+    if not chosen.measures:
+        return chosen, None
     dtype = vector_dtype(fake.device)
-    measuring = rung in ("sampled", "exact")
-    if kind != "float" and not measuring:
-        return "skip:" + kind, None
-    if kind == "bool":
-        return "bool", output.sum().to(dtype)
-    if kind == "int":
-        values = output.to(dtype)
-        if isinstance(numel, int):
-            return "int", finite_vector(values, dtype, fake.dim())
-        return "int+pad", _padded_finite_vector(values, dtype)
-    values = as_float(output, fake.dtype)
-    if not measuring:
-        return "counts", lean_count_vector(values, dtype, numel if isinstance(numel, int) else _UNKNOWN)
-    if isinstance(numel, int):
-        # As eager's deferred exact statistics: moments, trusted only when the counts are zero.
-        return "moments+counts", torch.cat([cheap_vector(values, dtype, numel), lean_count_vector(values, dtype, numel)])
-    return "finite+pad", _padded_finite_vector(values, dtype)
+    values = output if kind == "bool" else output.to(dtype) if kind == "int" else as_float(output, fake.dtype)
+    return chosen, chosen.build(values, dtype, numel, fake.dim())
 
 
-_UNKNOWN = 1 << 62  # a dynamic element count: the int64 sums, exact at any size
-
-
-def _padded_finite_vector(values, dtype):
-    """A dynamic size that may be zero: one NaN appended keeps the reductions defined."""
-    padded = torch.cat([values.reshape(-1), values.new_full((1,), float("nan"))])
-    return finite_vector(padded, dtype, 1)
-
-
-def read_stats(slots: Slots, values: Sequence[float], rung: str, tracking: bool, numels) -> List:
+def read_stats(slots: Slots, values: Sequence[float], tracking: bool, numels) -> List:
     """Turn one graph call's statistics (read to the host) into a `Stats`, a `StatsGroup` or
     None per plan op; `numels[i]` are the element counts of op i's outputs in this call."""
     position = 0
     result = []
-    for layouts, counts in zip(slots, numels):
-        if layouts is None:
+    for slot, counts in zip(slots, numels):
+        if slot is None:
             result.append(None)
             continue
-        if layouts[0].startswith("same:"):
-            result.append(result[int(layouts[0][5:])])  # the same elements, read once
+        if slot.same_as is not None:
+            result.append(result[slot.same_as])  # the same elements, read once
             continue
         parts = []
-        for layout, numel in zip(layouts, counts):
-            stats, size = _read_one(layout, numel, values[position:], rung, tracking)
-            position += size
+        for recipe_, numel in zip(slot.recipes, counts):
+            stats = recipe_.stats(numel)
+            if recipe_.measures:
+                recipe_.read(stats, values[position:position + recipe_.size], tracking)
+                position += recipe_.size
             parts.append(stats)
         result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
     return result
-
-
-def _read_one(layout: str, numel: int, values: Sequence[float], rung: str, tracking: bool):
-    shown = rung != "off"
-    if layout.startswith("na:"):
-        return Stats("na", numel, shown, note=layout[3:]), 0
-    if layout.startswith("skip:"):
-        return Stats("na", numel, False, note=layout[5:]), 0
-    padded = layout.endswith("+pad")
-    base = layout[: -len("+pad")] if padded else layout
-    size = VECTOR_SIZES[base]
-    kind = {"counts": "counts", "bool": "bool"}.get(base, "exact")
-    stats = Stats(kind, numel, rung == "reuse" if base == "counts" else shown)
-    chunk = list(values[:size])
-    if padded:
-        chunk[6] -= 1  # the NaN that was appended
-    fill(stats, chunk, base, tracking)
-    return stats, size

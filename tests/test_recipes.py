@@ -1,0 +1,204 @@
+"""The statistics ladder's cheap recipes: a tracking screen that never misses a NaN or an infinity,
+exact statistics from sums that agree with float64, and the same recipe for both substrates."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchlens as tl
+from torchlens.recipes import CONDITION_LIMIT, recipe
+from models import tiny_gpt, tokens
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+class Copy(nn.Module):
+    """One op whose output holds exactly the input's values."""
+
+    def forward(self, x):
+        return x * 1
+
+
+def direct_counts(x: torch.Tensor):
+    values = x.abs() if x.is_complex() else x
+    return (int(torch.isnan(values).sum()), int(torch.isposinf(values).sum()), int(torch.isneginf(values).sum()))
+
+
+def tracked_counts(x: torch.Tensor, **kwargs):
+    stats = tl.record(Copy(), x, on_nonfinite="track", value_stats="reuse", **kwargs).ops[-1].stats
+    return stats.nan, stats.posinf, stats.neginf
+
+
+@contextlib.contextmanager
+def count_aten(*names):
+    """Count calls of these ATen ops (by overload packet name) made inside the block."""
+    seen = []
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in names:
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        yield seen
+
+
+# -- the tracking screen -------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(FLOATS),
+    size=st.integers(1, 300),
+    planted=st.lists(st.tuples(st.integers(0, 299), st.sampled_from(["nan", "inf", "-inf", "max", "-max"])),
+                     max_size=6),
+    scale=st.sampled_from([1.0, 1e3, 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_screen_never_misses_a_nonfinite_value_and_counts_exactly(dtype, size, planted, scale, seed):
+    """Random tensors with NaN, infinities and the dtype's largest values (whose sums overflow)
+    planted anywhere: the counts always equal direct ones, whatever the screen saw."""
+    x = (torch.randn(size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+    biggest = torch.finfo(dtype).max
+    for index, what in planted:
+        x[index % size] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "max": biggest, "-max": -biggest}[what]
+    assert tracked_counts(x) == direct_counts(x)
+
+
+def test_an_overflowing_sum_of_finite_values_is_counted_not_assumed_finite_or_nonfinite():
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        biggest = torch.finfo(dtype).max
+        x = torch.full((8,), biggest, dtype=dtype)  # the sum overflows: the screen cannot vouch
+        assert tracked_counts(x) == (0, 0, 0)
+        rec = tl.record(Copy(), x, on_nonfinite="track")
+        assert rec.findings == () and rec.footer_extra[-1] == "no non-finite values"
+
+
+def test_infinities_of_both_signs_that_cancel_in_the_sum_are_both_counted():
+    x = torch.tensor([1.0, math.inf, -math.inf, 2.0])
+    assert tracked_counts(x) == (0, 1, 1)
+    assert tracked_counts(torch.tensor([math.nan, 1e38, 1e38, -1e38])) == (1, 0, 0)
+
+
+def test_complex_outputs_are_screened_by_magnitude():
+    x = torch.tensor([1 + 1j, complex(math.nan, 0), complex(0, math.inf)], dtype=torch.complex64)
+    assert tracked_counts(x) == direct_counts(x) == (1, 1, 0)
+
+
+def test_only_outputs_the_screen_flags_are_counted_with_masks():
+    """On the CPU the screen is one sum per output: finite outputs cost no `isnan`/`isinf` masks;
+    only the outputs holding non-finite values (here the causal mask's healthy -inf) are counted."""
+    model, x = tiny_gpt(), tokens()
+    with count_aten("isnan", "isposinf", "isneginf") as masks, count_aten("sum") as sums:
+        rec = tl.record(model, x, on_nonfinite="track", value_stats="reuse")
+    holding = [e for e in rec.ops if e.stats is not None and e.stats.nonfinite]
+    assert [e.op for e in holding] == ["masked_fill", "masked_fill"] and str(holding[0].stats) == "-inf=112"
+    assert len(masks) == 3 * len(holding), "finite outputs were masked instead of screened"
+    assert len(sums) >= len([e for e in rec.ops if e.outputs[0].dtype == torch.float32]) // 2
+    assert rec.footer_extra[-1].startswith("no non-finite findings")
+
+    class LogAfter(nn.Module):
+        def forward(self, x):
+            y = torch.log(x)  # NaN for the negative entries
+            return (y * 0).sum() + x.sum()
+
+    x = torch.tensor([1.0, -1.0, 2.0])
+    with count_aten("isnan") as masks:
+        rec = tl.record(LogAfter(), x, on_nonfinite="track", value_stats="reuse")
+    flagged = [e for e in rec.ops if e.stats is not None and e.stats.nan]
+    assert [e.op for e in flagged] == ["log", "mul", "sum", "add"]
+    assert len(masks) == len(flagged)  # counted only where the screen flagged
+    assert rec.first_nonfinite.op == "log" and str(flagged[0].stats) == "nan=1"
+
+
+def test_an_accelerator_keeps_its_counts_in_the_deferred_vector(deferred_reads):
+    """Read once per forward, the tensor is gone when the vector is read: counts are computed
+    from the start (no screen), and they are exact."""
+    x = torch.tensor([1.0, math.nan, math.inf, -math.inf, math.nan])
+    assert tracked_counts(x) == (2, 1, 1)
+    assert recipe("float", "off", True, immediate=False).layout == "counts"
+
+
+# -- exact statistics from sums ----------------------------------------------------------------------
+
+
+def float64_stats(x: torch.Tensor):
+    values = (x.abs() if x.is_complex() else x).double().reshape(-1)
+    values = values[torch.isfinite(values)]
+    return values.min().item(), values.max().item(), values.mean().item(), values.std().item()
+
+
+def exact(x: torch.Tensor, narrate=None):
+    return tl.record(Copy(), x, value_stats="exact", narrate=narrate).ops[-1].stats
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.complex64])
+@pytest.mark.parametrize("shape, layout", [((64, 768), "contiguous"), ((768, 64), "transposed"), ((5,), "contiguous")])
+def test_exact_statistics_equal_float64_for_every_float_dtype_and_layout(dtype, shape, layout):
+    base = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3 + 0.5
+    x = base.to(dtype)
+    if layout == "transposed":
+        x = x.t()
+    got = exact(x)
+    want = float64_stats(x)
+    for name, value in zip(("min", "max", "mean", "sd"), want):
+        assert getattr(got, name) == pytest.approx(value, rel=1e-5, abs=1e-6), (name, dtype, layout)
+    assert (got.nan, got.posinf, got.neginf) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("offset", [1e2, 1e4, -3e5])
+def test_a_large_mean_against_a_small_spread_gets_its_sd_about_the_mean(offset):
+    """Subtracting sums would lose the sd's digits here; past `CONDITION_LIMIT` it is measured
+    about the mean instead, and agrees with float64 over the same float32 values."""
+    x = offset + torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 1e-2
+    assert (x.double().square().mean() / x.double().var()).item() > CONDITION_LIMIT
+    got = exact(x)
+    _, _, mean, sd = float64_stats(x)
+    assert got.mean == pytest.approx(mean, rel=1e-6) and got.sd == pytest.approx(sd, rel=1e-4)
+
+
+def test_exact_statistics_with_nonfinite_values_summarise_the_finite_ones_and_count_the_rest():
+    x = torch.tensor([1.0, 2.0, math.nan, 3.0, math.inf, -math.inf, math.inf])
+    got = exact(x)
+    assert (got.min, got.max, got.mean, got.nan, got.posinf, got.neginf) == (1, 3, 2, 1, 2, 1)
+    assert got.sd == pytest.approx(1.0)
+    big = torch.full((16,), torch.finfo(torch.float32).max)  # finite, but the sum overflows
+    got = exact(big)
+    assert got.min == got.max == got.mean == pytest.approx(torch.finfo(torch.float32).max)
+    assert (got.nan, got.posinf, got.neginf) == (0, 0, 0)
+
+
+def test_exact_statistics_on_the_cpu_mask_only_the_outputs_holding_nonfinite_values():
+    model, x = tiny_gpt(), tokens()
+    with count_aten("isnan", "isinf", "isfinite", "isposinf", "isneginf") as masks:
+        rec = tl.record(model, x, value_stats="exact")
+    holding = [e for e in rec.ops if e.stats is not None and e.stats.nonfinite]
+    assert [e.op for e in holding] == ["masked_fill", "masked_fill"]  # the causal mask's -inf
+    assert 0 < len(masks) <= 4 * len(holding)
+    assert holding[0].stats.neginf == 112 and holding[0].stats.max is not None  # the finite ones summarised
+    measured = [e.stats for e in rec.ops if getattr(e.stats, "kind", None) == "exact"]
+    assert len(measured) > 20 and all(s.sd is not None for s in measured)
+    integers = [e for e in rec.ops if e.outputs[0].dtype == torch.long and getattr(e.stats, "kind", None) == "exact"]
+    assert integers and all(isinstance(e.stats.min, int) and e.stats.nan is None for e in integers)
+
+
+# -- one ladder for both substrates ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rung, tracking", [("exact", False), ("exact", True), ("off", True), ("reuse", True),
+                                            ("sampled", True)])
+def test_eager_and_graph_recipes_agree_on_what_is_shown_and_measured(rung, tracking):
+    for kind in ("float", "int", "bool"):
+        eager = recipe(kind, rung, tracking, immediate=False)
+        graph = recipe(kind, rung, tracking, in_graph=True)
+        assert (eager.kind, eager.shown, eager.measures) == (graph.kind, graph.shown, graph.measures), kind
+        assert eager.layout == graph.layout and graph.lean == (graph.layout in ("counts", "moments+counts"))

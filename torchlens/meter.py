@@ -1,0 +1,247 @@
+"""Measuring op outputs eagerly, at the rung and tracking mode a run asked for.
+
+What to compute for each tensor comes from `torchlens.recipes` (the ladder the compiled path
+shares); this module decides *when* it is read. Values on the CPU are read as each op completes:
+there is no device to wait for, and with the tensor at hand the cheap recipes apply ("screen" for
+tracking, "sums" for exact statistics; each measured again from the tensor in the rare case it
+cannot vouch for itself). An accelerator's vectors are read together once per forward, unless the
+op's line is printed now (or `on_nonfinite="raise"` must decide at once), so metadata-free runs
+keep the one-read-per-forward discipline.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Dict, List, Tuple
+
+import torch
+
+from .events import Stats, StatsGroup
+from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
+                      sums_vector, usable_for_sums)
+from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, measures,
+                    plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
+
+# Devices whose values are read as each op completes (no device to wait for). Everything else is
+# read once per forward. Tests empty it to check the deferred discipline without an accelerator.
+READ_NOW = {"cpu"}
+
+
+class Pending:
+    """A statistics vector still on the device, and the recipe that reads it into a `Stats`."""
+
+    __slots__ = ("stats", "vector", "recipe")
+
+    def __init__(self, stats: Stats, vector: torch.Tensor, recipe_: Recipe):
+        self.stats = stats
+        self.vector = vector
+        self.recipe = recipe_
+
+
+class Meter:
+    """Measures op outputs for one forward, following the rung and the tracking mode.
+
+    `measure(tensor, live)` returns a `Stats` that is complete when it is read now (`live`: its
+    line is being printed, or `on_nonfinite="raise"` must stop at this op; or the tensor is on the
+    CPU) and otherwise filled in by `flush()` at the end of the forward, one transfer per device.
+    """
+
+    def __init__(self, rung: str, tracking: bool):
+        self.rung = rung
+        self.tracking = tracking
+        self.pending: List[Pending] = []
+        self.reads = 0  # host transfers made, for the footer and the tests
+        # Statistics already taken this forward, by the elements they cover (see `_same_elements`).
+        # A sample depends on the layout, so only exact statistics and counts are shared.
+        self._known: Dict[tuple, Tuple[weakref.ref, Stats, bool]] = {}
+        self._sharing = rung != "sampled"
+
+    @property
+    def active(self) -> bool:
+        return measures(self.rung, self.tracking)
+
+    def measure_output(self, out, live: bool):
+        """Stats of an op's output (a tensor, or a StatsGroup for several)."""
+        if isinstance(out, torch.Tensor):
+            return self.measure(out, live)
+        return StatsGroup([self.measure(t, live) for t in out if isinstance(t, torch.Tensor)])
+
+    def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
+        """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
+        try:
+            identity = _same_elements(tensor) if self._sharing else None
+            if identity is not None:
+                known = self._known.get(identity[1])
+                if known is not None and known[0]() is identity[0] and (known[2] or not live):
+                    return known[1]
+            values = plain_values(tensor)
+            now = live or values.device.type in READ_NOW
+            stats = self._measure(values, now)
+            if identity is not None:
+                self._known[identity[1]] = (weakref.ref(identity[0]), stats, now)
+            return stats
+        except Exception as exc:
+            return Stats("na", tensor.numel(), self.rung != "off", note=f"{type(exc).__name__} measuring {tensor.dtype}")
+
+    def _measure(self, tensor: torch.Tensor, now: bool) -> Stats:
+        reason = applicable(tensor)
+        if reason is not None:
+            return not_applicable(reason, self.rung).stats(tensor.numel())
+        numel = tensor.numel()
+        kind = value_kind(tensor.dtype)
+        sampled = kind == "float" and self.rung == "sampled" and numel > SAMPLE_SIZE
+        chosen = recipe(kind, self.rung, self.tracking, immediate=now, sampled=sampled)
+        stats = chosen.stats(numel)
+        if not chosen.measures:
+            return stats
+        dtype = vector_dtype(tensor.device)
+        if kind == "bool":
+            return self._start(stats, chosen.build(tensor, dtype, numel, tensor.dim()), chosen, now)
+        f = tensor.to(dtype) if kind == "int" else as_float(tensor, tensor.dtype)
+        if sampled:
+            return self._sampled(stats, f, numel, now)
+        if chosen.layout == "screen":
+            return self._screened(stats, f)
+        if chosen.layout == "sums":
+            return self._summed(stats, f, dtype, numel, kind == "int")
+        return self._start(stats, chosen.build(f, dtype, numel, f.dim()), chosen, now)
+
+    # -- read now: the tensor is at hand ------------------------------------------------------------
+
+    def _screened(self, stats: Stats, f: torch.Tensor) -> Stats:
+        """Tracking: one sum proves the tensor finite; only one that is not is counted."""
+        self.reads += 1
+        if screen_finite(f):
+            stats.nan = stats.posinf = stats.neginf = 0
+            return stats
+        self.reads += 1
+        fill(stats, count_vector(f, torch.float64).tolist(), "counts", self.tracking)
+        return stats
+
+    def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int, integer: bool) -> Stats:
+        """Exact statistics from [min, max, sum, sum of squares] (see `torchlens.recipes`). A
+        tensor that is not one dense block takes the two-pass vector; one holding non-finite values
+        is measured again, masking them and counting them."""
+        self.reads += 1
+        if usable_for_sums(f):
+            values = sums_vector(f).tolist()
+            if all(map(math.isfinite, values)):
+                mn, mx, mean, sd = moments_from_sums(values, numel)
+                if sd is None:  # a large mean against the spread: both again, about the mean
+                    self.reads += 1
+                    mean, sd = about_the_mean(f, mean, numel)
+                values = [mn, mx, mean, sd]
+        elif integer:
+            values = [math.nan]  # integers that are not one dense block: the general vector below
+        else:
+            values = cheap_vector(f, dtype, numel).tolist()
+        if all(map(math.isfinite, values)):
+            fill(stats, values, "moments", self.tracking)
+            if integer:
+                stats.min, stats.max = int(stats.min), int(stats.max)
+                stats.nan = stats.posinf = stats.neginf = None  # integers are always finite: no counts
+            return stats
+        self.reads += 1  # non-finite values (or an overflowed sum): min/max/mean/sd of the finite ones, and counts
+        fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "int" if integer else "finite", self.tracking)
+        return stats
+
+    def _sampled(self, stats: Stats, f: torch.Tensor, numel: int, now: bool) -> Stats:
+        """A seeded sample's statistics; with tracking, the whole tensor's counts (screened when read
+        now, counted from the start when read later)."""
+        dtype = vector_dtype(f.device)
+        sample = torch.take(f, sample_indices(numel, f.device))
+        stats.sampled = sample.numel()
+        if not now:
+            counts = [count_vector(f, dtype)] if self.tracking else []
+            vector = torch.cat([finite_vector(sample, dtype, 1)] + counts)
+            self.pending.append(Pending(stats, vector, recipe("float", "sampled", self.tracking, sampled=True)))
+            return stats
+        head = cheap_vector(sample, dtype, sample.numel())
+        values = (torch.cat([head, screen_vector(f, dtype)]) if self.tracking else head).tolist()
+        self.reads += 1
+        if all(map(math.isfinite, values[:4])):
+            fill(stats, values[:4], "sampled-moments", False)
+        else:
+            self.reads += 1
+            fill(stats, finite_vector(sample, dtype, 1).tolist(), "sampled", False)
+        if self.tracking:
+            if math.isfinite(values[4]):
+                stats.nan = stats.posinf = stats.neginf = 0
+            else:
+                self.reads += 1
+                stats.nan, stats.posinf, stats.neginf = (int(v) for v in count_vector(f, dtype).tolist())
+        return stats
+
+    # -- read later: once per forward, per device -----------------------------------------------
+
+    def _start(self, stats: Stats, vector: torch.Tensor, recipe_: Recipe, now: bool) -> Stats:
+        if not now:
+            self.pending.append(Pending(stats, vector, recipe_))
+            return stats
+        self.reads += 1
+        recipe_.read(stats, vector.tolist(), self.tracking)
+        return stats
+
+    def flush(self) -> None:
+        """Read every pending vector: one transfer per device for the whole forward."""
+        devices = {item.vector.device for item in self.pending}
+        for device in devices:
+            self.read_along(torch.zeros(0, dtype=vector_dtype(device), device=device))
+
+    def read_along(self, vector: torch.Tensor) -> List[float]:
+        """Read `vector` to the host, and in the same transfer every pending vector on its device.
+
+        The compiled path reads each graph's statistics this way, so the ops measured between
+        graphs cost no transfer of their own.
+        """
+        mine = [item for item in self.pending if item.vector.device == vector.device]
+        self.pending = [item for item in self.pending if item.vector.device != vector.device]
+        try:
+            values = torch.cat([vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]).tolist()
+        except Exception:  # one vector that cannot be read must not take the others with it
+            return self._read_one_by_one(vector, mine)
+        self.reads += 1
+        start = vector.numel()
+        for item in mine:
+            size = item.vector.numel()
+            item.recipe.read(item.stats, values[start:start + size], self.tracking)
+            start += size
+        return values[:vector.numel()]
+
+    def _read_one_by_one(self, vector: torch.Tensor, items: List[Pending]) -> List[float]:
+        """The slow path of `read_along`: each vector on its own; one that fails says why."""
+        for item in items:
+            try:
+                values = item.vector.reshape(-1).tolist()
+                self.reads += 1
+                item.recipe.read(item.stats, values, self.tracking)
+            except Exception as exc:
+                unmeasured(item.stats, f"{type(exc).__name__} reading its statistics")
+        self.reads += 1
+        return vector.reshape(-1).tolist()
+
+
+def _same_elements(tensor: torch.Tensor):
+    """(base, key) such that two tensors with equal keys, while `base` lives, hold the same elements:
+    a view (`view`, `transpose`, `contiguous` of a contiguous tensor, eval-mode `dropout`, ...) of a
+    tensor measured earlier in the forward, unchanged since (the version counter is shared with the
+    base and bumped by in-place ops). Statistics depend only on the elements, so they are shared
+    instead of reduced again. None when the tensor does not cover one dense block of memory."""
+    if tensor.layout != torch.strided or not shareable(tensor) or not _dense(tensor):
+        return None
+    base = tensor._base if tensor._base is not None else tensor
+    return base, (id(base), tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements fill one block of memory, in any order of dimensions."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True

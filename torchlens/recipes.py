@@ -1,0 +1,188 @@
+"""What to compute for one tensor, and how to read it back: the one statistics ladder.
+
+Both substrates measure through it: the eager meter (`torchlens.meter`) runs a recipe's vector
+on the tensor, the compiled path (`fx_backend.stats_pass`) traces the same vector into the graph.
+The ladder — not applicable, then the dtype's kind (bool, integer, float), then the rung (exact,
+sampled, counts for tracking) — is decided here once; a `Recipe` names what it builds (`layout`),
+how long its vector is (`size`), the `Stats` it fills, and whether a dynamic size was padded.
+
+Two recipes exist only where the tensor is still at hand when the vector is read (`immediate`:
+on the CPU, where reading needs no device to wait for, or a line printed now), because a result
+they cannot vouch for is measured again from the tensor:
+
+- "screen": tracking's first look, one sum. A sum of finite values is finite unless it overflows;
+  any NaN or infinity makes it NaN or infinite. So a finite sum proves every element finite, and
+  only a sum that is not (a real NaN or infinity, or an overflow of finite values) pays for the
+  three exact counts.
+- "sums": exact statistics as [min, max, sum, sum of squares], three reductions that read the
+  tensor once each and write nothing. The moments are taken from them on the host; when the mean
+  is large against the spread (where subtracting sums would lose digits) mean and sd are measured
+  again about the mean, as a two-pass algorithm does. A min or max that is not finite means
+  non-finite values: the tensor is measured again, masking and counting them.
+
+Deferred vectors (an accelerator's, read once per forward or graph call, when the tensor is gone)
+carry their counts from the start ("counts", "moments+counts").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from .events import Stats
+from .stats import cheap_vector, count_vector, fill, finite_vector, lean_count_vector
+
+
+class Recipe(NamedTuple):
+    """How one tensor is measured: the vector to build and the `Stats` it fills."""
+
+    layout: str  # what the vector holds, as `torchlens.stats.fill` reads it ("" when nothing is computed)
+    kind: str  # the `Stats.kind` it produces
+    shown: bool  # whether the op line shows it (tracking alone measures without showing)
+    size: int = 0  # entries of the vector, or of its head when counts follow (sampled with tracking)
+    note: str = ""  # why nothing is measured ("int": tracking only, integers cannot be non-finite)
+    padded: bool = False  # a dynamic size that may be zero: one NaN appended, taken off when read
+    lean: bool = False  # counts for a compiled graph (`lean_count_vector`), eager's otherwise
+
+    @property
+    def measures(self) -> bool:
+        return bool(self.layout)
+
+    def stats(self, numel: int) -> Stats:
+        return Stats(self.kind, numel, self.shown, note=self.note)
+
+    def build(self, values, dtype: torch.dtype, numel, ndim: int):
+        """The vector for `values` (a tensor, or an FX proxy: nothing here reads a value).
+        `values` is already in the dtype the recipe reduces (see `torchlens.stats.as_float`)."""
+        return _BUILDERS[self.layout](self, values, dtype, numel, ndim)
+
+    def read(self, stats: Stats, values: Sequence[float], tracking: bool) -> None:
+        """Fill `stats` from the vector read back (`size` entries)."""
+        values = list(values)
+        if self.padded:
+            values[6] -= 1  # the NaN appended to keep an empty tensor's reductions defined
+        fill(stats, values, self.layout, tracking)
+
+
+def not_applicable(reason: str, rung: str) -> Recipe:
+    """Nothing can be measured (meta, sparse, empty, an unreducible dtype): the line says why."""
+    return Recipe("", "na", rung != "off", note=reason)
+
+
+def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, immediate: bool = False,
+           in_graph: bool = False, sampled: bool = False) -> Recipe:
+    """The recipe for a tensor of value kind `kind` ("float", "int", "bool": `stats.value_kind`).
+
+    `immediate`: the vector is read while the tensor is at hand (eager only), so the cheap
+    "screen" and "sums" recipes apply. `in_graph`: traced into a compiled graph. `sampled`: the
+    "sampled" rung applies to this tensor (eager, more elements than a sample holds).
+    """
+    shown = rung != "off"
+    measuring = rung in ("exact", "sampled")
+    if kind != "float" and not measuring:  # tracking only: integers and bools are always finite
+        return Recipe("", "na", False, note=kind)
+    if kind == "bool":
+        return Recipe("bool", "bool", shown, 1)
+    if kind == "int":
+        if immediate:
+            return Recipe("sums", "exact", shown, 4)
+        return Recipe("int", "exact", shown, 9, padded=not numel_known)
+    if not measuring:  # tracking: counts, shown by "reuse"
+        if immediate:
+            return Recipe("screen", "counts", rung == "reuse", 1)
+        return Recipe("counts", "counts", rung == "reuse", 3, lean=in_graph)
+    if sampled:
+        return Recipe("sampled-moments" if immediate else "sampled", "sampled", shown, 4 if immediate else 9)
+    if not numel_known:
+        return Recipe("finite", "exact", shown, 9, padded=True)
+    if immediate:
+        return Recipe("sums", "exact", shown, 4)
+    # Read later, when the tensor is gone: its counts come along, and a tensor that turns out to
+    # hold non-finite values reports them without min/max/mean/sd (masking every tensor in case it
+    # does would cost several times more, on every op).
+    return Recipe("moments+counts", "exact", shown, 7, lean=in_graph)
+
+
+# -- the vectors -----------------------------------------------------------------------------------
+
+
+def screen_vector(f, dtype: torch.dtype):
+    """[sum]: finite only if every element is (see the module docstring)."""
+    return f.sum()[None].to(dtype)
+
+
+def screen_finite(f) -> bool:
+    """Whether the screen proves every element of `f` finite (False: measure the counts)."""
+    return math.isfinite(f.sum().item())
+
+
+def sums_vector(f):
+    """[min, max, sum, sum of squares], in `f`'s dtype; `f` is a contiguous float tensor."""
+    mn, mx = torch.aminmax(f)
+    flat = f.reshape(-1)
+    return torch.stack([mn, mx, flat.sum(), torch.dot(flat, flat)])
+
+
+def _counts(recipe: Recipe, f, dtype, numel):
+    return lean_count_vector(f, dtype, numel if isinstance(numel, int) else UNKNOWN_NUMEL) if recipe.lean \
+        else count_vector(f, dtype)
+
+
+def _padded(f, dtype):
+    """A dynamic size that may be zero: one NaN appended keeps the reductions defined."""
+    padded = torch.cat([f.reshape(-1), f.new_full((1,), float("nan"))])
+    return finite_vector(padded, dtype, 1)
+
+
+UNKNOWN_NUMEL = 1 << 62  # a dynamic element count: `lean_count_vector`'s int64 sums, exact at any size
+
+_BUILDERS: "dict[str, Callable]" = {
+    "bool": lambda r, f, dtype, numel, ndim: f.sum()[None].to(dtype),
+    "int": lambda r, f, dtype, numel, ndim: _padded(f, dtype) if r.padded else finite_vector(f, dtype, ndim),
+    "finite": lambda r, f, dtype, numel, ndim: _padded(f, dtype) if r.padded else finite_vector(f, dtype, ndim),
+    "counts": lambda r, f, dtype, numel, ndim: _counts(r, f, dtype, numel),
+    "screen": lambda r, f, dtype, numel, ndim: screen_vector(f, dtype),
+    "sums": lambda r, f, dtype, numel, ndim: sums_vector(f),
+    "moments": lambda r, f, dtype, numel, ndim: cheap_vector(f, dtype, numel),
+    "moments+counts": lambda r, f, dtype, numel, ndim: torch.cat([cheap_vector(f, dtype, numel), _counts(r, f, dtype, numel)]),
+}
+
+
+# -- reading "sums" --------------------------------------------------------------------------------
+
+# The sd is taken from sums only while the mean is small against the spread: with
+# sum of squares / (n * variance) below this, subtracting the sums loses fewer digits than the
+# two-pass sd's own rounding; past it the sd is measured about the mean.
+CONDITION_LIMIT = 4.0
+
+
+def moments_from_sums(values: Sequence[float], numel: int):
+    """(min, max, mean, sd) from a "sums" vector, or None for the sd when it must be measured
+    about the mean (see `CONDITION_LIMIT`). All four entries must be finite."""
+    mn, mx, total, squares = values[:4]
+    mean = total / numel
+    spread = squares - total * mean  # n * variance, computed from the sums
+    if spread <= 0 or squares > CONDITION_LIMIT * spread:
+        return mn, mx, mean, None
+    return mn, mx, mean, math.sqrt(spread / max(numel - 1, 1))
+
+
+def about_the_mean(f, mean: float, numel: int):
+    """(mean, sd) measured again about `mean`, for a tensor whose sums cannot give its sd.
+
+    The shift is `mean` as `f`'s dtype holds it, so `f - shift` is exact for the elements near it;
+    the shifted elements' mean is tiny against their spread, so their sums lose nothing, and the
+    shift's own rounding is taken out exactly. `f` is as `usable_for_sums` requires.
+    """
+    shift = torch.tensor(mean, dtype=f.dtype).item()
+    deviation = (f - shift).reshape(-1)
+    total, squares = torch.stack([deviation.sum(), torch.dot(deviation, deviation)]).tolist()
+    variance = max(squares - total * total / numel, 0.0) / max(numel - 1, 1)
+    return shift + total / numel, math.sqrt(variance)
+
+
+def usable_for_sums(f) -> bool:
+    """Whether "sums" can read `f` as it is (one dense block: `reshape` is a view, `dot` applies)."""
+    return f.is_contiguous() and f.dtype in (torch.float32, torch.float64)
