@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
+import torchlens.fx_backend.runtime
 import torchlens.meter
 from helpers import count_host_syncs, op_lines
 from models import conv_net, images, tiny_gpt, tokens
@@ -342,12 +343,19 @@ class ViewsAroundInPlace(nn.Module):
         return a.sum() + b.contiguous().sum()
 
 
-def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeypatch):
+@pytest.mark.parametrize("where", ["after_call", "fused"])
+def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeypatch, where):
     from torchlens.fx_backend import stats_pass
 
     measured = []
-    original = stats_pass._vector_for
-    monkeypatch.setattr(stats_pass, "_vector_for", lambda output, fake, *a: (measured.append(1), original(output, fake, *a))[1])
+    if where == "fused":  # an accelerator's way: vectors traced into the graph
+        monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+        original = stats_pass._vector_for
+        monkeypatch.setattr(stats_pass, "_vector_for", lambda output, fake, *a: (measured.append(1), original(output, fake, *a))[1])
+    else:  # the CPU's: outputs returned by the graph, measured after the call
+        returned = stats_pass.measure_returned
+        monkeypatch.setattr(stats_pass, "measure_returned", lambda slots, tensors, m: (measured.extend(tensors), returned(slots, tensors, m))[1])
+        monkeypatch.setattr(torchlens.fx_backend.runtime, "measure_returned", stats_pass.measure_returned)
     x = torch.arange(-6.0, 6.0).reshape(3, 4)
     compiled = tl.compile(ViewsAroundInPlace(), value_stats="exact", compiler="eager")
     compiled(x)

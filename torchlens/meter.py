@@ -19,7 +19,7 @@ import torch
 
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
-                      sums_vector, usable_for_sums)
+                      sums_vector)
 from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, measures,
                     plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
 
@@ -120,24 +120,17 @@ class Meter:
         return stats
 
     def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int, integer: bool) -> Stats:
-        """Exact statistics from [min, max, sum, sum of squares] (see `torchlens.recipes`). A
-        tensor that is not one dense block takes the two-pass vector; one holding non-finite values
-        is measured again, masking them and counting them."""
+        """Exact statistics from [min, max, sum, sum of squares] (see `torchlens.recipes`); a
+        tensor holding non-finite values is measured again, masking them and counting them."""
+        f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
         self.reads += 1
-        if usable_for_sums(f):
-            values = sums_vector(f).tolist()
-            if all(map(math.isfinite, values)):
-                mn, mx, mean, sd = moments_from_sums(values, numel)
-                if sd is None:  # a large mean against the spread: both again, about the mean
-                    self.reads += 1
-                    mean, sd = about_the_mean(f, mean, numel)
-                values = [mn, mx, mean, sd]
-        elif integer:
-            values = [math.nan]  # integers that are not one dense block: the general vector below
-        else:
-            values = cheap_vector(f, dtype, numel).tolist()
+        values = sums_vector(f).tolist()
         if all(map(math.isfinite, values)):
-            fill(stats, values, "moments", self.tracking)
+            mn, mx, mean, sd = moments_from_sums(values, numel)
+            if sd is None:  # a large mean against the spread: both again, about the mean
+                self.reads += 1
+                mean, sd = about_the_mean(f, mean, numel)
+            fill(stats, [mn, mx, mean, sd], "moments", self.tracking)
             if integer:
                 stats.min, stats.max = int(stats.min), int(stats.max)
                 stats.nan = stats.posinf = stats.neginf = None  # integers are always finite: no counts

@@ -119,7 +119,7 @@ def screen_finite(f) -> bool:
 
 
 def sums_vector(f):
-    """[min, max, sum, sum of squares], in `f`'s dtype; `f` is a contiguous float tensor."""
+    """[min, max, sum, sum of squares], in `f`'s dtype; `f` is contiguous, float32 or float64."""
     mn, mx = torch.aminmax(f)
     flat = f.reshape(-1)
     return torch.stack([mn, mx, flat.sum(), torch.dot(flat, flat)])
@@ -174,15 +174,10 @@ def about_the_mean(f, mean: float, numel: int):
 
     The shift is `mean` as `f`'s dtype holds it, so `f - shift` is exact for the elements near it;
     the shifted elements' mean is tiny against their spread, so their sums lose nothing, and the
-    shift's own rounding is taken out exactly. `f` is as `usable_for_sums` requires.
+    shift's own rounding is taken out exactly. `f` is contiguous, float32 or float64.
     """
     shift = torch.tensor(mean, dtype=f.dtype).item()
     deviation = (f - shift).reshape(-1)
     total, squares = torch.stack([deviation.sum(), torch.dot(deviation, deviation)]).tolist()
     variance = max(squares - total * total / numel, 0.0) / max(numel - 1, 1)
     return shift + total / numel, math.sqrt(variance)
-
-
-def usable_for_sums(f) -> bool:
-    """Whether "sums" can read `f` as it is (one dense block: `reshape` is a view, `dot` applies)."""
-    return f.is_contiguous() and f.dtype in (torch.float32, torch.float64)

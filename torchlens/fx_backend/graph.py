@@ -40,7 +40,7 @@ class CompiledGraph:
         self.live = live
         self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
         self.live_module = None  # live mode: the instrumented graph, whose frame locates a failure
-        self.slots = None  # with statistics: what the graph's extra output holds, per plan op
+        self.stats = None  # with statistics: what the graph's extra outputs hold (a `StatsLayout`)
         self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
 
     def __call__(self, *args):
@@ -53,7 +53,7 @@ class CompiledGraph:
         prepared = self._prepare(run, args, caller)
         # Inside an eager capture's forward, a graph computing statistics or kept copies runs
         # unseen by that capture: those are not the model's ops (with inductor none are seen).
-        hidden = run.nested and (self.slots is not None or self.kept_counts is not None)
+        hidden = run.nested and (self.stats is not None or self.kept_counts is not None)
         with run.graph_running():  # the capture of code between graphs steps aside for all of this
             try:
                 with own_work(hidden):
@@ -69,7 +69,7 @@ class CompiledGraph:
             if prepared is not None and not self.live:
                 try:
                     with run.own_work():
-                        run.add_plan(self.plan, args, prepared, vector, self.slots, kept, out)
+                        run.add_plan(self.plan, args, prepared, vector, self.stats, kept, out)
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph
@@ -90,10 +90,10 @@ class CompiledGraph:
             return None
 
     def _split_outputs(self, out):
-        """The graph's own outputs, its statistics vector and its kept values (per plan op)."""
+        """The graph's own outputs, what its statistics outputs hold, and its kept values (per plan op)."""
         vector = kept = None
-        if self.slots is not None:
-            vector, out = out[-1], out[:-1]
+        if self.stats is not None:
+            out, vector = self.stats.split(out)
         if self.kept_counts is not None:
             count = sum(self.kept_counts)
             flat, out = (out[len(out) - count:], out[:len(out) - count])
@@ -184,5 +184,5 @@ def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModu
     tracking = settings.on_nonfinite is not None
     if measures(settings.value_stats, tracking):
         only = module_outputs(plan) if config.stats_on == "module_outputs" else None
-        graph.slots = add_stats_output(gm, plan, settings.value_stats, tracking, only)
+        graph.stats = add_stats_output(gm, plan, settings.value_stats, tracking, only)
     return gm

@@ -38,7 +38,7 @@ from .active import active_run, make_active, make_inactive
 from .failures import locate_by_running_eagerly
 from .gaps import GapCapture
 from .plan import GraphPlan
-from .stats_pass import read_stats
+from .stats_pass import measure_returned, read_stats
 
 class CompiledRuntime:
     """Options, module names and forward count shared by every forward of one compiled model.
@@ -203,7 +203,7 @@ class CompiledPass(ForwardPass):
         """The module the graph runs in for this call (read from the caller unless it is fixed)."""
         return plan.fixed_scope or self.runtime.scopes.scope_of_stack(caller)
 
-    def add_plan(self, plan: GraphPlan, args, scope: Scope, stats_vector=None, slots=None, kept=None,
+    def add_plan(self, plan: GraphPlan, args, scope: Scope, stats_vector=None, layout=None, kept=None,
                  out=None) -> None:
         """Record (and narrate) the ops a graph call performed, in order.
 
@@ -215,7 +215,7 @@ class CompiledPass(ForwardPass):
         session = self.session
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
         if stats_vector is not None or kept is not None:
-            stats = self._read_stats(plan, concrete, stats_vector, slots) if stats_vector is not None else None
+            stats = self._read_stats(plan, concrete, stats_vector, layout) if stats_vector is not None else None
             events = {}
             self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
             self.graph_outputs(plan, events, out)
@@ -229,8 +229,12 @@ class CompiledPass(ForwardPass):
         self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops))
         plan.remember(key, session.events[start:], session.ordinal, session.scope)
 
-    def _read_stats(self, plan: GraphPlan, concrete, vector, slots):
-        """The graph's statistics, read to the host once, with what was measured since the last graph."""
+    def _read_stats(self, plan: GraphPlan, concrete, vector, layout):
+        """The graph's statistics: its returned outputs measured now, or its fused vector read to the
+        host once, with what was measured since the last graph."""
+        if layout.after_call:
+            return measure_returned(layout.slots, vector, self.session.meter)
+        slots = layout.slots
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
         values = self.session.meter.read_along(vector)

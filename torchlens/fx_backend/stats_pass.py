@@ -1,22 +1,33 @@
-"""Statistics inside compiled graphs: reductions added as graph nodes, returned as one extra output.
+"""Statistics of compiled graphs: what each op's output holds, measured after the call or fused into it.
 
-For each op that gets statistics, the same vector functions the eager substrate uses
-(`torchlens.stats`) are traced into the graph right after the op's node; all vectors are
-concatenated into one extra graph output. Inductor fuses the reductions into the kernels that
-produce the tensors, and the vector is read to the host once per graph call.
+Two ways, chosen per graph at compile time:
 
-In a graph a sample is not cheaper than the full reduction (it is fused into the producing kernel
-either way), so `value_stats="sampled"` measures every element there and says so with `=`.
+- **After the call** (every measured output on the CPU, `meter.READ_NOW`, within `AFTER_CALL_BYTES`): the outputs
+  to measure become extra graph outputs and are measured when the call returns, by the eager
+  meter (`torchlens.meter`): on the CPU a one-sum screen for tracking, exact statistics from sums.
+  The graph gains no reduction, so it compiles about as fast as plain and its own outputs are
+  computed as plain `torch.compile` computes them; an output that a later in-place op of the graph
+  would change is copied right after its op. The price is memory: those outputs live until the
+  call returns (hence the budget).
+- **Fused** (accelerators, or more bytes than the budget): the same vectors the eager meter reads
+  once per forward (`torchlens.recipes`) are traced into the graph right after each op's node and
+  concatenated into one extra output, read once per graph call. Inductor fuses the reductions into
+  the kernels that produce the tensors; the device is read once.
+
+In a graph a sample is not cheaper than the full reduction, so `value_stats="sampled"` measures
+every element there and says so with `=`.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
+from .. import meter
 from ..events import StatsGroup
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
@@ -26,15 +37,37 @@ from .replay import is_in_place, target_name
 
 
 class Slot(NamedTuple):
-    """What the graph's statistics output holds for one plan op: a recipe per tensor output, or
-    (`same_as`) the index of an earlier op whose statistics it shares (the same elements)."""
+    """How one plan op is measured: a recipe per tensor output (fused), how many of its outputs
+    the graph returns to be measured after the call (`returned`), or (`same_as`) the index of an
+    earlier op whose statistics it shares (the same elements)."""
 
     recipes: Tuple[Recipe, ...] = ()
     same_as: Optional[int] = None
+    returned: int = 0
 
 
 # Per plan op: None (no statistics), else its `Slot`.
 Slots = List[Optional[Slot]]
+
+
+class StatsLayout(NamedTuple):
+    """What a graph's extra statistics outputs are: one fused vector (the last output), or
+    `returned` tensors measured after the call (the last `returned` outputs)."""
+
+    slots: Slots
+    after_call: bool
+    returned: int = 0
+
+    def split(self, out):
+        """(the graph's own outputs, what its statistics outputs hold)."""
+        if self.after_call:
+            return out[:len(out) - self.returned], tuple(out[len(out) - self.returned:])
+        return out[:-1], out[-1]
+
+
+# Outputs measured after the call live until it returns: at most this many bytes of them per call
+# (static sizes, or dynamic ones' hints); past it the graph fuses its statistics instead.
+AFTER_CALL_BYTES = 1 << 30
 
 
 def module_outputs(plan: GraphPlan) -> List[int]:
@@ -47,12 +80,86 @@ def module_outputs(plan: GraphPlan) -> List[int]:
     return chosen
 
 
-def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, only=None) -> Slots:
+def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, only=None) -> StatsLayout:
+    """Make `gm` return what its ops' statistics need: the outputs themselves, measured after the
+    call, when they are on the CPU and within the budget; else fused statistics vectors."""
+    chosen = set(range(len(plan.ops)) if only is None else only)
+    nodes = {node.name: node for node in gm.graph.nodes}
+    held = [nodes[op.value].meta.get("example_value") for op in plan.ops if op.index in chosen]
+    tensors = [t for value in held for t in (value if isinstance(value, (tuple, list)) else (value,))
+               if isinstance(t, torch.Tensor)]
+    sizes = [_bytes(t) for t in tensors]
+    if all(t.device.type in meter.READ_NOW for t in tensors) and None not in sizes and sum(sizes) <= AFTER_CALL_BYTES:
+        slots, returned = _return_outputs(gm, plan, rung, chosen)
+        return StatsLayout(slots, True, returned)
+    return StatsLayout(_fuse_stats(gm, plan, rung, tracking, chosen), False)
+
+
+def _bytes(fake: torch.Tensor) -> Optional[int]:
+    """The bytes a tensor of the graph will hold (a dynamic size by its hint), None if unknown."""
+    numel = fake.numel()
+    if not isinstance(numel, int):
+        numel = getattr(getattr(numel, "node", None), "hint", None)
+    return None if numel is None else int(numel) * fake.element_size()
+
+
+def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
+    """Append the chosen ops' tensor outputs to the graph's outputs (a copy taken right after the op
+    where a later in-place op of the graph could change it); views of an output measured just
+    before share its statistics and return nothing."""
+    graph = gm.graph
+    nodes = {node.name: node for node in graph.nodes}
+    slots: Slots = [None] * len(plan.ops)
+    returned, measured = [], {}
+    for op in plan.ops:
+        if op.index not in chosen:
+            continue
+        node, holder = nodes[op.node], nodes[op.value]
+        source = _same_elements_as(node, measured)
+        if source is not None:
+            slots[op.index] = Slot(same_as=source)
+            measured[node] = source
+            continue
+        if op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
+            slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
+            continue
+        value = holder.meta["example_value"]
+        copy = _written_later(node)
+        with graph.inserting_before(node.next):
+            if isinstance(value, torch.Tensor):
+                outputs = [graph.call_function(torch.clone, (holder,)) if copy else holder]
+            else:
+                parts = [graph.call_function(operator.getitem, (holder, i))
+                         for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+                outputs = [graph.call_function(torch.clone, (part,)) for part in parts] if copy else parts
+        returned.extend(outputs)
+        slots[op.index] = Slot(returned=len(outputs))
+        if holder is node and isinstance(value, torch.Tensor):
+            measured[node] = op.index
+    output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
+    results = output_node.args[0]
+    results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+    output_node.args = (results + tuple(returned),)
+    gm.recompile()
+    return slots, len(returned)
+
+
+def _written_later(node: fx.Node) -> bool:
+    """Whether any node after `node` may write into an existing tensor (then what `node` produced
+    is copied before it is returned: it must be measured as the op left it)."""
+    later = node.next
+    while later.op != "output":
+        if _may_mutate(later):
+            return True
+        later = later.next
+    return False
+
+
+def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Slots:
     """Trace statistics nodes into `gm` and append their concatenation to the graph's outputs."""
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
     nodes = {node.name: node for node in graph.nodes}
-    chosen = set(range(len(plan.ops)) if only is None else only)
     slots: Slots = [None] * len(plan.ops)
     vectors, devices = [], []
     measured = {}  # node -> index of its op, for ops measured with one vector of their own
@@ -172,8 +279,28 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     return chosen, chosen.build(values, dtype, numel, fake.dim())
 
 
+def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer) -> List:
+    """Measure the outputs a graph call returned for it (see `StatsLayout`): a `Stats`, a
+    `StatsGroup` or None per plan op."""
+    position = 0
+    result = []
+    for slot in slots:
+        if slot is None:
+            result.append(None)
+        elif slot.same_as is not None:
+            result.append(result[slot.same_as])  # the same elements, measured once
+        elif not slot.returned:
+            result.append(slot.recipes[0].stats(0) if len(slot.recipes) == 1 else StatsGroup(
+                [recipe_.stats(0) for recipe_ in slot.recipes]))
+        else:
+            mine = tensors[position:position + slot.returned]
+            position += slot.returned
+            result.append(measurer.measure_output(mine[0] if len(mine) == 1 else mine, False))
+    return result
+
+
 def read_stats(slots: Slots, values: Sequence[float], tracking: bool, numels) -> List:
-    """Turn one graph call's statistics (read to the host) into a `Stats`, a `StatsGroup` or
+    """Turn one graph call's fused statistics (read to the host) into a `Stats`, a `StatsGroup` or
     None per plan op; `numels[i]` are the element counts of op i's outputs in this call."""
     position = 0
     result = []

@@ -1,0 +1,135 @@
+"""Compiled statistics on the CPU: the graph returns the outputs to measure, the eager meter measures
+them after the call. Results stay bitwise those of plain `torch.compile`, lines read as eager's."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import torchlens as tl
+from torchlens.fx_backend import stats_pass
+from helpers import op_lines
+from models import conv_net, images, tiny_gpt, tokens
+
+
+def body(text):
+    return [line for line in text.splitlines() if not line.startswith("-- ")]
+
+
+class Holes(nn.Module):
+    """NaN, +inf and -inf among finite values, then an op that keeps them."""
+
+    def forward(self, x):
+        x = torch.where(x < 3, float("nan"), x)
+        x = torch.where((x >= 3) & (x < 5), float("inf"), x)
+        return torch.where((x >= 5) & (x < 8), -float("inf"), x) * 2
+
+
+@pytest.fixture
+def strategy(monkeypatch):
+    """Which way each graph measured: "after_call" or "fused", one entry per graph compiled."""
+    seen = []
+    original = stats_pass.add_stats_output
+
+    def spy(*args, **kwargs):
+        layout = original(*args, **kwargs)
+        seen.append("after_call" if layout.after_call else "fused")
+        return layout
+
+    monkeypatch.setattr(stats_pass, "add_stats_output", spy)
+    import torchlens.fx_backend.graph as graph_module
+
+    monkeypatch.setattr(graph_module, "add_stats_output", spy)
+    return seen
+
+
+@pytest.mark.parametrize("make, inputs", [(conv_net, lambda: images(2)), (tiny_gpt, tokens)])
+def test_inductor_outputs_stay_at_float_rounding_of_plain_with_exact_stats_and_tracking(make, inputs, strategy):
+    """The graph computes no statistic, but returning its intermediates makes inductor store them,
+    which changes what it fuses and in which order it sums: a result may move by a few ulps (the
+    conv net's do, the transformer's here do not), as with fused statistics."""
+    model, x = make().eval(), inputs()
+    with torch.no_grad():
+        plain = torch.compile(model)(x)
+        out = tl.compile(model, value_stats="exact", on_nonfinite="track", narrate=lambda line: None)(x)
+    plain = plain if isinstance(plain, torch.Tensor) else plain.last_hidden_state
+    out = out if isinstance(out, torch.Tensor) else out.last_hidden_state
+    assert torch.allclose(out, plain, rtol=1e-6, atol=1e-7)
+    assert strategy and set(strategy) == {"after_call"}
+
+
+@pytest.mark.parametrize("make, inputs", [(conv_net, lambda: images(2)), (tiny_gpt, tokens)])
+def test_compiled_exact_and_reuse_lines_are_eager_lines(make, inputs):
+    model, x = make().eval(), inputs()
+    for options in (dict(value_stats="exact"), dict(on_nonfinite="track", value_stats="reuse")):
+        lines = []
+        with torch.no_grad():
+            tl.compile(model, narrate=lines.append, compiler="eager", **options)(x)
+            eager = tl.record(model, x, **options).narrate()
+        assert body("\n".join(lines)) == body(eager), options
+
+
+def test_a_compiled_tensor_with_nonfinite_values_shows_its_finite_summary_and_counts(strategy):
+    x = torch.arange(10.0)
+    lines = []
+    tl.compile(Holes(), narrate=lines.append, value_stats="exact", on_nonfinite="track")(x)
+    last = [line for line in lines if line.startswith("#") and " mul " in line][-1]
+    assert last.endswith("| min=16 max=18 mean=17 sd=1.414 nan=3 +inf=2 -inf=3")
+    assert body("\n".join(lines)) == body(tl.record(Holes(), x, value_stats="exact", on_nonfinite="track").narrate())
+    assert strategy == ["after_call"]
+
+
+def test_an_output_changed_in_place_later_in_the_graph_is_measured_as_its_op_left_it():
+    class LaterWrite(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            z = y + 1
+            y.mul_(0)  # `y` holds zeros from here on; #2's line must still show 2x
+            return z + y
+
+    x = torch.arange(4.0)
+    rec = tl.compile(LaterWrite(), value_stats="exact", compiler="eager")
+    rec(x)
+    mul = rec.torchlens.last_recording.ops[1]
+    assert mul.op == "mul" and (mul.stats.min, mul.stats.max) == (0, 6)
+
+
+def test_past_the_memory_budget_a_graph_fuses_its_statistics(monkeypatch, strategy):
+    monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 100)  # less than the model's outputs hold
+    x = torch.arange(10.0)
+    lines = []
+    tl.compile(Holes(), narrate=lines.append, value_stats="exact", on_nonfinite="track")(x)
+    assert strategy == ["fused"]
+    last = [line for line in lines if line.startswith("#") and " mul " in line][-1]
+    assert last.endswith("| nan=3 +inf=2 -inf=3")  # fused: the counts, as an accelerator's deferred vector
+
+
+def test_dynamic_sizes_are_measured_after_the_call_with_no_padded_vector(strategy):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = tl.compile(model, value_stats="exact", dynamic=True, compiler="eager")
+    for rows in (3, 5, 7):
+        x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            compiled(x)
+            eager = tl.record(model, x, value_stats="exact")
+        got = [str(e.stats) for e in compiled.torchlens.last_recording.ops]
+        assert got == [str(e.stats) for e in eager.ops], rows
+    assert strategy and set(strategy) == {"after_call"}
+
+
+def test_empty_dynamic_outputs_say_so():
+    class Positive(nn.Module):
+        def forward(self, x):
+            return x[x > 0] * 2
+
+    sink = io.StringIO()
+    compiled = tl.compile(Positive(), value_stats="exact", dynamic=True, compiler="eager",
+                          narrate=tl.options.NarrationOptions(sink=sink))
+    for x in (torch.tensor([1.0, -2.0, 3.0]), torch.tensor([-1.0, -2.0])):
+        compiled(x)
+    lines = op_lines(sink.getvalue())
+    assert any(line.endswith("| stats n/a (empty)") for line in lines)
+    assert any("min=2 max=6" in line for line in lines)
