@@ -53,6 +53,7 @@ COMPILED_MODES = [
     ("compiled_dynamic", "plain torch.compile, dynamic=True (baseline)", dict(plain=True, dynamic=True), None),
     ("fused_dynamic", "fused narration, dynamic=True", dict(narrate="FILE", dynamic=True), "compiled_dynamic"),
     ("fused_exact", "fused narration + value_stats='exact'", dict(narrate="FILE", value_stats="exact"), "compiled"),
+    ("fused_track", "fused + on_nonfinite='track', no narration", dict(on_nonfinite="track"), "compiled"),
     ("fused_exact_modules", "exact stats on module outputs only", dict(narrate="FILE", value_stats="exact",
                                                                         stats_on="module_outputs"), "compiled"),
 ]

@@ -82,19 +82,25 @@ def test_a_compiled_tensor_with_nonfinite_values_shows_its_finite_summary_and_co
     assert strategy == ["after_call"]
 
 
-def test_an_output_changed_in_place_later_in_the_graph_is_measured_as_its_op_left_it():
+@pytest.mark.parametrize("through", ["itself", "a view", "an unrelated tensor"])
+def test_an_output_changed_in_place_later_in_the_graph_is_measured_as_its_op_left_it(through):
     class LaterWrite(nn.Module):
         def forward(self, x):
             y = x * 2
             z = y + 1
-            y.mul_(0)  # `y` holds zeros from here on; #2's line must still show 2x
+            if through == "itself":
+                y.mul_(0)  # `y` holds zeros from here on; #2's line must still show 2x
+            elif through == "a view":
+                y.view(2, 2)[0].mul_(0)  # half of `y`, through a view of it
+            else:
+                z.mul_(0)  # another tensor: `y` itself stays as it was
             return z + y
 
     x = torch.arange(4.0)
-    rec = tl.compile(LaterWrite(), value_stats="exact", compiler="eager")
-    rec(x)
-    mul = rec.torchlens.last_recording.ops[1]
-    assert mul.op == "mul" and (mul.stats.min, mul.stats.max) == (0, 6)
+    compiled = tl.compile(LaterWrite(), value_stats="exact", compiler="eager")
+    compiled(x)
+    mul = compiled.torchlens.last_recording.ops[1]
+    assert mul.op == "mul" and (mul.stats.min, mul.stats.max, mul.stats.mean) == (0, 6, 3)
 
 
 def test_past_the_memory_budget_a_graph_fuses_its_statistics(monkeypatch, strategy):
@@ -133,3 +139,17 @@ def test_empty_dynamic_outputs_say_so():
     lines = op_lines(sink.getvalue())
     assert any(line.endswith("| stats n/a (empty)") for line in lines)
     assert any("min=2 max=6" in line for line in lines)
+
+
+def test_a_training_step_with_compiled_statistics_gives_plain_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(5, 4)
+    compiled = tl.compile(model, value_stats="exact", on_nonfinite="track", compiler="eager")
+    compiled(x).sum().backward()
+    narrated = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="eager")(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(narrated, model.parameters()))
+    stats = [e.stats for e in compiled.torchlens.last_recording.ops]
+    assert stats[1].min < 0 == stats[2].min  # the linear's output before the relu, the relu's after

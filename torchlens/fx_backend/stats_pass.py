@@ -2,9 +2,10 @@
 
 Two ways, chosen per graph at compile time:
 
-- **After the call** (every measured output on the CPU, `meter.READ_NOW`, within `AFTER_CALL_BYTES`): the outputs
-  to measure become extra graph outputs and are measured when the call returns, by the eager
-  meter (`torchlens.meter`): on the CPU a one-sum screen for tracking, exact statistics from sums.
+- **After the call** (every measured output on the CPU, `meter.READ_NOW`, and within
+  `AFTER_CALL_BYTES`): the outputs to measure become extra graph outputs and are measured when the
+  call returns, by the eager meter (`torchlens.meter`): on the CPU a one-sum screen for tracking,
+  exact statistics from sums.
   The graph gains no reduction, so it compiles about as fast as plain and its own outputs are
   computed as plain `torch.compile` computes them; an output that a later in-place op of the graph
   would change is copied right after its op. The price is memory: those outputs live until the
@@ -26,6 +27,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import meter
 from ..events import StatsGroup
@@ -90,7 +92,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
                if isinstance(t, torch.Tensor)]
     sizes = [_bytes(t) for t in tensors]
     if all(t.device.type in meter.READ_NOW for t in tensors) and None not in sizes and sum(sizes) <= AFTER_CALL_BYTES:
-        slots, returned = _return_outputs(gm, plan, rung, chosen)
+        slots, returned = _return_outputs(gm, plan, rung, tracking, chosen)
         return StatsLayout(slots, True, returned)
     return StatsLayout(_fuse_stats(gm, plan, rung, tracking, chosen), False)
 
@@ -103,7 +105,13 @@ def _bytes(fake: torch.Tensor) -> Optional[int]:
     return None if numel is None else int(numel) * fake.element_size()
 
 
-def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
+def _measured(fake: torch.Tensor, rung: str, tracking: bool) -> bool:
+    """Whether the meter reads anything of such a tensor (tracking alone skips integers and bools)."""
+    kind = value_kind(fake.dtype)
+    return kind is None or recipe(kind, rung, tracking, immediate=True).measures
+
+
+def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
     """Append the chosen ops' tensor outputs to the graph's outputs (a copy taken right after the op
     where a later in-place op of the graph could change it); views of an output measured just
     before share its statistics and return nothing."""
@@ -124,7 +132,10 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
             slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
             continue
         value = holder.meta["example_value"]
-        copy = _written_later(node)
+        if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
+            slots[op.index] = Slot((recipe(value_kind(value.dtype), rung, tracking),))  # nothing to read
+            continue
+        copy = _written_later(node, value)
         with graph.inserting_before(node.next):
             if isinstance(value, torch.Tensor):
                 outputs = [graph.call_function(torch.clone, (holder,)) if copy else holder]
@@ -144,15 +155,39 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
     return slots, len(returned)
 
 
-def _written_later(node: fx.Node) -> bool:
-    """Whether any node after `node` may write into an existing tensor (then what `node` produced
-    is copied before it is returned: it must be measured as the op left it)."""
+def _written_later(node: fx.Node, value) -> bool:
+    """Whether a node after `node` may write into the memory of what `node` produced (then it is
+    copied before it is returned: it must be measured as the op left it). Aliasing is read from
+    the fake tensors dynamo recorded, which share a storage exactly where the real ones will; a
+    write whose target cannot be told (an opaque module call, no recorded value) counts."""
+    mine = {_storage(t) for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)}
     later = node.next
     while later.op != "output":
         if _may_mutate(later):
-            return True
+            targets = _targets(later)
+            if later.op == "call_module" or None in mine or None in targets or targets & mine:
+                return True
         later = later.next
     return False
+
+
+def _targets(node: fx.Node) -> set:
+    """The storages an in-place node may write: its result's, its first argument's, its `out=`'s
+    (None among them when none is known)."""
+    storages = set()
+    for candidate in (node, node.args[0] if node.args else None, node.kwargs.get("out")):
+        if isinstance(candidate, fx.Node):
+            fake = candidate.meta.get("example_value")
+            tensors = fake if isinstance(fake, (tuple, list)) else (fake,)
+            storages.update(_storage(t) for t in tensors if isinstance(t, torch.Tensor))
+    return storages or {None}
+
+
+def _storage(fake: torch.Tensor):
+    try:
+        return StorageWeakRef(fake.untyped_storage()).cdata
+    except Exception:  # no storage of its own (a nested tensor): unknown
+        return None
 
 
 def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Slots:
