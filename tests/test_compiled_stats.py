@@ -153,3 +153,90 @@ def test_a_training_step_with_compiled_statistics_gives_plain_gradients():
     assert all(torch.equal(a, p.grad) for a, p in zip(narrated, model.parameters()))
     stats = [e.stats for e in compiled.torchlens.last_recording.ops]
     assert stats[1].min < 0 == stats[2].min  # the linear's output before the relu, the relu's after
+
+
+class LeakyInPlace(nn.Module):
+    """`inplace=True` reaches the graph positionally: `F.leaky_relu(x, 0.0, True)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.LeakyReLU(0.0, inplace=True)
+
+    def forward(self, x):
+        y = x * 2
+        return self.act(y) + 1
+
+
+class Relu6InPlace(LeakyInPlace):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU6(inplace=True)
+
+
+class OutKeyword(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        torch.add(x, 100, out=y)
+        return y + 1
+
+
+class AtenOverload(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        torch.ops.aten.mul_.Tensor(y, torch.zeros(()))
+        return y + 1
+
+
+class RunningStatsRead(nn.Module):
+    """Batch norm in training writes its running mean (not its first argument) after it was read."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4, momentum=1.0)
+
+    def forward(self, x):
+        y = self.bn.running_mean.unsqueeze(0)  # a view of the buffer the call below updates
+        return self.bn(x) + y
+
+
+@pytest.mark.parametrize("make", [LeakyInPlace, Relu6InPlace, OutKeyword, AtenOverload, RunningStatsRead])
+def test_every_kind_of_later_write_is_seen_and_the_output_measured_as_its_op_left_it(make):
+    """Writes the graph records in many spellings (a positional `inplace`, `out=`, an operator
+    overload, an argument other than the first): each op's line equals eager's."""
+    x = torch.linspace(-3, 3, 8).reshape(2, 4)
+    torch.manual_seed(0)
+    eager_model, compiled_model = make().train(), make().train()
+    eager = tl.record(eager_model, x, value_stats="exact")
+    compiled = tl.compile(compiled_model, value_stats="exact", compiler="eager")
+    compiled(x)
+    got = compiled.torchlens.last_recording.ops
+    assert [(e.op, str(e.stats)) for e in got] == [(e.op, str(e.stats)) for e in eager.ops]
+
+
+def test_graph_inputs_that_alias_in_a_later_call_are_measured_before_the_write():
+    """Dynamo does not recompile when two inputs start sharing memory: an output that views one
+    input is copied whenever the graph writes into any input."""
+
+    def views_then_writes(a, b):
+        v = a.view(-1)
+        b.mul_(100)
+        return v + 1
+
+    compiled = tl.compile(views_then_writes, value_stats="exact", compiler="eager")
+    compiled(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    compiled(base[:2], base[:2])  # two views of one memory: the write to `b` reaches `a`
+    view = [e for e in compiled.torchlens.last_recording.ops if e.op == "view"][0]
+    assert (view.stats.min, view.stats.max) == (1, 2)
+
+
+def test_an_integer_output_tracking_skips_keeps_its_element_count():
+    class ArgMax(nn.Module):
+        def forward(self, x):
+            return (x * 2).argmax(-1)
+
+    x = torch.randn(3, 5)
+    compiled = tl.compile(ArgMax(), on_nonfinite="track", compiler="eager")
+    compiled(x)
+    eager = tl.record(ArgMax(), x, on_nonfinite="track")
+    assert [e.stats.numel for e in compiled.torchlens.last_recording.ops] == [e.stats.numel for e in eager.ops]

@@ -202,3 +202,17 @@ def test_eager_and_graph_recipes_agree_on_what_is_shown_and_measured(rung, track
         graph = recipe(kind, rung, tracking, in_graph=True)
         assert (eager.kind, eager.shown, eager.measures) == (graph.kind, graph.shown, graph.measures), kind
         assert eager.layout == graph.layout and graph.lean == (graph.layout in ("counts", "moments+counts"))
+
+
+def test_an_accelerator_reads_a_printed_exact_line_once_even_for_a_large_mean(deferred_reads):
+    """Off the CPU every read is a sync: a printed exact line takes the two-pass vector in one read,
+    not sums plus a second pass about the mean."""
+    from helpers import count_host_syncs
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)) + 5
+    lines = []
+    with count_host_syncs() as syncs:
+        tl.record(Copy(), x, value_stats="exact", narrate=lines.append)
+    printed = [line for line in lines if line.lstrip().startswith("#")]
+    reads = [s for s in syncs if s[0] == "function"]
+    assert len(printed) == 2 and len(reads) == len(printed), syncs

@@ -354,7 +354,7 @@ def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeyp
         monkeypatch.setattr(stats_pass, "_vector_for", lambda output, fake, *a: (measured.append(1), original(output, fake, *a))[1])
     else:  # the CPU's: outputs returned by the graph, measured after the call
         returned = stats_pass.measure_returned
-        monkeypatch.setattr(stats_pass, "measure_returned", lambda slots, tensors, m: (measured.extend(tensors), returned(slots, tensors, m))[1])
+        monkeypatch.setattr(stats_pass, "measure_returned", lambda slots, tensors, m, n: (measured.extend(tensors), returned(slots, tensors, m, n))[1])
         monkeypatch.setattr(torchlens.fx_backend.runtime, "measure_returned", stats_pass.measure_returned)
     x = torch.arange(-6.0, 6.0).reshape(3, 4)
     compiled = tl.compile(ViewsAroundInPlace(), value_stats="exact", compiler="eager")

@@ -120,17 +120,24 @@ class Meter:
         return stats
 
     def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int, integer: bool) -> Stats:
-        """Exact statistics from [min, max, sum, sum of squares] (see `torchlens.recipes`); a
-        tensor holding non-finite values is measured again, masking them and counting them."""
-        f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
+        """Exact statistics, read now. On the CPU from [min, max, sum, sum of squares] (see
+        `torchlens.recipes`); on an accelerator, whose every read is a sync, from the two-pass
+        vector, read once. A tensor holding non-finite values is measured again, masking them and
+        counting them."""
         self.reads += 1
-        values = sums_vector(f).tolist()
+        if f.device.type in READ_NOW:
+            f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
+            values = sums_vector(f).tolist()
+            if all(map(math.isfinite, values)):
+                mn, mx, mean, sd = moments_from_sums(values, numel)
+                if sd is None:  # a large mean against the spread: both again, about the mean
+                    self.reads += 1
+                    mean, sd = about_the_mean(f, mean, numel)
+                values = [mn, mx, mean, sd]
+        else:
+            values = cheap_vector(f, dtype, numel).tolist()
         if all(map(math.isfinite, values)):
-            mn, mx, mean, sd = moments_from_sums(values, numel)
-            if sd is None:  # a large mean against the spread: both again, about the mean
-                self.reads += 1
-                mean, sd = about_the_mean(f, mean, numel)
-            fill(stats, [mn, mx, mean, sd], "moments", self.tracking)
+            fill(stats, values, "moments", self.tracking)
             if integer:
                 stats.min, stats.max = int(stats.min), int(stats.max)
                 stats.nan = stats.posinf = stats.neginf = None  # integers are always finite: no counts

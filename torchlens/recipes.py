@@ -60,6 +60,8 @@ class Recipe(NamedTuple):
 
     def read(self, stats: Stats, values: Sequence[float], tracking: bool) -> None:
         """Fill `stats` from the vector read back (`size` entries)."""
+        if self.layout in ("screen", "sums"):
+            raise ValueError(f"a {self.layout!r} vector is read by the meter, with its tensor at hand")
         values = list(values)
         if self.padded:
             values[6] -= 1  # the NaN appended to keep an empty tensor's reductions defined
@@ -76,7 +78,8 @@ def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, im
     """The recipe for a tensor of value kind `kind` ("float", "int", "bool": `stats.value_kind`).
 
     `immediate`: the vector is read while the tensor is at hand (eager only), so the cheap
-    "screen" and "sums" recipes apply. `in_graph`: traced into a compiled graph. `sampled`: the
+    "screen" and "sums" recipes apply (an accelerator's "sums" is read as the two-pass vector,
+    one read: see `torchlens.meter`). `in_graph`: traced into a compiled graph. `sampled`: the
     "sampled" rung applies to this tensor (eager, more elements than a sample holds).
     """
     shown = rung != "off"

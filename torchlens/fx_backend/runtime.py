@@ -232,13 +232,12 @@ class CompiledPass(ForwardPass):
     def _read_stats(self, plan: GraphPlan, concrete, vector, layout):
         """The graph's statistics: its returned outputs measured now, or its fused vector read to the
         host once, with what was measured since the last graph."""
-        if layout.after_call:
-            return measure_returned(layout.slots, vector, self.session.meter)
-        slots = layout.slots
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
+        if layout.after_call:
+            return measure_returned(layout.slots, vector, self.session.meter, numels)
         values = self.session.meter.read_along(vector)
-        return read_stats(slots, values, self.session.settings.on_nonfinite is not None, numels)
+        return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
         """The output metadata of plan ops [start, stop) in this call: concrete sizes where they

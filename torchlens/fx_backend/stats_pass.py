@@ -15,12 +15,13 @@ Two ways, chosen per graph at compile time:
   concatenated into one extra output, read once per graph call. Inductor fuses the reductions into
   the kernels that produce the tensors; the device is read once.
 
-In a graph a sample is not cheaper than the full reduction, so `value_stats="sampled"` measures
-every element there and says so with `=`.
+Fused into a graph a sample is not cheaper than the full reduction, so `value_stats="sampled"`
+measures every element there and says so with `=`; measured after the call, it samples as eager does.
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -119,6 +120,8 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
     nodes = {node.name: node for node in graph.nodes}
     slots: Slots = [None] * len(plan.ops)
     returned, measured = [], {}
+    inputs = {_storage(node.meta["example_value"]) for node in graph.nodes
+              if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)}
     for op in plan.ops:
         if op.index not in chosen:
             continue
@@ -135,7 +138,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
         if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
             slots[op.index] = Slot((recipe(value_kind(value.dtype), rung, tracking),))  # nothing to read
             continue
-        copy = _written_later(node, value)
+        copy = _written_later(node, value, inputs)
         with graph.inserting_before(node.next):
             if isinstance(value, torch.Tensor):
                 outputs = [graph.call_function(torch.clone, (holder,)) if copy else holder]
@@ -155,11 +158,13 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
     return slots, len(returned)
 
 
-def _written_later(node: fx.Node, value) -> bool:
+def _written_later(node: fx.Node, value, inputs: set) -> bool:
     """Whether a node after `node` may write into the memory of what `node` produced (then it is
     copied before it is returned: it must be measured as the op left it). Aliasing is read from
-    the fake tensors dynamo recorded, which share a storage exactly where the real ones will; a
-    write whose target cannot be told (an opaque module call, no recorded value) counts."""
+    the fake tensors dynamo recorded; a write whose target cannot be told (an opaque module call,
+    no recorded value) counts, and so does any write into a graph input when `node`'s output is
+    one of them or a view of one: inputs may alias each other in a later call without a recompile.
+    `inputs` holds the storages of the graph's inputs."""
     mine = {_storage(t) for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)}
     later = node.next
     while later.op != "output":
@@ -167,19 +172,23 @@ def _written_later(node: fx.Node, value) -> bool:
             targets = _targets(later)
             if later.op == "call_module" or None in mine or None in targets or targets & mine:
                 return True
+            if mine & inputs and targets & inputs:
+                return True
         later = later.next
     return False
 
 
 def _targets(node: fx.Node) -> set:
-    """The storages an in-place node may write: its result's, its first argument's, its `out=`'s
-    (None among them when none is known)."""
+    """The storages a writing node may write: its result's and every tensor argument's (a schema
+    may write any of them: batch norm's running statistics, a custom op's `mutates_args`), with
+    None among them when one is not known."""
     storages = set()
-    for candidate in (node, node.args[0] if node.args else None, node.kwargs.get("out")):
-        if isinstance(candidate, fx.Node):
-            fake = candidate.meta.get("example_value")
-            tensors = fake if isinstance(fake, (tuple, list)) else (fake,)
-            storages.update(_storage(t) for t in tensors if isinstance(t, torch.Tensor))
+    candidates = [node]
+    fx.node.map_arg((node.args, node.kwargs), candidates.append)
+    for candidate in candidates:
+        fake = candidate.meta.get("example_value")
+        tensors = fake if isinstance(fake, (tuple, list)) else (fake,)
+        storages.update(_storage(t) for t in tensors if isinstance(t, torch.Tensor))
     return storages or {None}
 
 
@@ -287,13 +296,48 @@ def _is_eval_dropout(node: fx.Node) -> bool:
 
 
 def _may_mutate(node: fx.Node) -> bool:
-    """Whether a node may write into an existing tensor: an in-place op (`replay.is_in_place`),
-    `inplace=True`, or an opaque module call."""
+    """Whether a node may write into an existing tensor: an in-place op (`replay.is_in_place`, or an
+    operator whose schema writes an argument), an `inplace` flag however it is passed, `out=`,
+    normalisation statistics updated in training, or an opaque module call."""
     if node.op in ("placeholder", "get_attr", "output"):
         return False
-    if node.kwargs.get("inplace") is True or node.op == "call_module":
+    if node.op == "call_module" or node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
-    return is_in_place(target_name(node))
+    if is_in_place(target_name(node)) or _schema_writes(node.target):
+        return True
+    bound = _bound(node)
+    if bound is None:
+        return False
+    if bound.get("inplace") is True:
+        return True
+    updating = bound.get("training") is True or bound.get("use_input_stats") is True
+    return updating and any(bound.get(name) is not None for name in ("running_mean", "running_var"))
+
+
+def _schema_writes(target) -> bool:
+    """Whether an operator (`torch.ops...`, a custom op) writes one of its arguments, by its schema."""
+    overloads = [target] if isinstance(target, torch._ops.OpOverload) else (
+        [getattr(target, name) for name in target.overloads()] if isinstance(target, torch._ops.OpOverloadPacket) else [])
+    return any(argument.alias_info is not None and argument.alias_info.is_write
+               for overload in overloads for argument in overload._schema.arguments)
+
+
+_SIGNATURES = {}
+
+
+def _bound(node: fx.Node):
+    """The node's arguments by parameter name (a flag passed positionally included), or None when
+    its target's signature cannot be read."""
+    target = node.target
+    if node.op != "call_function" or not callable(target):
+        return None
+    try:
+        signature = _SIGNATURES.get(target)
+        if signature is None:
+            signature = _SIGNATURES[target] = inspect.signature(target)
+        return signature.bind_partial(*node.args, **node.kwargs).arguments
+    except (TypeError, ValueError):
+        return None
 
 
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
@@ -314,19 +358,19 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     return chosen, chosen.build(values, dtype, numel, fake.dim())
 
 
-def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer) -> List:
+def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, numels) -> List:
     """Measure the outputs a graph call returned for it (see `StatsLayout`): a `Stats`, a
-    `StatsGroup` or None per plan op."""
+    `StatsGroup` or None per plan op; `numels[i]` are the element counts of op i's outputs."""
     position = 0
     result = []
-    for slot in slots:
+    for slot, counts in zip(slots, numels):
         if slot is None:
             result.append(None)
         elif slot.same_as is not None:
             result.append(result[slot.same_as])  # the same elements, measured once
         elif not slot.returned:
-            result.append(slot.recipes[0].stats(0) if len(slot.recipes) == 1 else StatsGroup(
-                [recipe_.stats(0) for recipe_ in slot.recipes]))
+            parts = [recipe_.stats(numel) for recipe_, numel in zip(slot.recipes, counts)]
+            result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
         else:
             mine = tensors[position:position + slot.returned]
             position += slot.returned
