@@ -216,3 +216,11 @@ def test_an_accelerator_reads_a_printed_exact_line_once_even_for_a_large_mean(de
     printed = [line for line in lines if line.lstrip().startswith("#")]
     reads = [s for s in syncs if s[0] == "function"]
     assert len(printed) == 2 and len(reads) == len(printed), syncs
+
+
+def test_the_sd_of_a_large_tensor_keeps_its_digits():
+    """Ten million elements: a float32 dot product would lose the sd's fifth digit."""
+    x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(4)) * 2 + 0.5
+    got = exact(x)
+    _, _, mean, sd = float64_stats(x)
+    assert got.sd == pytest.approx(sd, rel=1e-6) and got.mean == pytest.approx(mean, rel=1e-6)

@@ -19,7 +19,7 @@ import torch
 
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
-                      sums_vector)
+                      sums_of)
 from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, measures,
                     plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
 
@@ -127,7 +127,7 @@ class Meter:
         self.reads += 1
         if f.device.type in READ_NOW:
             f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
-            values = sums_vector(f).tolist()
+            values = sums_of(f)
             if all(map(math.isfinite, values)):
                 mn, mx, mean, sd = moments_from_sums(values, numel)
                 if sd is None:  # a large mean against the spread: both again, about the mean
