@@ -202,7 +202,7 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _declared_overflow(stats, key, v):
-    """A mean or sd left out, and said to be (`(mean/sd overflowed float32)`), where float32 sums
+    """A mean or sd left out, and said to be (`(mean/sd overflowed)`), where float32 sums
     of these values really do overflow: attention masks filled with finfo(float32).min. The
     package reduces in float32 and drops such a moment rather than print `inf` (stats.py,
     `_drop_overflowed`). Anything else missing is a failure."""

@@ -488,18 +488,25 @@ def test_a_sample_that_reads_every_element_is_exact_and_may_say_finite():
 
 
 @pytest.mark.parametrize("live", [True, False])
-def test_an_sd_that_overflows_float32_is_never_printed_as_inf(live):
+def test_moments_of_values_whose_sums_overflow_are_measured_or_dropped_never_inf(live):
+    """Sums of values near float32's largest overflow: mean and sd are measured on the values
+    scaled by a power of two. An sd past even float64's range is dropped and named."""
     class Identity(nn.Module):
         def forward(self, x):
             return x * 1
 
-    x = torch.tensor([3e38, -3e38, 3e38, -3e38])
-    sink = io.StringIO()
-    rec = tl.record(Identity(), x, value_stats="exact", on_nonfinite="track",
-                    narrate=tl.options.NarrationOptions(sink=sink) if live else None)
-    line = op_lines(sink.getvalue() if live else rec.narrate())[-1]
-    assert "inf" not in line.split("|")[1] and "overflowed float32" in line
-    assert math.isfinite(rec.ops[-1].stats.max)
+    def line_for(x):
+        sink = io.StringIO()
+        rec = tl.record(Identity(), x, value_stats="exact", on_nonfinite="track",
+                        narrate=tl.options.NarrationOptions(sink=sink) if live else None)
+        return op_lines(sink.getvalue() if live else rec.narrate())[-1], rec.ops[-1].stats
+
+    line, stats = line_for(torch.tensor([3e38, -3e38, 3e38, -3e38]))
+    assert line.endswith("| min=-3e+38 max=3e+38 mean=0 sd=3.464e+38 finite")
+    assert stats.sd == pytest.approx(3e38 * math.sqrt(4 / 3), rel=1e-6)
+    line, stats = line_for(torch.tensor([1.7e308, 1.7e308, -1.7e308], dtype=torch.float64))
+    assert "inf" not in line.split("|")[1] and line.endswith("finite (sd overflowed)")
+    assert stats.mean == pytest.approx(1.7e308 / 3) and stats.sd is None
 
 
 def test_tracking_still_reads_once_per_forward_without_narration(deferred_reads):

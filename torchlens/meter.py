@@ -128,23 +128,40 @@ class Meter:
         if f.device.type in READ_NOW:
             f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
             values = sums_of(f)
-            if all(map(math.isfinite, values)):
-                mn, mx, mean, sd = moments_from_sums(values, numel)
-                if sd is None:  # a large mean against the spread: both again, about the mean
-                    self.reads += 1
-                    mean, sd = about_the_mean(f, mean, numel)
-                values = [mn, mx, mean, sd]
+            if all(map(math.isfinite, values[:2])) and not all(map(math.isfinite, values[2:])):
+                self.reads += 1  # finite values whose sums overflowed: measured again, scaled down
+                values = self._rescaled(f, values[0], values[1], numel)
+            elif all(map(math.isfinite, values)):
+                values = self._moments(f, values, numel)
         else:
             values = cheap_vector(f, dtype, numel).tolist()
-        if all(map(math.isfinite, values)):
-            fill(stats, values, "moments", self.tracking)
+        if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
+            fill(stats, values, "moments", self.tracking)  # (a moment past float64's range is dropped)
             if integer:
                 stats.min, stats.max = int(stats.min), int(stats.max)
                 stats.nan = stats.posinf = stats.neginf = None  # integers are always finite: no counts
             return stats
-        self.reads += 1  # non-finite values (or an overflowed sum): min/max/mean/sd of the finite ones, and counts
+        self.reads += 1  # non-finite values: min/max/mean/sd of the finite ones, and counts
         fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "int" if integer else "finite", self.tracking)
         return stats
+
+    def _moments(self, f: torch.Tensor, sums, numel: int) -> list:
+        """[min, max, mean, sd] from a "sums" vector, the sd measured about the mean when the
+        sums cannot give it (see `torchlens.recipes.CONDITION_LIMIT`)."""
+        mn, mx, mean, sd = moments_from_sums(sums, numel)
+        if sd is None:
+            self.reads += 1
+            mean, sd = about_the_mean(f, mean, numel)
+        return [mn, mx, mean, sd]
+
+    def _rescaled(self, f: torch.Tensor, mn: float, mx: float, numel: int) -> list:
+        """[min, max, mean, sd] of finite values too large for their sums (near the dtype's
+        largest): the sums of `f` divided by a power of two (exact, bar values too small to matter
+        beside the largest), scaled back on the host, where float64 holds them."""
+        exponent = math.ceil(math.log2(max(abs(mn), abs(mx))))
+        scaled = f * 2.0 ** -exponent  # a multiplier, not a divisor: 2**128 is past float32's range
+        _, _, mean, sd = self._moments(scaled, sums_of(scaled), numel)
+        return [mn, mx, _ldexp(mean, exponent), _ldexp(sd, exponent)]
 
     def _sampled(self, stats: Stats, f: torch.Tensor, numel: int, now: bool) -> Stats:
         """A seeded sample's statistics; with tracking, the whole tensor's counts (screened when read
@@ -220,6 +237,15 @@ class Meter:
                 unmeasured(item.stats, f"{type(exc).__name__} reading its statistics")
         self.reads += 1
         return vector.reshape(-1).tolist()
+
+
+def _ldexp(value: float, exponent: int) -> float:
+    """`value * 2**exponent`, infinite past float64's range (the statistic is then dropped and
+    named, never printed as `inf`: see `torchlens.stats.fill`)."""
+    try:
+        return math.ldexp(value, exponent)
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _same_elements(tensor: torch.Tensor):

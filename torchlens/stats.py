@@ -231,14 +231,15 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
 
 
 def _drop_overflowed(stats: Stats) -> None:
-    """A moment that overflowed the float32 arithmetic of its reduction (the sd of values near
-    3e38, say) is not a measurement: it is dropped and named, and never printed as `inf`."""
+    """A moment that overflowed the arithmetic of its reduction (a fused graph's float32 sums of
+    values near 3e38, an sd past float64's range) is not a measurement: it is dropped and named,
+    and never printed as `inf`."""
     lost = [name for name in ("min", "max", "mean", "sd")
             if getattr(stats, name) is not None and not math.isfinite(getattr(stats, name))]
     for name in lost:
         setattr(stats, name, None)
     if lost:
-        stats.note = f"({'/'.join(lost)} overflowed float32)"
+        stats.note = f"({'/'.join(lost)} overflowed)"
 
 
 def _fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> None:
