@@ -509,6 +509,19 @@ def test_moments_of_values_whose_sums_overflow_are_measured_or_dropped_never_inf
     assert stats.mean == pytest.approx(1.7e308 / 3) and stats.sd is None
 
 
+def test_an_accelerators_deferred_sd_that_overflows_float32_is_dropped_and_named(deferred_reads):
+    """Read once per forward, the tensor is gone: an sd its float32 reduction overflowed cannot be
+    measured again, so it is left out and said to be, never printed as `inf`."""
+    class Identity(nn.Module):
+        def forward(self, x):
+            return x * 1
+
+    rec = tl.record(Identity(), torch.tensor([3e38, -3e38, 3e38, -3e38]), value_stats="exact")
+    line = op_lines(rec.narrate())[-1]
+    assert "inf" not in line.split("|")[1] and line.endswith("(sd overflowed)")
+    assert rec.ops[-1].stats.sd is None and rec.ops[-1].stats.max == pytest.approx(3e38)
+
+
 def test_tracking_still_reads_once_per_forward_without_narration(deferred_reads):
     model, x = tiny_gpt(), tokens()
     with count_host_syncs() as syncs:
