@@ -26,6 +26,7 @@ carry their counts from the start ("counts", "moments+counts").
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple, Sequence
 
@@ -75,6 +76,7 @@ def not_applicable(reason: str, rung: str) -> Recipe:
     return Recipe("", "na", rung != "off", note=reason)
 
 
+@functools.lru_cache(maxsize=None)  # a few dozen combinations, asked for once per measured tensor
 def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, immediate: bool = False,
            in_graph: bool = False, sampled: bool = False) -> Recipe:
     """The recipe for a tensor of value kind `kind` ("float", "int", "bool": `stats.value_kind`).

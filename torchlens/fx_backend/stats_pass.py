@@ -37,6 +37,7 @@ from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
 from .plan import GraphPlan
 from .replay import is_in_place, target_name
+from .values_pass import append_outputs
 
 
 class Slot(NamedTuple):
@@ -112,16 +113,12 @@ def _measured(fake: torch.Tensor, rung: str, tracking: bool) -> bool:
     return kind is None or recipe(kind, rung, tracking, immediate=True).measures
 
 
-def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
-    """Append the chosen ops' tensor outputs to the graph's outputs (a copy taken right after the op
-    where a later in-place op of the graph could change it); views of an output measured just
-    before share its statistics and return nothing."""
-    graph = gm.graph
-    nodes = {node.name: node for node in graph.nodes}
-    slots: Slots = [None] * len(plan.ops)
-    returned, measured = [], {}
-    inputs = {_storage(node.meta["example_value"]) for node in graph.nodes
-              if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)}
+def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slots: Slots, measured: dict):
+    """The chosen ops that need a measurement of their own, as (op, its node, the node holding its
+    output, that output's fake value). Ops that share an earlier op's statistics (a view of the same
+    elements, nothing written between) and ops whose output holds no values yet get their slot here.
+    `measured` maps each node measured so far to its op's index; callers add to it."""
+    nodes = {node.name: node for node in gm.graph.nodes}
     for op in plan.ops:
         if op.index not in chosen:
             continue
@@ -129,12 +126,23 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
         source = _same_elements_as(node, measured)
         if source is not None:
             slots[op.index] = Slot(same_as=source)
-            measured[node] = source
-            continue
-        if op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
+            measured[node] = source  # a chain of views shares one measurement
+        elif op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
             slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
-            continue
-        value = holder.meta["example_value"]
+        else:
+            yield op, node, holder, holder.meta["example_value"]
+
+
+def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
+    """Append the chosen ops' tensor outputs to the graph's outputs (a copy taken right after the op
+    where a later in-place op of the graph could change it); views of an output measured just
+    before share its statistics and return nothing."""
+    graph = gm.graph
+    slots: Slots = [None] * len(plan.ops)
+    returned, measured = [], {}
+    inputs = {_storage(node.meta["example_value"]) for node in graph.nodes
+              if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)}
+    for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
             slots[op.index] = Slot((recipe(value_kind(value.dtype), rung, tracking),))  # nothing to read
             continue
@@ -150,11 +158,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
         slots[op.index] = Slot(returned=len(outputs))
         if holder is node and isinstance(value, torch.Tensor):
             measured[node] = op.index
-    output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
-    results = output_node.args[0]
-    results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
-    output_node.args = (results + tuple(returned),)
-    gm.recompile()
+    append_outputs(gm, returned)
     return slots, len(returned)
 
 
@@ -203,23 +207,10 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, 
     """Trace statistics nodes into `gm` and append their concatenation to the graph's outputs."""
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
-    nodes = {node.name: node for node in graph.nodes}
     slots: Slots = [None] * len(plan.ops)
     vectors, devices = [], []
     measured = {}  # node -> index of its op, for ops measured with one vector of their own
-    for op in plan.ops:
-        if op.index not in chosen:
-            continue
-        node, holder = nodes[op.node], nodes[op.value]  # the op, and the node holding its output
-        value = holder.meta["example_value"]
-        source = _same_elements_as(node, measured)
-        if source is not None:
-            slots[op.index] = Slot(same_as=source)
-            measured[node] = source  # a chain of views shares one measurement
-            continue
-        if op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
-            slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
-            continue
+    for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         with graph.inserting_before(node.next):
             proxy = fx.Proxy(holder, tracer)
             outputs = [(proxy, value)] if isinstance(value, torch.Tensor) else [
@@ -243,9 +234,7 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, 
             stacked = torch.cat([v if d == home else v.to(home) for v, d in zip(vectors, devices)])
         else:
             stacked = fx.Proxy(graph.call_function(torch.zeros, (0,)), tracer)
-    results = output_node.args[0]
-    output_node.args = ((*results, stacked.node) if isinstance(results, (tuple, list)) else (results, stacked.node),)
-    gm.recompile()
+    append_outputs(gm, [stacked.node])
     return slots
 
 

@@ -22,7 +22,6 @@ def add_value_outputs(gm: fx.GraphModule, plan: GraphPlan) -> List[int]:
     """Append every plan op's tensor outputs to the graph's outputs; return how many per op."""
     graph = gm.graph
     nodes = {node.name: node for node in graph.nodes}
-    output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     kept, counts = [], []
     for op in plan.ops:
         node, holder = nodes[op.node], nodes[op.value]  # the op, and the node holding its output
@@ -37,11 +36,17 @@ def add_value_outputs(gm: fx.GraphModule, plan: GraphPlan) -> List[int]:
                            for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
         kept.extend(outputs)
         counts.append(len(outputs))
+    append_outputs(gm, kept)
+    return counts
+
+
+def append_outputs(gm: fx.GraphModule, extra) -> None:
+    """Add the nodes `extra` after the graph's own outputs (which become a tuple if they were not)."""
+    output_node = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
     results = output_node.args[0]
     results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
-    output_node.args = (results + tuple(kept),)
+    output_node.args = (results + tuple(extra),)
     gm.recompile()
-    return counts
 
 
 def split_values(flat, counts: List[int]) -> List[tuple]:
