@@ -80,12 +80,13 @@ def _compiled_options(compiled) -> dict:
 
 
 def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None, live: bool = False,
-            compiler="inductor", stats_on: str = "ops", **torch_compile_kwargs):
+            compiler="inductor", stats_on: str = "ops", backward: bool = False, **torch_compile_kwargs):
     """`torch.compile(model, backend="torchlens")` with the options as keywords and absolute module names.
 
     `live=True` writes each op's line as it completes (the graph runs op by op); `compiler=` is what
     compiles the graph underneath ("inductor", "eager", another backend's name, or a callable);
-    `stats_on="module_outputs"` limits value statistics to the last op of each module call.
+    `stats_on="module_outputs"` limits value statistics to the last op of each module call;
+    `backward=True` also narrates each backward through a forward's graphs (docs/compiled.md).
     Other keywords (`dynamic=`, `fullgraph=`, `mode=`) go to `torch.compile`. The returned object
     is what `torch.compile` returns; `compiled.torchlens.last_recording` is the latest forward's
     recording.
@@ -93,7 +94,8 @@ def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
     from .fx_backend.config import make_config
     from .fx_backend.entry import compile_model
 
-    config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler, stats_on=stats_on)
+    config = make_config(narrate, value_stats, on_nonfinite, live=live, compiler=compiler, stats_on=stats_on,
+                         backward=backward)
     return compile_model(model, config, torch_compile_kwargs)
 
 

@@ -23,6 +23,8 @@ class EventKind(str, enum.Enum):
     ENTER = "enter"
     EXIT = "exit"
     OUTPUT = "output"
+    NODE = "node"  # a backward node ran (an autograd function, or a gradient accumulated into a leaf)
+    GRAD = "grad"  # the gradient of a forward output arrived from outside the forward (the loss)
 
 
 INPUT = EventKind.INPUT
@@ -30,6 +32,8 @@ OP = EventKind.OP
 ENTER = EventKind.ENTER
 EXIT = EventKind.EXIT
 OUTPUT = EventKind.OUTPUT
+NODE = EventKind.NODE
+GRAD = EventKind.GRAD
 
 
 class Scope:
@@ -165,6 +169,23 @@ class Event:
         return f"Event({self.kind.value} #{self.ordinal} {self.op}{where})"
 
 
+class BackwardEvent(Event):
+    """A moment of a backward through a narrated forward's graph (`NODE` or `GRAD`).
+
+    `ordinal` counts the backward's nodes (the `~N` of the line); `op` is the autograd node's name
+    (`AddmmBackward0`, `AccumulateGrad`); `scope` and `site` are those of the forward op it
+    differentiates, which `forward` names (`#5 linear @fc2`); `outputs` are the gradients the node
+    produced (for `AccumulateGrad` and `GRAD`, the gradient received); `label` is the leaf's name
+    (`fc2.weight`) or the forward output's (`out`).
+    """
+
+    __slots__ = ("forward",)
+
+    def __init__(self, kind, ordinal, op, scope, outputs=(), site=None, stats=None, label=None, forward=None):
+        super().__init__(kind, ordinal, op, scope, outputs, site, stats, label)
+        self.forward = forward
+
+
 class Stats:
     """What was measured of one tensor, and how: evidence-qualified statistics.
 
@@ -251,3 +272,17 @@ class Attempt:
 
     def __repr__(self) -> str:
         return f"Attempt({self.op} #{self.ordinal} @{self.scope.path})"
+
+
+class BackwardAttempt(Attempt):
+    """The backward node that was running when a backward failed; `forward` names its forward op
+    (`#5 linear @fc2`) and `inputs` describes the gradients it received."""
+
+    __slots__ = ("forward",)
+
+    def __init__(self, op, ordinal, scope, site, inputs, forward, notes=()):
+        super().__init__(op, ordinal, scope, site, inputs, notes)
+        self.forward = forward
+
+    def __repr__(self) -> str:
+        return f"BackwardAttempt({self.op} ~{self.ordinal} <- {self.forward})"

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from .backward import BackwardNarration, GradientRoots
 from .events import Scope, TensorMeta
 from .mode_stack import own_work, under_a_capture
 from .narrator import Narrator
@@ -43,9 +44,15 @@ class ForwardPass:
     """
 
     def __init__(self, settings: Settings, root: Scope, tensor_names: Callable[[], dict],
-                 header: Optional[str] = None, narrator: Optional[Narrator] = None):
+                 header: Optional[str] = None, narrator: Optional[Narrator] = None,
+                 backward: Optional[BackwardNarration] = None):
         self.settings = settings
         self.nested = under_a_capture()
+        self.tensor_names = tensor_names
+        # `backward`: where this forward's backward is narrated (`backward=True`); the nodes its ops
+        # feed autograd are noted in `roots` (none when the forward builds no graph)
+        self.backward = backward
+        self.roots = GradientRoots() if backward is not None and torch.is_grad_enabled() else None
         self._owned_narrator = None
         if narrator is None and settings.narration is not None:
             narrator = self._owned_narrator = Narrator(settings.narration)
@@ -77,6 +84,8 @@ class ForwardPass:
                     event = session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
                     if keeper is not None:
                         keeper(event, tensor)
+                    if self.roots is not None:
+                        self.roots.note_input(label, tensor)
             except Exception as exc:
                 if getattr(exc, "torchlens_stop", False):
                     raise
@@ -92,13 +101,27 @@ class ForwardPass:
         session = self.session
         with self.own_work():
             try:
-                for label, tensor in named_outputs(output):
+                outputs = named_outputs(output)
+                for label, tensor in outputs:
                     session.add_output(label, (TensorMeta.of(tensor),), tensor)
                 session.footer_extra.extend(notes())
-                return session.finish(output)
+                recording = session.finish(output)
             except Exception as exc:
                 internal_error("finishing the recording", exc)
                 return Recording(session.events, output, self.settings)
+            self._watch_backward(recording, outputs)
+            return recording
+
+    def _watch_backward(self, recording: Recording, outputs) -> None:
+        """Hook the graph this forward built, so that its backward is narrated (`backward=True`)."""
+        roots = self.roots
+        if roots is None or not (roots.items or any(t.requires_grad for _, t in outputs)):
+            return
+        self.roots = None
+        try:
+            self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root)
+        except Exception as exc:
+            internal_error("hooking the backward", exc)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
         """The partial trace of a forward that raised `exc`, attached to it. Never raises."""

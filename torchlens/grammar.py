@@ -15,6 +15,13 @@ Rules every renderer here keeps:
 Column layout of an op line::
 
     {indent}{#N:<6}{op:<14}{shapes dtype device}  {@module | input name}  {site}  | {stats}
+
+A backward, narrated after its forward's footer under its own `-- backward ...` header, has two
+more line kinds: `~N` lines, one per autograd node in the order it ran, indented by the module
+depth of the forward op it differentiates, and `<=` lines, the gradient that reached a forward
+output from outside (the loss)::
+
+    {indent}{~N:<6}{node:<14}{gradients}  {leaf name}  <- {#N op @module}  {site}  | {stats}
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, TensorMeta
+from .events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, BackwardAttempt, Event, TensorMeta
 from .stats_text import stats_text
 
 TAG_WIDTH = 6
@@ -129,6 +136,11 @@ def render_event(event: Event, sites: bool = False, normalize: bool = False, fol
         return line
     if kind is OUTPUT:
         return _tag("=>") + _op_column("output") + metas_text(event.outputs, normalize) + "  " + event.label
+    if kind is NODE:
+        return render_node(event, sites, normalize)
+    if kind is GRAD:
+        return _with_stats(_tag("<=") + _op_column("grad") + metas_text(event.outputs, normalize) + "  " + event.label,
+                           event)
     raise ValueError(f"unknown event kind {kind!r}")
 
 
@@ -171,6 +183,29 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
     return line
 
 
+def render_node(event, sites: bool, normalize: bool) -> str:
+    """`~N AddmmBackward0 [4] f32 cpu, [2,8] f32 cpu  <- #5 linear @fc2 | stats`: a backward node
+    and the gradients it produced (an `AccumulateGrad` shows the leaf it accumulated into)."""
+    ordinal = event.ordinal
+    line = (_INDENTS[event.scope.depth] + "~%-4d " % ordinal + _op_column(event.op)
+            + metas_text(event.outputs, normalize))
+    if event.label:
+        line += "  " + event.label
+    if event.forward:
+        line += "  <- " + event.forward
+    if sites and event.site:
+        line += "  " + site_text(event.site, normalize)
+    return _with_stats(line, event)
+
+
+def _with_stats(line: str, event) -> str:
+    if event.stats is not None:
+        stats = stats_text(event.stats)
+        if stats:
+            line += "  | " + stats
+    return line
+
+
 def _op_body(event: Event, site, normalize: bool) -> str:
     body = _op_column(event.op) + metas_text(event.outputs, normalize)
     if event.kind is INPUT:
@@ -195,9 +230,9 @@ def render_failure(text: str) -> str:
     return "!! " + text
 
 
-def render_failure_header(error: str) -> str:
-    """The first line of a failure block: what the forward raised."""
-    return render_failure(f"forward failed: {error}")
+def render_failure_header(error: str, what: str = "forward") -> str:
+    """The first line of a failure block: what the forward (or a backward) raised."""
+    return render_failure(f"{what} failed: {error}")
 
 
 def render_earlier_lines_note(count: int) -> str:
@@ -222,6 +257,8 @@ def render_attempt(attempt: Attempt, normalize: bool) -> list:
 
 
 def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
+    if isinstance(attempt, BackwardAttempt):
+        return _backward_attempt_lines(attempt, normalize)
     if attempt.op is None:
         where = f" in @{attempt.scope.path}" if attempt.scope.path else ""
         line = f"attempted: no torch call was in flight; the error came from Python code{where} after #{attempt.ordinal - 1}"
@@ -246,6 +283,21 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
                 "rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous"
             )
         )
+    return lines
+
+
+def _backward_attempt_lines(attempt: BackwardAttempt, normalize: bool) -> list:
+    received = ", ".join(meta_text(m, normalize) for m in attempt.inputs or ()) or "no gradients"
+    line = f"attempted ~{attempt.ordinal} {attempt.op}"
+    if attempt.forward:
+        line += f" <- {attempt.forward}"
+    if attempt.site:
+        line += "  " + site_text(attempt.site, normalize)
+    line += f"  received: {received}  (not proven culprit)"
+    lines = [render_failure(line)]
+    if attempt.on_cuda:
+        lines.append(render_failure("CUDA errors are asynchronous: the failing kernel may have been launched by an "
+                                    "earlier node; rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous"))
     return lines
 
 
@@ -282,6 +334,22 @@ def footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: 
     """The footer's parts from a narrator's `PassCounts`: what ran, what was not shown and why,
     then `extra` (notes of how the forward ran, statistics, the tracking verdict)."""
     parts = [f"{plural(counts.inputs, 'input')}, {plural(counts.ops, 'op')}, {plural(counts.module_calls, 'module call')}"]
+    if counts.unselected:
+        parts.append(f"{counts.unselected} not selected")
+    if counts.folded_total:
+        parts.append(f"{counts.folded_total} folded (depth={depth})")
+    if counts.lines_suppressed:
+        parts.append(f"{counts.lines_suppressed} lines not printed (max_lines={max_lines})")
+    parts.extend(extra)
+    return parts
+
+
+def backward_footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: Iterable[str] = ()) -> List[str]:
+    """The footer of a backward: the nodes that ran, the gradients accumulated into leaves, what
+    was not shown and why, then `extra` (statistics, the gradient verdict)."""
+    parts = [f"{plural(counts.nodes, 'node')}, {plural(counts.leaves, 'gradient')} accumulated"]
+    if counts.grads:
+        parts[0] += f", {plural(counts.grads, 'output gradient')} received"
     if counts.unselected:
         parts.append(f"{counts.unselected} not selected")
     if counts.folded_total:

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 
 from . import grammar
 from .errors import warn_safely
-from .events import ENTER, EXIT, INPUT, OP, Attempt, Event
+from .events import ENTER, EXIT, GRAD, INPUT, NODE, OP, Attempt, Event
 from .options import NarrationOptions
 from .ranks import shared_sink_tag
 from .sinks import ListSink, Sink, open_sink
@@ -33,8 +33,8 @@ class PassCounts:
     event-by-event narration.
     """
 
-    __slots__ = ("lines_written", "lines_suppressed", "ops", "inputs", "module_calls", "unselected",
-                 "folded_total", "folded", "limit_noted", "nonfinite_noted")
+    __slots__ = ("lines_written", "lines_suppressed", "ops", "inputs", "module_calls", "nodes", "leaves", "grads",
+                 "unselected", "folded_total", "folded", "limit_noted", "nonfinite_noted")
     _MAPPINGS = ("folded",)  # scope key -> ops folded into its exit line, while it is open
 
     def __init__(self):
@@ -43,6 +43,9 @@ class PassCounts:
         self.ops = 0
         self.inputs = 0
         self.module_calls = 0
+        self.nodes = 0  # backward nodes (a backward section counts these instead of ops)
+        self.leaves = 0  # gradients accumulated into leaves (parameters), among the nodes
+        self.grads = 0  # gradients received at the forward's outputs
         self.unselected = 0  # ops and inputs a selector left out
         self.folded_total = 0  # ops deeper than `depth`
         self.folded = {}
@@ -103,6 +106,12 @@ class Narrator:
             counts.inputs += 1
         elif kind is ENTER:
             counts.module_calls += 1
+        elif kind is NODE:
+            counts.nodes += 1
+            if event.label:
+                counts.leaves += 1
+        elif kind is GRAD:
+            counts.grads += 1
         if self._plain and event.stats is None:  # the common case, on every event: print it
             counts.lines_written += 1
             self._write(grammar.render_event(event, self._sites, self._normalize))
@@ -110,7 +119,7 @@ class Narrator:
         if self._quiet:
             return
         if self._select is not None and not self._select(event):
-            if kind is OP or kind is INPUT:
+            if kind is OP or kind is INPUT or kind is NODE:
                 counts.unselected += 1
             return
         folded = 0
@@ -118,6 +127,9 @@ class Narrator:
             depth = event.scope.depth
             if kind is OP and depth > self._depth:
                 self._fold(event)
+                return
+            if kind is NODE and depth > self._depth:
+                counts.folded_total += 1  # a backward has no exit lines to fold into: the footer counts it
                 return
             if kind is ENTER and depth > self._depth:
                 return
@@ -176,18 +188,19 @@ class Narrator:
         self._write_block(lines)
         self.counts = PassCounts.restored(after)
 
-    def end_pass(self, extra: Sequence[str] = ()) -> None:
-        """Print the footer that closes a pass."""
+    def end_pass(self, extra: Sequence[str] = (), backward: bool = False) -> None:
+        """Print the footer that closes a pass (or, `backward`, a backward section)."""
         if self._quiet:
             return
-        self._write(grammar.render_footer(self.footer_parts(extra)))
+        self._write(grammar.render_footer(self.footer_parts(extra, backward)))
 
-    def footer_parts(self, extra: Sequence[str] = ()) -> List[str]:
-        return grammar.footer_parts(self.counts, self._depth, self._max_lines, extra)
+    def footer_parts(self, extra: Sequence[str] = (), backward: bool = False) -> List[str]:
+        parts = grammar.backward_footer_parts if backward else grammar.footer_parts
+        return parts(self.counts, self._depth, self._max_lines, extra)
 
     # -- failures -------------------------------------------------------------------------------
 
-    def fail(self, events: Sequence[Event], attempt: Optional[Attempt], error: str) -> None:
+    def fail(self, events: Sequence[Event], attempt: Optional[Attempt], error: str, what: str = "forward") -> None:
         """Print the failure block: what failed, the last lines with their module context, the marker.
 
         Never raises: it runs while the user's exception is on its way out, and must not replace it.
@@ -196,7 +209,7 @@ class Narrator:
             return
         try:
             printed = printed_events(events, self.options)
-            lines = failure_block(events, attempt, error, self.options, self.options.tail_on_error, printed)
+            lines = failure_block(events, attempt, error, self.options, self.options.tail_on_error, printed, what)
         except Exception as exc:
             self._narration_failed(f"torchlens could not narrate the failure ({_describe(exc)}); "
                                    f"exc.partial_trace still holds every event")
@@ -281,15 +294,17 @@ def _describe(exc: BaseException) -> str:
         return f"{type(exc).__name__} (its message could not be rendered)"
 
 
-def render_lines(events: Sequence[Event], options: NarrationOptions, header=None, footer_extra=None) -> List[str]:
-    """Render events to lines exactly as a live narration with these options would have."""
+def render_lines(events: Sequence[Event], options: NarrationOptions, header=None, footer_extra=None,
+                 backward: bool = False) -> List[str]:
+    """Render events to lines exactly as a live narration with these options would have
+    (`backward`: a backward section, whose footer counts nodes)."""
     sink = ListSink()
     narrator = Narrator(options, sink)
     narrator.begin_pass(header)
     for event in events:
         narrator.feed(event)
     if footer_extra is not None:
-        narrator.end_pass(footer_extra)
+        narrator.end_pass(footer_extra, backward)
     return sink.lines
 
 
@@ -310,7 +325,7 @@ def printed_events(events, options: NarrationOptions) -> set:
 
 
 def failure_block(events, attempt, error: str, options: NarrationOptions, last: Optional[int],
-                  printed: frozenset = frozenset()) -> List[str]:
+                  printed: frozenset = frozenset(), what: str = "forward") -> List[str]:
     """`!! forward failed`, the last lines (with the enter lines of still-open modules), the marker.
 
     The window ignores selection, depth folding and `max_lines`: after a failure what matters is
@@ -327,7 +342,7 @@ def failure_block(events, attempt, error: str, options: NarrationOptions, last: 
             rendered.extend((line, event) for line in sink.lines)
         sink.lines.clear()
     start = 0 if last is None else max(0, len(rendered) - last)
-    out = [grammar.render_failure_header(error)]
+    out = [grammar.render_failure_header(error, what)]
     if start:
         out.extend(_open_enter_lines(rendered[:start]))
         out.append(grammar.render_earlier_lines_note(start))

@@ -181,16 +181,17 @@ def check_on_nonfinite(value):
 class Settings:
     """What the caller asked for, validated: the capture keywords shared by every entry point."""
 
-    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes")
+    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes", "backward")
 
     def __init__(self, narration: Optional[NarrationOptions], value_stats="off", on_nonfinite=None,
-                 keep_values=False, keep_on_cpu=False, max_bytes=None):
+                 keep_values=False, keep_on_cpu=False, max_bytes=None, backward=False):
         self.narration = narration
         self.value_stats = value_stats
         self.on_nonfinite = on_nonfinite
         self.keep_values = keep_values
         self.keep_on_cpu = keep_on_cpu
         self.max_bytes = max_bytes
+        self.backward = backward  # narrate the backward through the graph each forward builds
 
     @property
     def sites(self) -> bool:
@@ -198,7 +199,7 @@ class Settings:
 
 
 def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=False, keep_on_cpu=False,
-                  max_bytes=None) -> Settings:
+                  max_bytes=None, backward=False) -> Settings:
     """Validate the capture keywords every entry point shares and bundle them."""
     if value_stats == "reuse" and on_nonfinite is None:
         raise OptionValueError(
@@ -215,6 +216,7 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
         keep_values=keep_values,
         keep_on_cpu=keep_on_cpu,
         max_bytes=max_bytes,
+        backward=check_keyword("backward", "backward", backward),
     )
 
 
@@ -264,6 +266,7 @@ KEYWORDS: Tuple[Keyword, ...] = (
     Keyword("max_bytes", (TRACE,), lambda owner, value: check_count(owner, "max_bytes", value, none_means="no limit")),
     Keyword("keep", (RECORDER,), lambda owner, value: check_count(owner, "keep", value, none_means="every pass")),
     Keyword("tail", (RECORDER,), lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
+    Keyword("backward", (RECORDER, COMPILE), lambda owner, value: check_bool(owner, "backward", value)),
     Keyword("live", (COMPILE,), lambda owner, value: check_bool(owner, "live", value)),
     Keyword("compiler", (COMPILE,), check_compiler),
     Keyword("stats_on", (COMPILE,), check_stats_on),

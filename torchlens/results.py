@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import grammar
-from .events import OP, Attempt, Event
+from .events import OP, Attempt, Event, EventKind
 from .narrator import failure_block, printed_events, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector
@@ -46,6 +46,62 @@ def _transcript(lines: Sequence[str], prefix: str) -> Transcript:
     return Transcript("".join(line + "\n" for line in lines))
 
 
+class Backward:
+    """One backward through the graph a narrated forward built (`backward=True`).
+
+    - `header`: `backward of pass 3` (a second backward through the same graph, with
+      `retain_graph=True`, is `backward 2 of pass 3`).
+    - `events`: `BackwardEvent`s in the order they ran: `~N` nodes (each tied to its forward op;
+      `AccumulateGrad` nodes name the leaf, such as a parameter) and `<=` gradients received at
+      the forward's outputs.
+    - `findings`: with `on_nonfinite=`, where the first non-finite gradient was born.
+    - `error`, `attempt`: when the backward failed, what it raised and the node that was running.
+    """
+
+    def __init__(self, header: str, settings):
+        self.header = header
+        self.settings = settings
+        self.events: List[Event] = []
+        self.footer_extra: List[str] = []
+        self.findings: tuple = ()
+        self.error: Optional[str] = None
+        self.attempt: Optional[Attempt] = None
+        self.finished = False
+
+    @property
+    def nodes(self) -> List[Event]:
+        return [e for e in self.events if e.kind is EventKind.NODE]
+
+    @property
+    def first_nonfinite(self) -> Optional[Event]:
+        """The node (or received gradient) of the first finding, with tracking; else the first
+        event whose measured gradients held NaN or Inf."""
+        if self.settings.on_nonfinite is not None:
+            return self.findings[0].event if self.findings else None
+        return next((e for e in self.events if e.stats is not None and e.stats.nonfinite), None)
+
+    def lines(self, options: NarrationOptions) -> List[str]:
+        """This backward's lines as live narration printed them (the failure block ends a failed one)."""
+        footer = self.footer_extra if self.finished else None
+        lines = render_lines(self.events, options, self.header, footer, backward=True)
+        if self.error is not None:
+            shown = printed_events(self.events, options)
+            lines += failure_block(self.events, self.attempt, self.error, options, options.tail_on_error, shown,
+                                   "backward")
+        return lines
+
+    def narrate(self, *, normalize: Optional[bool] = None, prefix: Optional[str] = None) -> Transcript:
+        options = self.settings.narration or NarrationOptions()
+        changes = {"on_error_only": False, "prefix": ""}
+        if normalize is not None:
+            changes["normalize"] = check_bool("narrate", "normalize", normalize)
+        prefix = options.prefix if prefix is None else check_prefix("narrate", prefix)
+        return _transcript(self.lines(options.replace(**changes)), prefix)
+
+    def __repr__(self) -> str:
+        return f"<Backward ({self.header}): {len(self.nodes)} nodes>"
+
+
 class Recording:
     """The events of one forward pass, its output, and the settings it ran with.
 
@@ -56,7 +112,8 @@ class Recording:
       NaN and infinity births, non-finite parameters or buffers, infinities reaching the output.
     - `first_nonfinite`: the op of the first finding (with tracking), else the first op whose
       measured output held NaN or Inf.
-    - `narrate(...)`: the transcript.
+    - `backward`: with `backward=True`, each backward run through this forward's graph (`Backward`).
+    - `narrate(...)`: the transcript (its backwards after the forward's footer).
     """
 
     def __init__(self, events: List[Event], output, settings, header: Optional[str] = None,
@@ -69,6 +126,7 @@ class Recording:
         self.header = header
         self.footer_extra = list(footer_extra)
         self._values = values
+        self.backward: List[Backward] = []
 
     def __deepcopy__(self, memo):
         """A copy whose output tensors are detached: torch refuses to deep-copy a tensor that is
@@ -122,9 +180,16 @@ class Recording:
         _check_last(last)
         options = self._options(select, normalize=normalize, prefix=prefix)
         lines = render_lines(self.events, options.replace(prefix=""), self.header, self.footer_extra)
+        lines += self._backward_lines(options)
         if last is not None:
             lines = lines[-last:] if last else []
         return _transcript(lines, options.prefix)
+
+    def _backward_lines(self, options: NarrationOptions) -> List[str]:
+        lines = []
+        for run in getattr(self, "backward", ()):  # (absent from a recording pickled before it existed)
+            lines += run.lines(options.replace(prefix=""))
+        return lines
 
     def __len__(self) -> int:
         return len(self.events)
@@ -162,6 +227,18 @@ class PartialTrace(Recording):
         super().__init__(*args, **kwargs)
         self.attempt = attempt
         self.error = error
+        self.failed_backward: Optional[Backward] = None  # set when the failure was in a backward
+
+    @classmethod
+    def of_backward(cls, recording: Recording, run: Backward) -> "PartialTrace":
+        """What a failed backward leaves: its forward's recording, the backwards so far (the failed
+        one last), and the node that was running."""
+        partial = cls(recording.events, recording.output, recording.settings, header=recording.header,
+                      footer_extra=recording.footer_extra, values=recording._values, findings=recording.findings,
+                      attempt=run.attempt, error=run.error or "")
+        partial.backward = list(recording.backward)
+        partial.failed_backward = run
+        return partial
 
     @property
     def values(self) -> Optional[Dict[int, Tuple]]:
@@ -172,6 +249,12 @@ class PartialTrace(Recording):
         """The tail (`last=N` lines), or with no `last` exactly what live narration printed."""
         _check_last(last)
         options = self._options(select, normalize=normalize, prefix=prefix)
+        run = getattr(self, "failed_backward", None)
+        if run is not None:  # the forward finished: its transcript, then the backwards, the failed one last
+            if last is None:
+                return super().narrate(select=select, normalize=normalize, prefix=prefix)
+            lines = failure_block(run.events, self.attempt, self.error, options, last, what="backward")
+            return _transcript(lines, options.prefix)
         if last is None:
             live = self.settings.narration
             if live is not None and live.on_error_only:

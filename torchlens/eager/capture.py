@@ -153,6 +153,7 @@ class OpReporter:
         self.ops = 0  # ops recorded through `record_op` (what the gap capture counts for the footer)
         self.nested = False  # another capture's mode is below ours in this thread
         self.lean = False  # whether ops may take `plain_op_done` (set by a capture that allows it)
+        self.roots = None  # with `backward=True`: the nodes each op feeds autograd (`backward.GradientRoots`)
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
     reports_graph_calls = False  # whether compiled graph calls inside its forward are its ops
@@ -211,6 +212,8 @@ class OpReporter:
             tracker.produced(event, out, args, kwargs)
         if self.keeper is not None:
             self.keeper(event, out)
+        if self.roots is not None:
+            self.roots.note(event, out)
         self.ops += 1
 
     def op_raised(self, func, args, kwargs, exc) -> None:
@@ -228,8 +231,9 @@ class EagerCapture(OpReporter):
 
     reports_graph_calls = True
 
-    def __init__(self, session: Session, scopes: ScopeTable, keeper=None, nested: bool = False):
+    def __init__(self, session: Session, scopes: ScopeTable, keeper=None, nested: bool = False, roots=None):
         super().__init__(session, keeper)
+        self.roots = roots
         self.scopes = scopes
         self.thread = _get_ident()
         self._mode = CaptureMode(self)
@@ -237,7 +241,7 @@ class EagerCapture(OpReporter):
         self._counted = False
         self.nested = nested  # another capture was active when this forward began (see `ForwardPass`)
         self.lean = not (self.nested or self.sites or keeper is not None or session.meter is not None
-                         or session.tracker is not None)
+                         or session.tracker is not None or roots is not None)
         self.scripted = 0  # TorchScript calls narrated as one op each
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)

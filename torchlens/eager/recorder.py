@@ -14,6 +14,7 @@ from typing import Deque, List, Optional, Tuple
 
 from torch import nn
 
+from ..backward import BackwardNarration
 from ..errors import OptionValueError, RecorderStateError
 from ..events import Event
 from ..grammar import render_dropped_events_note
@@ -42,15 +43,18 @@ class Recorder:
     go on counting; `keep=0` keeps none). `tail=N` also keeps the last N events across passes, and
     `narrate_tail()` shows what ran last, pass boundaries included: with `keep=` set, memory stays
     bounded over any number of passes.
+
+    `backward=True` also narrates each backward through the graph a pass built (a training step's
+    `loss.backward()`), after the pass's footer, in `recording.backward` (see `torchlens.backward`).
     """
 
     def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
-                 keep: Optional[int] = None, tail: Optional[int] = None):
+                 keep: Optional[int] = None, tail: Optional[int] = None, backward: bool = False):
         check_model(model, "Recorder")
         keep = check_keyword("Recorder", "keep", keep)
         tail = check_keyword("Recorder", "tail", tail)
         self.model = model
-        self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite)
+        self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite, backward=backward)
         check_selection(self.settings, [name for name, _ in model.named_modules()])
         self.recordings: Deque[Recording] = collections.deque(maxlen=keep)
         self._tail: Optional[Deque[Tuple[int, int, Event]]] = None if tail is None else collections.deque(maxlen=tail)
@@ -58,6 +62,7 @@ class Recorder:
         self._narrator: Optional[Narrator] = None
         self._handles = []
         self._run: Optional[EagerPass] = None
+        self._backward: Optional[BackwardNarration] = None
         self._call_frame = None
         self._thread = None
 
@@ -66,6 +71,8 @@ class Recorder:
             raise RecorderStateError("this Recorder is already active: leave its `with` block before entering it again")
         if self.settings.narration is not None:
             self._narrator = Narrator(self.settings.narration)
+        if self.settings.backward:
+            self._backward = BackwardNarration(self.settings, self._narrator)
         self._thread = threading.get_ident()
         self._handles = [
             self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
@@ -79,6 +86,9 @@ class Recorder:
         self._handles = []
         if self._run is not None:  # a pass cut short by something forward hooks do not see
             self._end_cut_short(exc)
+        if self._backward is not None:  # a backward still open failed with `exc`; every hook goes
+            backward, self._backward = self._backward, None
+            backward.close(exc)
         if self._narrator is not None:
             self._narrator.close()
             self._narrator = None
@@ -141,8 +151,11 @@ class Recorder:
             self._end_cut_short()
         self._call_frame = sys._getframe(1)  # the model's `_call_impl`, running this pass
         try:
+            if self._backward is not None:
+                self._backward.settle()
             self.passes += 1
-            self._run = EagerPass(self.model, self.settings, self._narrator, header=f"pass {self.passes}")
+            self._run = EagerPass(self.model, self.settings, self._narrator, header=f"pass {self.passes}",
+                                  backward=self._backward)
             self._run.begin(args, kwargs)
         except Exception as exc:
             if self._run is not None:

@@ -25,13 +25,14 @@ class EagerPass(ForwardPass):
     no hook, mode or open sink behind.
     """
 
-    def __init__(self, model: nn.Module, settings: Settings, narrator: Optional[Narrator] = None, header=None):
+    def __init__(self, model: nn.Module, settings: Settings, narrator: Optional[Narrator] = None, header=None,
+                 backward=None):
         self.model = model
         self.scopes = ScopeTable.for_model(model)
         check_selection(settings, self.scopes.paths)
-        super().__init__(settings, self.scopes.root_scope, lambda: tensor_names(model), header, narrator)
+        super().__init__(settings, self.scopes.root_scope, lambda: tensor_names(model), header, narrator, backward)
         try:
-            self.capture = EagerCapture(self.session, self.scopes, self.keeper, self.nested)
+            self.capture = EagerCapture(self.session, self.scopes, self.keeper, self.nested, self.roots)
         except BaseException:
             super().close()  # the sink it opened
             raise

@@ -3,8 +3,8 @@
 Keys mirror `tl.record`'s keywords (`narrate`, `value_stats`, `on_nonfinite`) and add what only a
 compiled run has: `live` (narrate each op as it completes, running the graph op by op), `compiler`
 (what compiles the graph: "inductor" by default, "eager", another registered backend's name, or a
-backend callable) and `stats_on` ("ops", or "module_outputs" to measure only the last op of each
-module call).
+backend callable), `stats_on` ("ops", or "module_outputs" to measure only the last op of each
+module call) and `backward` (narrate the backward through each forward's graphs).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ class CompileConfig:
 
 
 def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",
-                stats_on="ops", keep_values=False, keep_on_cpu=False, max_bytes=None) -> CompileConfig:
+                stats_on="ops", keep_values=False, keep_on_cpu=False, max_bytes=None, backward=False) -> CompileConfig:
     live = check_keyword("compiled options", "live", live)
     stats_on = check_keyword("compiled option", "stats_on", stats_on)
     compiler = check_keyword("compiled options", "compiler", compiler)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=keep_values,
-                             keep_on_cpu=keep_on_cpu, max_bytes=max_bytes)
+                             keep_on_cpu=keep_on_cpu, max_bytes=max_bytes, backward=backward)
     return CompileConfig(settings, live, compiler, stats_on)
 
 

@@ -69,7 +69,9 @@ class CompiledGraph:
             if prepared is not None and not self.live:
                 try:
                     with run.own_work():
+                        first = len(run.session.events)
                         run.add_plan(self.plan, args, prepared, vector, self.stats, kept, out)
+                        run.graph_fed_autograd(first, out)
                 except Exception as exc:
                     if getattr(exc, "torchlens_stop", False):
                         raise  # on_nonfinite="raise" found the first non-finite op of this graph

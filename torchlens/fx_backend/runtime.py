@@ -24,6 +24,7 @@ from torch import nn
 from ..eager.capture import CaptureMode
 from ..compiled_regions import install_for_dynamo
 from ..fastpaths import keep_fast_paths, release_fast_paths
+from ..backward import BackwardNarration
 from ..events import Scope, TensorMeta
 from ..forward_pass import ForwardPass
 from ..grammar import UNFINISHED_NOTE, compiled_run_note
@@ -56,6 +57,8 @@ class CompiledRuntime:
         self.passes = 0
         self.last_recording: Optional[Recording] = None
         self.last_graph_calls = 0
+        # `backward=True`: the backwards through the graphs of this model's forwards (see `backward`)
+        self.backward = BackwardNarration(config.settings, None) if config.settings.backward else None
 
     # -- the forward boundary -------------------------------------------------------------------
 
@@ -97,6 +100,8 @@ class CompiledRuntime:
         graph called outside any (then the graph call is the whole pass). None if it cannot."""
         run = None
         try:
+            if self.backward is not None:
+                self.backward.settle()
             self.passes += 1
             run = CompiledPass(self, header=f"pass {self.passes}", call=call)
             run.begin(push_mode)
@@ -153,7 +158,8 @@ class CompiledPass(ForwardPass):
     def __init__(self, runtime: CompiledRuntime, header: Optional[str],
                  call: Optional[dynamo_seams.CompiledCall] = None):
         scopes = runtime.scopes
-        super().__init__(runtime.config.settings, scopes.root_scope, lambda: tensor_names(scopes.root), header)
+        super().__init__(runtime.config.settings, scopes.root_scope, lambda: tensor_names(scopes.root), header,
+                         backward=runtime.backward)
         self.runtime = runtime
         self.call = call or _NO_CALL  # the wrapper call this pass narrates
         self.mode_pushed = False
@@ -163,6 +169,7 @@ class CompiledPass(ForwardPass):
         try:
             self.gaps = GapCapture(self.session, scopes, self.keeper)
             self.gaps.nested = self.nested  # inside an eager capture's forward
+            self.gaps.roots = self.roots
             self.mode = CaptureMode(self.gaps)
             keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
             self._fast_paths_kept = True
@@ -271,6 +278,8 @@ class CompiledPass(ForwardPass):
                                    reads=reads)
             if events is not None:
                 events[op.index] = event
+            if value is not None and self.roots is not None:  # live: each op's nodes are its own
+                self.roots.note(event, value)
             if self.keeper is not None:
                 output = kept[op.index] if kept is not None else value
                 if output is not None:
@@ -297,6 +306,19 @@ class CompiledPass(ForwardPass):
         """A live graph call returned `out`."""
         if graph in self._live:
             self.graph_outputs(graph.plan, self._live.pop(graph)[3], out)
+
+    def graph_fed_autograd(self, first: int, out) -> None:
+        """With `backward=True`: a fused graph call recorded its ops from `session.events[first]` on
+        and returned `out`; the autograd nodes of its outputs (one per call under inductor) stand
+        for the whole call."""
+        if self.roots is None or out is None:
+            return
+        ops = [event for event in self.session.events[first:] if event.is_op]
+        if not ops:
+            return
+        path = ops[-1].scope.path
+        forward = f"the compiled graph of #{ops[0].ordinal}..#{ops[-1].ordinal}" + (f" @{path}" if path else "")
+        self.roots.note(ops[-1], out if isinstance(out, (tuple, list)) else (out,), forward)
 
     def graph_outputs(self, plan: GraphPlan, events: dict, out) -> None:
         """With tracking: the graph's outputs were produced by these ops (code after the graph,
