@@ -32,6 +32,7 @@ import torch
 from .errors import NonFiniteError
 from .events import GRAD, NODE, BackwardAttempt, BackwardEvent, StatsGroup, TensorMeta
 from .grammar import op_ref
+from . import meter as meter_module
 from .meter import Meter
 from .narrator import Narrator
 from .results import Backward, PartialTrace, Recording
@@ -86,17 +87,29 @@ class GradientRoots:
 
 
 class NodeRecord:
-    """A hooked node: its name and what it stands for in the forward."""
+    """A hooked node: its name and what it stands for in the forward. The record is itself the
+    node's pre-hook and hook (called with one argument before the node runs, two after), and a
+    leaf's post-accumulate hook: one object per node, which a training step makes by the thousand."""
 
-    __slots__ = ("node", "name", "scope", "site", "forward", "label")
+    __slots__ = ("watch", "node", "name", "scope", "site", "forward", "label")
 
     def __init__(self, node, name, scope, site, forward, label=None):
+        self.watch = None  # the `BackwardWatch` it reports through
         self.node = node
         self.name = name
         self.scope = scope
         self.site = site
         self.forward = forward  # `#5 linear @fc2`: the forward op the node differentiates
         self.label = label  # for AccumulateGrad: the leaf's name
+
+    def __call__(self, *grads) -> None:
+        watch = self.watch
+        if len(grads) == 2:  # after the node ran: (what it produced, what it received)
+            watch.narration.node_done(watch, self, grads[0], grads[1])
+        elif self.label is not None:  # a leaf's gradient was accumulated: the leaf
+            watch.narration.node_done(watch, self, (), (grads[0].grad,))
+        else:  # the node is about to run: what it received
+            watch.narration.node_starting(watch, self, grads[0])
 
 
 class BackwardWatch:
@@ -122,8 +135,7 @@ class BackwardWatch:
         return self.recording.header or "the forward"
 
     def _hook_nodes(self, roots: GradientRoots, names: dict) -> None:
-        records, start = self.records, roots.start
-        starting, done = self.narration.node_starting, self.narration.node_done
+        records, start, handles = self.records, roots.start, self.handles
         for event, first, forward in roots.items:
             stack = [first]
             while stack:
@@ -134,10 +146,16 @@ class BackwardWatch:
                 if record is None:
                     continue
                 records[id(node)] = record
-                self.handles.append(node.register_prehook(functools.partial(starting, self, record)))
-                self.handles.append(node.register_hook(functools.partial(done, self, record)))
-                if record.label is None:
-                    stack.extend(next_node for next_node, _ in node.next_functions)
+                record.watch = self
+                if record.label is not None:
+                    # A leaf: hooked on the tensor, after accumulation. A hook on its node would be
+                    # handed the incoming gradient, and autograd, seeing it referenced, would copy it
+                    # into `.grad` instead of taking it (a parameter-sized copy per step).
+                    handles.append(node.variable.register_post_accumulate_grad_hook(record))
+                    continue
+                handles.append(node.register_prehook(record))
+                handles.append(node.register_hook(record))
+                stack.extend(next_node for next_node, _ in node.next_functions)
 
     @staticmethod
     def _record(node, event, forward, start: int, roots: GradientRoots, names: dict) -> Optional[NodeRecord]:
@@ -339,9 +357,9 @@ class BackwardRun:
         narrator = self.narrator
         tracker = self.tracker
         if self.meter is not None and measured:
-            cpu = measured[0].device.type == "cpu"
+            at_hand = measured[0].device.type in meter_module.READ_NOW  # no device to wait for
             live = (narration.raising or (narrator is not None and narrator.prints(event))
-                    or (tracker is not None and cpu))
+                    or (tracker is not None and at_hand))
             event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
         self.record.events.append(event)
         findings = ()
@@ -409,8 +427,7 @@ class BackwardRun:
     def _attempt(self, noticed_late: bool) -> Optional[BackwardAttempt]:
         if self.in_flight is None:
             return None
-        record, received = self.in_flight
-        inputs = tuple(TensorMeta.of(g) for g in received if isinstance(g, _Tensor))
+        record, inputs = self.in_flight
         notes = ("seen after the backward had already stopped: the node whose hook never ran",) if noticed_late else ()
         return BackwardAttempt(record.name, self.ordinal + 1, record.scope, record.site, inputs, record.forward, notes)
 
@@ -475,8 +492,8 @@ class BackwardNarration:
         try:
             with self._lock:
                 run = self._run_for(watch, record)
-                if run is not None:
-                    run.in_flight = (record, grad_outputs)
+                if run is not None:  # what it received, as metadata: holding the gradients would keep them
+                    run.in_flight = (record, tuple(TensorMeta.of(g) for g in grad_outputs if isinstance(g, _Tensor)))
         except Exception as exc:
             internal_error("narrating a backward node", exc)
 

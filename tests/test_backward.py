@@ -1,0 +1,530 @@
+"""Backward narration (`Recorder(..., backward=True)`, `tl.compile(..., backward=True)`): every
+autograd node of a training step narrated and tied to its forward op, gradients unchanged, the
+first non-finite gradient named where it was born, failures in a backward with their tail, and no
+hook left behind however the backward ends."""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import torchlens as tl
+from helpers import count_host_syncs
+from models import conv_net, images, tiny_gpt, tokens
+
+NODE_LINE = re.compile(r"^(?P<indent> *)~(?P<ordinal>\d+)\s+(?P<node>\S+)\s+(?P<rest>.*)$")
+
+
+def node_lines(text: str):
+    return [m for m in map(NODE_LINE.match, text.splitlines()) if m]
+
+
+def reachable_nodes(root) -> list:
+    """Every autograd node a backward from `root` runs, by walking the graph as autograd will."""
+    seen, stack, nodes = set(), [root], []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
+
+
+def gpt2(train: bool = True):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    return model.train() if train else model.eval()
+
+
+def gpt2_step(model, ids, **recorder):
+    """One training step (forward with labels, backward, SGD update) under a Recorder if asked."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.zero_grad()
+    torch.manual_seed(1)  # the same dropout masks with and without narration
+    if recorder:
+        with tl.recording.Recorder(model, backward=True, **recorder) as rec:
+            model(ids, labels=ids).loss.backward()
+    else:
+        rec = None
+        model(ids, labels=ids).loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    return rec, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_bitwise(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# -- every node, tied to its forward op; gradients unchanged -------------------------------------
+
+
+@pytest.mark.parametrize("rung", ["off", "exact"])
+def test_gpt2_training_step_narrates_every_node_and_leaves_gradients_and_weights_bitwise(rung):
+    ids = tokens(2, 8, vocab=50)
+    plain_model, narrated_model = gpt2(), gpt2()
+    _, plain_grads, plain_weights = gpt2_step(plain_model, ids)
+    out = io.StringIO()
+    tracking = "track" if rung == "exact" else None
+    rec, grads, weights = gpt2_step(narrated_model, ids, narrate=out, value_stats=rung, on_nonfinite=tracking)
+    assert_bitwise(grads, plain_grads)
+    assert_bitwise(weights, plain_weights)
+
+    recording = rec.recordings[0]
+    [backward] = recording.backward
+    torch.manual_seed(1)
+    expected = reachable_nodes(gpt2()(ids, labels=ids).loss.grad_fn)
+    nodes = backward.nodes
+    assert len(nodes) == len(expected) > 100
+    assert sorted(e.op for e in nodes) == sorted(type(n).__name__ if type(n).__name__ == "AccumulateGrad"
+                                                 else n.name() for n in expected)
+    # every parameter that got a gradient has its AccumulateGrad line, by name
+    leaves = [e.label for e in nodes if e.op == "AccumulateGrad"]
+    assert sorted(leaves) == sorted(grads)
+    # every other node names a forward op of this pass: its ordinal, op name and module
+    ops = {e.ordinal: e for e in recording.ops}
+    for event in nodes:
+        if event.op == "AccumulateGrad":
+            continue
+        ordinal, op = re.match(r"#(\d+) (\S+)", event.forward).groups()
+        forward = ops[int(ordinal)]
+        assert forward.op == op and event.scope is forward.scope, event
+    # the narration: one ~N line per node, numbered in order, after the forward's footer
+    text = out.getvalue()
+    assert text == recording.narrate()
+    lines = node_lines(text)
+    assert [int(m["ordinal"]) for m in lines] == list(range(1, len(nodes) + 1))
+    forward_part, backward_part = text.split("-- backward of pass 1\n")
+    assert not node_lines(forward_part) and "-- end: " in forward_part
+    assert backward_part.splitlines()[-1].startswith(f"-- end: {len(nodes)} nodes, {len(leaves)} gradients")
+    attention = [m for m in lines if re.search(r"@transformer\.h\.1\.attn( |$)", m["rest"])]
+    assert attention and all(len(m["indent"]) == 2 * 3 for m in attention)  # the forward op's module depth
+    if rung == "exact":
+        assert "no non-finite gradients" in backward_part.splitlines()[-1]
+        wte = next(e for e in nodes if e.label == "transformer.wte.weight")
+        grad = grads["transformer.wte.weight"].double()
+        # (the tied head's gradient arrives in two parts: the last is what this node accumulated)
+        assert wte.stats.kind == "exact" and wte.stats.min is not None
+        assert all(part.sd is not None for part in getattr(wte.stats, "parts", (wte.stats,)))
+        assert grad.isfinite().all()
+
+
+def test_conv_net_training_step_in_train_mode_narrates_batch_norm_and_conv_nodes_bitwise():
+    x = images(2)
+    torch.manual_seed(0)
+    plain, narrated = conv_net().train(), conv_net().train()
+    F.cross_entropy(plain(x), torch.tensor([1, 2])).backward()
+    out = io.StringIO()
+    with tl.recording.Recorder(narrated, narrate=out, backward=True, value_stats="exact") as rec:
+        F.cross_entropy(narrated(x), torch.tensor([1, 2])).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), narrated.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), (_, b) in zip(plain.named_buffers(), narrated.named_buffers()):
+        assert torch.equal(a, b), name  # running statistics updated alike
+    [backward] = rec.recordings[0].backward
+    names = {e.op for e in backward.nodes}
+    assert {"ConvolutionBackward0", "NativeBatchNormBackward0", "AccumulateGrad"} <= names
+    assert sorted(e.label for e in backward.nodes if e.label) == sorted(n for n, _ in narrated.named_parameters())
+    # the loss was computed outside the model: its gradient arrives at the output, measured
+    [arrived] = [e for e in backward.events if e.kind is tl.EventKind.GRAD]
+    assert arrived.label == "out" and arrived.stats.kind == "exact"
+    assert "<=    grad" in out.getvalue()
+    conv = next(e for e in backward.nodes if e.op == "ConvolutionBackward0" and e.module == "block.conv2")
+    assert conv.forward.endswith("conv2d @block.conv2") and conv.depth == 2
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_a_forward_that_builds_no_graph_hooks_nothing_and_narrates_no_backward(context):
+    model = tiny_gpt()
+    out = io.StringIO()
+    guard = torch.no_grad() if context == "no_grad" else torch.inference_mode()
+    with tl.recording.Recorder(model, narrate=out, backward=True) as rec:
+        with guard:
+            model(tokens())
+    assert rec.recordings[0].backward == [] and "backward" not in out.getvalue()
+
+
+def test_autocast_training_step_narrates_bf16_gradients_and_keeps_them_bitwise():
+    x = tokens(1, 6)
+    plain, narrated = tiny_gpt().train(), tiny_gpt().train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x).float().square().mean().backward()
+    with tl.recording.Recorder(narrated, backward=True, on_nonfinite="track") as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            narrated(x).float().square().mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), narrated.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    [backward] = rec.recordings[0].backward
+    assert any(m.dtype == torch.bfloat16 for e in backward.nodes for m in e.outputs)
+    assert backward.footer_extra[-1] == "no non-finite gradients"
+
+
+# -- the first non-finite gradient ------------------------------------------------------------------
+
+
+class SafeSqrt(nn.Module):
+    """`where(h > 0, h.sqrt(), 0)`: a finite forward whose gradient is NaN where h == 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return torch.where(h > 0, h.sqrt(), torch.zeros_like(h)).sum()
+
+
+class NormalizeByNorm(nn.Module):
+    """`v / v.norm()` with v all zeros: NaN gradient at the division."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        v = self.fc(x) * 0
+        return (v / v.norm()).sum()
+
+
+def test_where_sqrt_finite_forward_nan_gradient_born_at_sqrt():
+    torch.manual_seed(0)
+    model, x = SafeSqrt(), torch.randn(3, 4)
+    out = io.StringIO()
+    with tl.recording.Recorder(model, narrate=out, backward=True, on_nonfinite="track") as rec:
+        model(x).backward()
+    recording = rec.recordings[0]
+    assert recording.findings == () and "no non-finite values" in recording.footer_extra[-1]
+    [backward] = recording.backward
+    first = backward.first_nonfinite
+    assert first.op == "SqrtBackward0" and re.fullmatch(r"#\d+ sqrt", first.forward)
+    text = backward.findings[0].text
+    assert text.startswith(f"NaN gradient born at ~{first.ordinal} SqrtBackward0, the backward of #")
+    # the `!!` line follows the node's line; propagation after it makes no other finding
+    lines = out.getvalue().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith(f"~{first.ordinal} "))
+    assert lines[at + 1] == "!! " + text
+    assert len(backward.findings) == 1
+    # relu's backward keeps the NaN where relu was 0: the parameters' gradients are finite
+    assert "reached" not in lines[-1] and model.fc.weight.grad.isfinite().all()
+
+
+def test_norm_at_zero_nan_gradient_born_at_the_division():
+    model = NormalizeByNorm()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        out = model(torch.randn(2, 4))
+        out.backward()
+    [backward] = rec.recordings[0].backward
+    first = backward.first_nonfinite
+    assert first.op == "DivBackward0" and re.fullmatch(r"#\d+ div", first.forward)
+
+
+def test_nan_injected_into_a_loss_outside_the_forward_is_named_at_the_output_it_reached():
+    model = tiny_gpt().train()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        logits = model(tokens())
+        (logits.mean() * float("nan")).backward()
+    [backward] = rec.recordings[0].backward
+    first = backward.first_nonfinite
+    assert first.kind is tl.EventKind.GRAD and first.label == "out"
+    assert backward.findings[0].text.startswith("NaN in the gradient reaching the output out")
+    assert len(backward.findings) == 1  # what follows is propagation
+
+
+def test_nan_injected_into_a_loss_computed_inside_the_forward_is_named_at_its_op():
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x, scale):
+            loss = F.mse_loss(self.fc(x), torch.zeros(3, 2))
+            return loss * scale  # a NaN scale: finite forward? no: the loss is NaN, and so its gradient
+
+    model = WithLoss()
+    scale = torch.tensor(float("nan"))
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(torch.randn(3, 4), scale).backward()
+    [backward] = rec.recordings[0].backward
+    first = backward.first_nonfinite
+    assert first.op == "MulBackward0" and re.fullmatch(r"#\d+ mul", first.forward)
+
+
+def test_raise_stops_the_backward_at_the_first_nonfinite_gradient_with_the_partial_trace():
+    torch.manual_seed(0)
+    model, x = SafeSqrt(), torch.randn(3, 4)
+    out = io.StringIO()
+    with pytest.raises(tl.errors.NonFiniteError) as info:
+        with tl.recording.Recorder(model, narrate=out, backward=True, on_nonfinite="raise"):
+            model(x).backward()
+    assert "NaN gradient born at" in str(info.value) and "SqrtBackward0" in str(info.value)
+    partial = info.value.partial_trace
+    assert partial.failed_backward is partial.backward[0]
+    assert partial.failed_backward.nodes[-1].op == "SqrtBackward0"  # nothing ran after it
+    assert model.fc.weight.grad is None  # stopped before the gradient reached the parameters
+    assert partial.narrate().endswith(out.getvalue().split("-- pass 1\n", 1)[1][-200:])
+    assert "!! backward failed: NonFiniteError" in out.getvalue()
+
+
+def test_tracking_reads_the_device_once_per_backward_and_metadata_narration_never(deferred_reads, monkeypatch):
+    """Torch function modes do not reach autograd's engine, so host reads are counted at the
+    dispatcher (scalar reads) and on `Tensor.tolist` itself (how statistics vectors are read)."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or tolist(self))
+    model = tiny_gpt().train()
+    x = tokens()
+    with tl.recording.Recorder(model, backward=True) as rec:
+        logits = model(x)
+        with count_host_syncs() as syncs:
+            logits.mean().backward()
+    assert syncs == [] and reads == [] and len(rec.recordings[0].backward[0].nodes) > 50
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        logits = model(x)
+        reads.clear()
+        with count_host_syncs() as syncs:
+            logits.mean().backward()
+    assert syncs == [] and reads == ["tolist"]
+    assert rec.recordings[0].backward[0].footer_extra[-1] == "no non-finite gradients"
+
+
+# -- failures in a backward --------------------------------------------------------------------------
+
+
+class Exploding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("boom in backward")
+
+
+class WithCustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(Exploding.apply(self.fc(x)).relu()).sum()
+
+
+def test_a_custom_backward_that_raises_keeps_the_users_exception_and_names_the_attempted_node():
+    model = WithCustomFunction()
+    out = io.StringIO()
+    with pytest.raises(ValueError) as info:
+        with tl.recording.Recorder(model, narrate=out, backward=True):
+            model(torch.randn(2, 4)).backward()
+    assert str(info.value) == "boom in backward"
+    assert info.value.__notes__[0].startswith("torchlens: attempted ~")
+    partial = info.value.partial_trace
+    attempt = partial.attempt
+    assert isinstance(attempt, tl.events.BackwardAttempt)
+    assert attempt.op == "ExplodingBackward" and attempt.forward.startswith("Exploding.apply (an autograd.Function)")
+    tail = partial.narrate(last=5).splitlines()
+    assert tail[0] == "!! backward failed: ValueError: boom in backward"
+    assert tail[-1].startswith(f"!! attempted ~{attempt.ordinal} ExplodingBackward <- Exploding.apply")
+    assert "received: [2,4] f32 cpu" in tail[-1]
+    assert out.getvalue().endswith("\n".join(partial.narrate(last=None).splitlines()[-3:]) + "\n")
+
+
+def test_a_backward_failure_caught_inside_the_block_is_reported_when_the_next_pass_begins():
+    model = WithCustomFunction()
+    with tl.recording.Recorder(model, backward=True) as rec:
+        try:
+            model(torch.randn(2, 4)).backward()
+        except ValueError:
+            pass
+        model(torch.randn(2, 4))
+    failed = rec.recordings[0].backward[0]
+    assert failed.error.startswith("BackwardStopped") and not failed.finished
+    assert failed.attempt.op == "ExplodingBackward" and failed.attempt.notes
+
+
+def test_a_shape_error_in_a_gradient_hook_names_the_node_it_was_for():
+    model = tiny_gpt().train()
+
+    def bad_hook(grad):
+        return grad[:, :1]  # the wrong shape: autograd refuses it
+
+    with pytest.raises(RuntimeError) as info:
+        with tl.recording.Recorder(model, backward=True):
+            logits = model(tokens())
+            logits.register_hook(bad_hook)
+            logits.sum().backward()
+    assert info.value.partial_trace.failed_backward is not None
+    assert "backward failed: RuntimeError" in info.value.partial_trace.narrate(last=3)
+
+
+# -- no residue however a backward runs ---------------------------------------------------------------
+
+
+def _nothing_narrated_after_the_block(model, run):
+    out = io.StringIO()
+    with tl.recording.Recorder(model, narrate=out, backward=True) as rec:
+        kept = run()
+    before = out.getvalue()
+    kept.backward()  # the graph outlives the block: its backward is not narrated any more
+    assert out.getvalue() == before
+    return rec
+
+
+def test_hooks_are_removed_when_the_block_ends_even_while_the_graph_lives_on():
+    model = tiny_gpt().train()
+    x = tokens()
+    rec = _nothing_narrated_after_the_block(model, lambda: model(x).sum())
+    assert rec.recordings[0].backward == []
+
+
+def test_retain_graph_narrates_each_backward_as_its_own_section():
+    model = tiny_gpt().train()
+    out = io.StringIO()
+    with tl.recording.Recorder(model, narrate=out, backward=True) as rec:
+        loss = model(tokens()).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    first, second = rec.recordings[0].backward
+    assert (first.header, second.header) == ("backward of pass 1", "backward 2 of pass 1")
+    assert [e.op for e in first.nodes] == [e.op for e in second.nodes]
+    assert out.getvalue().count("-- end: ") == 3
+
+
+def test_autograd_grad_is_narrated_without_accumulating_into_leaves():
+    model = tiny_gpt().train()
+    with tl.recording.Recorder(model, backward=True) as rec:
+        loss = model(tokens()).sum()
+        (grad,) = torch.autograd.grad(loss, [model.head.weight])
+    [backward] = rec.recordings[0].backward
+    assert not any(e.op == "AccumulateGrad" for e in backward.nodes)
+    assert model.head.weight.grad is None and grad.shape == model.head.weight.shape
+    assert backward.finished
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_narrates_the_recompute_neither_as_forward_nor_twice(reentrant):
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=reentrant)).sum()
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    x = torch.randn(2, 4, requires_grad=reentrant)
+    out = io.StringIO()
+    with tl.recording.Recorder(model, narrate=out, backward=True) as rec:
+        model(x).backward()
+    recording = rec.recordings[0]
+    assert len(rec.recordings) == 1 and out.getvalue().count("-- pass") == 1
+    ops = [e.op for e in recording.ops if e.kind is tl.EventKind.OP]
+    assert ops.count("linear") == 2  # the recompute ran in the backward, unnarrated
+    nodes = recording.backward[0].nodes
+    assert len({id(e) for e in nodes}) == len(nodes)
+    assert len([e for e in nodes if e.label]) == (4 if not reentrant else 2) + (1 if reentrant else 0)
+
+
+def test_gradient_accumulation_over_two_passes_narrates_both_graphs_in_one_backward():
+    model = tiny_gpt().train()
+    with tl.recording.Recorder(model, backward=True) as rec:
+        loss = model(tokens(seed=1)).sum() + model(tokens(seed=2)).sum()
+        loss.backward()
+    first, second = rec.recordings
+    assert first.backward == [] and len(second.backward) == 1
+    nodes = second.backward[0].nodes
+    assert any(e.forward and e.forward.endswith("of pass 1") for e in nodes)
+    assert any(e.forward and not e.forward.endswith("of pass 1") for e in nodes if e.forward)
+    # a parameter's accumulator is shared by both graphs: one line each
+    assert len([e for e in nodes if e.label == "head.weight"]) == 1
+
+
+# -- the grammar's rules hold for backward lines --------------------------------------------------------
+
+
+def test_selectors_depth_max_lines_and_prefix_apply_to_backward_lines():
+    model = tiny_gpt().train()
+    x = tokens()
+    options = tl.options.NarrationOptions(sink=io.StringIO(), select=tl.in_module("blocks.1"), prefix="[t] ")
+    with tl.recording.Recorder(model, narrate=options, backward=True) as rec:
+        model(x).sum().backward()
+    text = options.sink.getvalue()
+    backward_text = text.split("-- backward of pass 1\n")[1]
+    assert all(line.startswith("[t] ") for line in text.splitlines())
+    lines = node_lines(backward_text.replace("[t] ", ""))
+    assert lines and all("@blocks.1" in m["rest"] or "blocks.1." in m["rest"] for m in lines)
+    assert re.search(r"\d+ not selected", backward_text.splitlines()[-1])
+
+    folded = tl.options.NarrationOptions(sink=io.StringIO(), depth=1, max_lines=1000)
+    with tl.recording.Recorder(model, narrate=folded, backward=True) as rec:
+        model(x).sum().backward()
+    backward_text = folded.sink.getvalue().split("-- backward of pass 1\n")[1]
+    assert all(len(m["indent"]) <= 2 for m in node_lines(backward_text))
+    assert re.search(r"\d+ folded \(depth=1\)", backward_text.splitlines()[-1])
+    assert rec.recordings[0].narrate() == folded.sink.getvalue()
+
+    limited = tl.options.NarrationOptions(sink=io.StringIO(), max_lines=5)
+    with tl.recording.Recorder(model, narrate=limited, backward=True):
+        model(x).sum().backward()
+    backward_text = limited.sink.getvalue().split("-- backward of pass 1\n")[1]
+    lines = backward_text.splitlines()
+    assert lines[0].startswith("<=    grad") and len(node_lines(backward_text)) == 4  # 5 lines in all
+    assert lines[5].startswith("-- max_lines=5 reached")
+
+
+def test_backward_is_a_recorder_and_compile_keyword_and_checked_like_the_others():
+    with pytest.raises(tl.errors.OptionTypeError, match=r"backward=.*True or False"):
+        tl.recording.Recorder(tiny_gpt(), backward="yes")
+    with pytest.raises(TypeError):
+        tl.record(tiny_gpt(), tokens(), backward=True)  # the forward takes no such keyword
+
+
+# -- compiled -------------------------------------------------------------------------------------------
+
+
+def test_compiled_backward_inductor_one_line_per_graph_call_with_parameter_gradients_bitwise():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain, narrated = SafeSqrt(), copy.deepcopy(SafeSqrt())
+    narrated.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4)
+    torch.compile(plain)(x).backward()
+    out = io.StringIO()
+    compiled = tl.compile(narrated, narrate=out, backward=True, on_nonfinite="track")
+    compiled(x).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), narrated.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    recording = compiled.torchlens.last_recording
+    [backward] = recording.backward
+    graph_nodes = [e for e in backward.nodes if not e.label]
+    assert [e.op for e in graph_nodes] == ["CompiledFunctionBackward"]
+    assert re.fullmatch(r"the compiled graph of #2\.\.#\d+", graph_nodes[0].forward)
+    assert sorted(e.label for e in backward.nodes if e.label) == ["fc.bias", "fc.weight"]
+    assert out.getvalue().endswith(recording.narrate().split("-- end: ", 1)[1].split("\n", 1)[1])
+
+
+def test_compiled_live_backward_names_the_forward_op_of_each_node_and_the_nan_at_sqrt():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = SafeSqrt(), torch.randn(3, 4)
+    compiled = tl.compile(model, backward=True, on_nonfinite="track", live=True, compiler="eager")
+    compiled(x).backward()
+    [backward] = compiled.torchlens.last_recording.backward
+    first = backward.first_nonfinite
+    assert first.op == "SqrtBackward0" and re.fullmatch(r"#\d+ sqrt", first.forward)
