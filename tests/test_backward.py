@@ -528,3 +528,53 @@ def test_compiled_live_backward_names_the_forward_op_of_each_node_and_the_nan_at
     [backward] = compiled.torchlens.last_recording.backward
     first = backward.first_nonfinite
     assert first.op == "SqrtBackward0" and re.fullmatch(r"#\d+ sqrt", first.forward)
+
+
+def test_compiled_raise_stops_the_backward_at_the_op_that_made_the_nan_and_the_string_backend_takes_it():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = SafeSqrt(), torch.randn(3, 4)
+    compiled = torch.compile(model, backend="torchlens",
+                             options={"backward": True, "on_nonfinite": "raise", "live": True, "compiler": "eager"})
+    with pytest.raises(tl.errors.NonFiniteError, match=r"NaN gradient born at ~\d+ SqrtBackward0, the backward of #\d+ sqrt"):
+        compiled(x).backward()
+    assert model.fc.weight.grad is None
+
+
+def test_a_recording_with_its_backward_copies_and_pickles_and_narrates_the_same():
+    import pickle
+
+    model = tiny_gpt().train()
+    with tl.recording.Recorder(model, backward=True, value_stats="exact", on_nonfinite="track") as rec:
+        model(tokens()).sum().backward()
+    recording = rec.recordings[0]
+    text = recording.narrate()
+    assert "-- backward of pass 1" in text
+    assert copy.deepcopy(recording).narrate() == text
+    assert pickle.loads(pickle.dumps(recording)).narrate() == text
+
+
+def test_a_watched_graph_whose_backward_never_runs_is_freed_with_its_saved_activations():
+    """A forward run with grad enabled inside the block but never backwarded (an evaluation without
+    `no_grad`) must not have its graph, and the activations it saved, kept alive by torchlens."""
+    import gc
+    import weakref
+
+    class Saves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.saved = None
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.saved = weakref.ref(h)
+            return (h * h).sum()  # the graph saves h for the backward
+
+    model = Saves()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track", keep=0):
+        out = model(torch.randn(2, 4))
+        assert model.saved() is not None
+        del out
+        gc.collect()
+        assert model.saved() is None

@@ -89,18 +89,25 @@ class GradientRoots:
 class NodeRecord:
     """A hooked node: its name and what it stands for in the forward. The record is itself the
     node's pre-hook and hook (called with one argument before the node runs, two after), and a
-    leaf's post-accumulate hook: one object per node, which a training step makes by the thousand."""
+    leaf's post-accumulate hook: one object per node, which a training step makes by the thousand.
 
-    __slots__ = ("watch", "node", "name", "scope", "site", "forward", "label")
+    It holds no autograd node (that would keep the graph, and the activations it saved, alive for
+    as long as the pass is watched): `edges` are the records of the nodes it sends its gradients to,
+    by slot, and `key` tells nodes apart in a run (a leaf's is its tensor's: graphs of two passes
+    share a parameter's accumulator).
+    """
 
-    def __init__(self, node, name, scope, site, forward, label=None):
+    __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges")
+
+    def __init__(self, name, scope, site, forward, label=None, key=None):
         self.watch = None  # the `BackwardWatch` it reports through
-        self.node = node
+        self.key = id(self) if key is None else key
         self.name = name
         self.scope = scope
         self.site = site
         self.forward = forward  # `#5 linear @fc2`: the forward op the node differentiates
         self.label = label  # for AccumulateGrad: the leaf's name
+        self.edges = ()  # per gradient slot: the record of the node it is sent to (None: unwatched)
 
     def __call__(self, *grads) -> None:
         watch = self.watch
@@ -118,32 +125,55 @@ class BackwardWatch:
     def __init__(self, narration: "BackwardNarration", recording: Recording, roots: GradientRoots, outputs,
                  names: dict, root):
         self.narration = narration
-        self.recording = recording
+        # The recording is held weakly: its output holds the graph (and what it saved for the
+        # backward), which the user may drop (`Recorder(keep=0)`, an evaluation never backwarded).
+        # What a backward needs of it is held here instead.
+        self._recording = weakref.ref(recording)
+        self.backwards = recording.backward  # where each run's `Backward` is added
+        self.header = recording.header
+        self._forward = (recording.events, recording.settings, recording.footer_extra, recording.findings)
         self.root = root  # the model's scope: where gradients reaching its outputs are shown
         self.runs = 0  # backwards through this graph so far
         self.handles: list = []
-        self.records: Dict[int, NodeRecord] = {}
         try:
-            self._hook_nodes(roots, names)
-            self._hook_outputs(outputs)
+            records, held = self._hook_nodes(roots, names)
+            self._hook_outputs(outputs, records)
+            del held
         except BaseException:
             self.detach()
             raise
 
     @property
     def pass_name(self) -> str:
-        return self.recording.header or "the forward"
+        return self.header or "the forward"
 
-    def _hook_nodes(self, roots: GradientRoots, names: dict) -> None:
-        records, start, handles = self.records, roots.start, self.handles
+    def recording(self) -> Recording:
+        """The pass's recording, or, if nothing holds it any more, one like it without the output."""
+        recording = self._recording()
+        if recording is None:
+            events, settings, footer_extra, findings = self._forward
+            recording = Recording(events, None, settings, self.header, footer_extra, findings=findings)
+            recording.backward = self.backwards
+        return recording
+
+    def _hook_nodes(self, roots: GradientRoots, names: dict):
+        """Record and hook every node of this forward: (id(node) -> record, the nodes, which must be
+        held for as long as those ids are read)."""
+        records, start, handles = {}, roots.start, self.handles
+        # Every node reached is held until the walk ends: autograd makes a node's Python object on
+        # demand and may make a new one (at a freed one's address) once nothing holds the last
+        held = []
+        walked = []  # (record, the nodes it sends to), to resolve the edges once all are recorded
         for event, first, forward in roots.items:
             stack = [first]
             while stack:
                 node = stack.pop()
                 if node is None or id(node) in records:
                     continue
+                held.append(node)
                 record = self._record(node, event, forward, start, roots, names)
                 if record is None:
+                    records[id(node)] = None  # made before this forward: not walked again
                     continue
                 records[id(node)] = record
                 record.watch = self
@@ -155,7 +185,12 @@ class BackwardWatch:
                     continue
                 handles.append(node.register_prehook(record))
                 handles.append(node.register_hook(record))
-                stack.extend(next_node for next_node, _ in node.next_functions)
+                next_nodes = tuple(next_node for next_node, _ in node.next_functions)
+                walked.append((record, next_nodes))
+                stack.extend(next_nodes)
+        for record, next_nodes in walked:
+            record.edges = tuple(records.get(id(n)) if n is not None else None for n in next_nodes)
+        return records, held
 
     @staticmethod
     def _record(node, event, forward, start: int, roots: GradientRoots, names: dict) -> Optional[NodeRecord]:
@@ -163,20 +198,21 @@ class BackwardWatch:
         the forward began (another model's, or preprocessing's)."""
         kind = type(node).__name__
         if kind == "AccumulateGrad":
-            return NodeRecord(node, kind, event.scope, None, None, roots.leaf_label(node.variable, names))
+            leaf = node.variable
+            return NodeRecord(kind, event.scope, None, None, roots.leaf_label(leaf, names), key=("leaf", id(leaf)))
         if node._sequence_nr() < start:
             return None
         if forward is None:
             forward = op_ref(event.ordinal, event.op, event.scope.path)
             if isinstance(node, _BackwardCFunction):  # a custom autograd.Function: its apply is no torch op
                 forward = f"{node._forward_cls.__name__}.apply (an autograd.Function), read by {forward}"
-        return NodeRecord(node, node.name(), event.scope, event.site, forward)
+        return NodeRecord(node.name(), event.scope, event.site, forward)
 
-    def _hook_outputs(self, outputs) -> None:
+    def _hook_outputs(self, outputs, records: dict) -> None:
         arrived = self.narration.output_grad
         for label, tensor in outputs:
             if isinstance(tensor, _Tensor) and tensor.requires_grad:
-                node = tensor.grad_fn
+                node = records.get(id(tensor.grad_fn)) if tensor.grad_fn is not None else None
                 self.handles.append(tensor.register_hook(functools.partial(arrived, self, label, node)))
 
     def detach(self) -> None:
@@ -184,7 +220,6 @@ class BackwardWatch:
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
-        self.records = {}
 
 
 class GradTracker:
@@ -198,7 +233,7 @@ class GradTracker:
     """
 
     def __init__(self):
-        self.received: Dict[int, int] = {}  # id(node) -> non-finite kinds sent to it
+        self.received: Dict[object, int] = {}  # record key -> non-finite kinds sent to its node
         self.findings: List[Finding] = []
         self.unmeasured: Dict[str, int] = {}
         self.measured = 0
@@ -233,8 +268,7 @@ class GradTracker:
             return self._arrived(event, record, kinds)
         if not kinds:
             return []
-        node = record.node
-        received = self.received.get(id(node), 0)
+        received = self.received.get(record.key, 0)
         if record.label is not None:  # AccumulateGrad: what it shows is what it received
             self.leaves.append(record.label)
             new = kinds & ~received
@@ -243,25 +277,26 @@ class GradTracker:
             return self._note(Finding(f"{kind_names(new)} gradient first seen at ~{event.ordinal} AccumulateGrad "
                                       f"{record.label} ({_counts(event, new)}): the sum of the finite gradients it "
                                       f"received overflowed", event))
-        self._send(node, event, positions)
-        if direct is not None:
-            received |= direct
+        self._send(record, event, positions)
         new = kinds & ~received
         if not new:
             return []
-        if direct is not None and direct & new:
-            return []
+        overflowed = new & direct if direct is not None else 0
+        if overflowed:  # what it received held it, though no node sent it: their sum overflowed
+            return self._note(Finding(f"{kind_names(overflowed)} gradient first seen entering ~{event.ordinal} "
+                                      f"{event.op}, the backward of {record.forward}: the sum of the finite "
+                                      f"gradients it received overflowed", event))
         return self._note(Finding(f"{kind_names(new)} gradient born at ~{event.ordinal} {event.op}, the backward of "
                                   f"{record.forward} ({_counts(event, new)})", event, birth=True))
 
-    def _arrived(self, event, node, kinds) -> List[Finding]:
-        """The gradient of a forward output: non-finite from outside unless the forward's own
-        nodes already sent it a non-finite value."""
+    def _arrived(self, event, node: Optional[NodeRecord], kinds) -> List[Finding]:
+        """The gradient of a forward output (`node`: the record of the node it feeds): non-finite
+        from outside unless the forward's own nodes already sent it a non-finite value."""
         if not kinds:
             return []
-        inside = self.received.get(id(node), 0) if node is not None else 0
+        inside = self.received.get(node.key, 0) if node is not None else 0
         if node is not None:
-            self.received[id(node)] = inside | kinds
+            self.received[node.key] = inside | kinds
         new = kinds & ~inside
         if not new:
             return []
@@ -269,16 +304,15 @@ class GradTracker:
                                   f"({_counts(event, new)}): it came from outside the narrated forward, "
                                   f"such as the loss", event, birth=True))
 
-    def _send(self, node, event, positions) -> None:
+    def _send(self, record: NodeRecord, event, positions) -> None:
+        """Mark the nodes this one sent a non-finite gradient to (by gradient slot)."""
         parts = event.stats.parts if isinstance(event.stats, StatsGroup) else (event.stats,)
-        edges = None
+        edges = record.edges
         for part, position in zip(parts, positions):
             sent = _bits(part.nan, part.posinf, part.neginf) if part.nan is not None else 0
-            if sent:
-                edges = edges if edges is not None else node.next_functions
-                target = edges[position][0] if position < len(edges) else None
-                if target is not None:
-                    self.received[id(target)] = self.received.get(id(target), 0) | sent
+            target = edges[position] if sent and position < len(edges) else None
+            if target is not None:
+                self.received[target.key] = self.received.get(target.key, 0) | sent
 
     def _note(self, finding: Finding) -> List[Finding]:
         self.findings.append(finding)
@@ -336,13 +370,13 @@ class BackwardRun:
         self.watch = watch
         self.task = task
         self.record = Backward(f"backward{number} of {watch.pass_name}", settings)
-        watch.recording.backward.append(self.record)
+        watch.backwards.append(self.record)
         self.ordinal = 0
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         self.meter = meter if meter.active else None
         self.tracker = GradTracker() if settings.on_nonfinite is not None else None
         self.in_flight: Optional[tuple] = None  # (record, grads received) of the node running now
-        self.seen: set = set()  # ids of the nodes narrated (graphs of two passes share leaves' nodes)
+        self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
         self.incomplete: Optional[str] = None
         self.narrator = narration.narrator
         self._owned = None  # a narrator (and sink) of this run's own, when no entry point shares one
@@ -418,7 +452,7 @@ class BackwardRun:
                 internal_error("judging the failed backward's gradients", inner)
         record.error = error_summary(exc)
         record.attempt = self._attempt(noticed_late)
-        partial = PartialTrace.of_backward(self.watch.recording, record)
+        partial = PartialTrace.of_backward(self.watch.recording(), record)
         if self.narrator is not None:
             self.narrator.fail(record.events, record.attempt, record.error, "backward")
         self.close()
@@ -501,9 +535,9 @@ class BackwardNarration:
         try:
             with self._lock:
                 run = self._run_for(watch, record)
-                if run is None or id(record.node) in run.seen:
+                if run is None or record.key in run.seen:
                     return
-                run.seen.add(id(record.node))
+                run.seen.add(record.key)
                 run.in_flight = None
                 grads = grad_outputs if record.label is not None else grad_inputs
                 positions = [i for i, g in enumerate(grads) if isinstance(g, _Tensor)]

@@ -102,6 +102,7 @@ class Recorder:
         caught inside the block, when the next pass begins: kept then as a `PartialTrace`.
         """
         run, self._run = self._run, None
+        self._call_frame = None
         try:
             self._keep(run.fail(exc if exc is not None else PassCutShort()))
         except Exception as inner:
@@ -171,6 +172,7 @@ class Recorder:
         if run is None or threading.get_ident() != self._thread:
             return None
         self._run = None
+        self._call_frame = None  # the frame holds the forward's locals, its output among them
         try:
             self._keep(run.fail(sys.exc_info()[1]) if unwinding() else run.finish(output))
         except Exception as exc:
