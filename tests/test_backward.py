@@ -123,18 +123,27 @@ def test_gpt2_training_step_narrates_every_node_and_leaves_gradients_and_weights
         assert grad.isfinite().all()
 
 
-def test_conv_net_training_step_in_train_mode_narrates_batch_norm_and_conv_nodes_bitwise():
-    x = images(2)
+def test_conv_net_three_training_steps_in_train_mode_end_with_the_same_weights_bitwise():
+    x, labels = images(2), torch.tensor([1, 2])
     torch.manual_seed(0)
     plain, narrated = conv_net().train(), conv_net().train()
-    F.cross_entropy(plain(x), torch.tensor([1, 2])).backward()
+
+    def train(model, steps=3):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), labels).backward()
+            optimizer.step()
+
+    train(plain)
     out = io.StringIO()
     with tl.recording.Recorder(narrated, narrate=out, backward=True, value_stats="exact") as rec:
-        F.cross_entropy(narrated(x), torch.tensor([1, 2])).backward()
+        train(narrated)
     for (name, a), (_, b) in zip(plain.named_parameters(), narrated.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad), name
     for (name, a), (_, b) in zip(plain.named_buffers(), narrated.named_buffers()):
         assert torch.equal(a, b), name  # running statistics updated alike
+    assert [len(r.backward) for r in rec.recordings] == [1, 1, 1]
     [backward] = rec.recordings[0].backward
     names = {e.op for e in backward.nodes}
     assert {"ConvolutionBackward0", "NativeBatchNormBackward0", "AccumulateGrad"} <= names
@@ -578,3 +587,214 @@ def test_a_watched_graph_whose_backward_never_runs_is_freed_with_its_saved_activ
         del out
         gc.collect()
         assert model.saved() is None
+
+
+# -- verdicts on the graphs people build (each case once reported wrong) ---------------------------------
+
+
+def _track(model, run, **recorder):
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track", **recorder) as rec:
+        run()
+    return rec
+
+
+class OneLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+
+
+def test_an_infinity_that_only_changes_sign_on_its_way_is_one_finding():
+    class SignFlip(OneLinear):
+        def forward(self, x):
+            b = -self.fc(x)
+            return (b - b.detach()).sqrt().sum()  # sqrt(0): +inf gradient, negated twice on the way back
+
+    model = SignFlip()
+    rec = _track(model, lambda: model(torch.randn(1, 3)).backward())
+    [finding] = rec.recordings[0].backward[0].findings
+    assert finding.text.startswith("+inf gradient born at ~2 SqrtBackward0")
+
+
+def test_a_nan_from_a_loss_term_outside_the_model_is_first_seen_at_the_leaf_never_born_there():
+    class Tanh(OneLinear):
+        def forward(self, x):
+            return torch.tanh(self.fc(x)).sum()
+
+    model = Tanh()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = 0.0
+
+    def step():
+        (model(torch.randn(2, 3)) + 1e-4 * model.fc.weight.pow(2).sqrt().sum()).backward()  # an L1 penalty
+
+    [finding] = _track(model, step).recordings[0].backward[0].findings
+    assert finding.text.startswith("NaN gradient first seen in fc.weight.grad at ~") and not finding.birth
+    assert "no watched node sent it" in finding.text
+
+
+def test_a_gradient_hook_that_writes_nan_is_first_seen_where_it_entered_on_cpu_and_accelerator(monkeypatch):
+    import torchlens.meter
+
+    class Hooked(OneLinear):
+        def forward(self, x):
+            h = self.fc(x)
+            h.register_hook(lambda grad: grad * float("nan"))
+            return torch.tanh(h).sum()
+
+    for read_now in ({"cpu"}, set()):  # the CPU's way, then an accelerator's (one read per backward)
+        monkeypatch.setattr(torchlens.meter, "READ_NOW", read_now)
+        model = Hooked()
+        [finding] = _track(model, lambda: model(torch.randn(2, 3)).backward()).recordings[0].backward[0].findings
+        assert finding.text.startswith("NaN gradient first seen entering ~") and not finding.birth, read_now
+        assert "AddmmBackward0, the backward of #2 linear @fc" in finding.text
+
+
+def test_a_custom_function_making_the_output_is_narrated_and_blamed_for_its_nan():
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.sum(1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad[:, None].expand(-1, 3) * float("nan")
+
+    class Returns(OneLinear):
+        def forward(self, x):
+            return Bad.apply(self.fc(x))
+
+    model = Returns()
+    rec = _track(model, lambda: model(torch.randn(2, 3)).sum().backward())
+    [backward] = rec.recordings[0].backward
+    assert backward.nodes[0].op == "BadBackward"
+    assert backward.nodes[0].forward == "Bad.apply (an autograd.Function), returning the output out"
+    assert backward.findings[0].event is backward.nodes[0] and backward.findings[0].birth
+
+
+def test_a_parameter_returned_as_is_gets_its_gradient_line_and_no_false_finding():
+    class ReturnsScale(OneLinear):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale, self.scale
+
+    model = ReturnsScale()
+
+    def step():
+        out, scale = model(torch.randn(2, 3))
+        (out.sum() + (scale * float("nan")).sum()).backward()
+
+    [backward] = _track(model, step).recordings[0].backward
+    assert [f.text.split(" (")[0] for f in backward.findings] == ["NaN in the gradient reaching the output out[1]"]
+    assert sorted(e.label for e in backward.nodes if e.label) == ["fc.bias", "fc.weight", "scale"]
+
+
+def test_a_leaf_whose_grad_an_optimizer_hook_released_is_not_claimed_finite():
+    class Tanh(OneLinear):
+        def forward(self, x):
+            return torch.tanh(self.fc(x)).sum()
+
+    model = Tanh()
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(p):  # the optimizer-in-backward pattern: step, then free the gradient
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    handles = [p.register_post_accumulate_grad_hook(step_in_backward) for p in model.parameters()]
+    try:
+        rec = _track(model, lambda: model(torch.randn(2, 3)).backward())
+    finally:
+        for handle in handles:
+            handle.remove()
+    footer = rec.recordings[0].backward[0].footer_extra[-1]
+    assert footer.startswith("no non-finite gradients in the 5 measured; 2 not measured (2 leaves whose .grad")
+
+
+def test_a_nested_backward_inside_a_reentrant_checkpoint_is_no_failed_run():
+    class Reused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(checkpoint(self.a, x, use_reentrant=True)).sum()
+
+    model = Reused()
+    x = torch.randn(2, 4, requires_grad=True)
+    rec = _track(model, lambda: model(x).backward())
+    [backward] = rec.recordings[0].backward
+    assert backward.finished and backward.error is None
+
+
+def test_a_backward_on_another_thread_while_this_one_runs_a_pass_is_not_cut_short():
+    import threading
+    import time
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.3)
+            return grad
+
+    class M(OneLinear):
+        def forward(self, x):
+            return Slow.apply(self.fc(x)).relu().sum()
+
+    model = M()
+    with tl.recording.Recorder(model, backward=True) as rec:
+        loss = model(torch.randn(2, 3))
+        worker = threading.Thread(target=loss.backward)
+        worker.start()
+        time.sleep(0.1)
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        worker.join()
+    [backward] = rec.recordings[0].backward
+    assert backward.finished and backward.error is None and "SlowBackward" in [e.op for e in backward.nodes]
+
+
+def test_a_checkpoint_recomputing_the_recorded_block_inside_the_backward_is_no_new_pass():
+    class Block(OneLinear):
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x.sum()
+
+    net = Net()
+    out = io.StringIO()
+    with tl.recording.Recorder(net.blocks[1], narrate=out, backward=True) as rec:
+        net(torch.randn(2, 3)).backward()
+    assert len(rec.recordings) == 1 and out.getvalue().count("-- pass") == 1
+    [backward] = rec.recordings[0].backward
+    assert backward.finished and out.getvalue().rstrip().endswith("1 output gradient received")
+
+
+def test_graphs_released_unbackwarded_past_the_limit_are_said_in_the_footer():
+    class Tanh(OneLinear):
+        def forward(self, x):
+            return torch.tanh(self.fc(x)).sum()
+
+    model = Tanh()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        loss = sum(model(torch.randn(2, 3)) for _ in range(10))  # ten micro-batches, one backward
+        loss.backward()
+    footer = rec.recordings[-1].backward[0].footer_extra[-1]
+    assert "the graphs of 2 earlier passes were released before a backward reached them" in footer
+    assert footer.startswith("no non-finite gradients in the")  # nothing claimed of them

@@ -43,3 +43,18 @@ def test_quick_side_by_side_benchmark_measures_every_mode_and_plots(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0, plotted.stderr[-3000:]
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
+    report_path = tmp_path / "backward.json"
+    command = [sys.executable, str(BENCHMARKS / "backward_bench.py"), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]
+    for result in report:
+        rows = {row["mode"]: row for row in result["modes"]}
+        assert set(rows) == {"plain", "anomaly", "narrate", "track", "narrate_track"}
+        assert all(row["median_ms"] > 0 and row["multiplier"] > 0 for row in rows.values())
+        # one step's lines: its forward and its backward (a node line per autograd node)
+        assert rows["narrate"]["lines_per_step"] == rows["narrate_track"]["lines_per_step"] > 40

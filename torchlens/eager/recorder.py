@@ -14,7 +14,7 @@ from typing import Deque, List, Optional, Tuple
 
 from torch import nn
 
-from ..backward import BackwardNarration
+from ..backward import BackwardNarration, running_backward
 from ..errors import OptionValueError, RecorderStateError
 from ..events import Event
 from ..grammar import render_dropped_events_note
@@ -146,6 +146,8 @@ class Recorder:
     def _begin(self, module, args, kwargs):
         if threading.get_ident() != self._thread:
             return None
+        if self._backward is not None and running_backward():
+            return None  # a forward run inside a backward (a checkpoint's recompute) is no pass of its own
         if self._run is not None:
             if still_running(self._call_frame):
                 return None  # a nested call of the model inside its own forward is part of the pass

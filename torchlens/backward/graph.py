@@ -1,0 +1,228 @@
+"""What a forward fed autograd, and the hooks on the nodes of the graph it built.
+
+`GradientRoots` notes, as the forward runs, the node each op's output got; `BackwardWatch` walks
+the graph from them when the forward ends, ties each node to the op that made it (autograd numbers
+nodes as it makes them, so an op's nodes are the new ones its output's node reaches) and each
+leaf's accumulator to the leaf's name, and hooks them all: the `NodeRecord` of a node is its hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Dict, Optional
+
+import torch
+
+from ..grammar import op_ref
+from ..results import Recording
+
+_sequence_nr = torch._C._autograd._get_sequence_nr
+_graph_task_id = torch._C._current_graph_task_id
+_Tensor = torch.Tensor
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
+
+
+def running_backward() -> bool:
+    """Whether this thread is inside a run of autograd's engine (a node, a hook)."""
+    return _graph_task_id() != -1
+
+
+class GradientRoots:
+    """What one forward's ops fed autograd: (event, node of an output) in order, the sequence
+    number autograd was at when the forward began, and the forward's inputs that are leaves."""
+
+    __slots__ = ("start", "items", "inputs")
+
+    def __init__(self):
+        self.start = _sequence_nr()
+        self.items: list = []
+        self.inputs: Dict[int, tuple] = {}  # id(tensor) -> (weak reference, label)
+
+    def note(self, event, out, forward: Optional[str] = None) -> None:
+        """`event` produced `out` (a tensor or a sequence of them): remember their nodes.
+        `forward` names what made them when it is more than the op (a compiled graph call)."""
+        if isinstance(out, _Tensor):
+            node = out.grad_fn
+            if node is not None:
+                self.items.append((event, node, forward))
+            return
+        for tensor in out:
+            if isinstance(tensor, _Tensor) and tensor.grad_fn is not None:
+                self.items.append((event, tensor.grad_fn, forward))
+
+    def note_input(self, label: str, tensor) -> None:
+        if isinstance(tensor, _Tensor) and tensor.requires_grad:
+            self.inputs[id(tensor)] = (weakref.ref(tensor), f"the input {label}")
+
+    def leaf_label(self, tensor, names: dict) -> str:
+        name = names.get(id(tensor))
+        if name is not None:
+            return name
+        known = self.inputs.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        return "a leaf tensor no narrated op produced"
+
+
+class NodeRecord:
+    """A hooked node: its name and what it stands for in the forward. The record is itself the
+    node's pre-hook and hook (called with one argument before the node runs, two after), and a
+    leaf's post-accumulate hook: one object per node, which a training step makes by the thousand.
+
+    It holds no autograd node (that would keep the graph, and the activations it saved, alive for
+    as long as the pass is watched): `edges` are the records of the nodes it sends its gradients to,
+    by slot, and `key` tells nodes apart in a run (a leaf's is its tensor's: graphs of two passes
+    share a parameter's accumulator).
+    """
+
+    __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges")
+
+    def __init__(self, name, scope, site, forward, label=None, key=None):
+        self.watch = None  # the `BackwardWatch` it reports through
+        self.key = id(self) if key is None else key
+        self.name = name
+        self.scope = scope
+        self.site = site
+        self.forward = forward  # `#5 linear @fc2`: the forward op the node differentiates
+        self.label = label  # for AccumulateGrad: the leaf's name
+        self.edges = ()  # per gradient slot: the record of the node it is sent to (None: unwatched)
+
+    def __call__(self, *grads) -> None:
+        watch = self.watch
+        if len(grads) == 2:  # after the node ran: (what it produced, what it received)
+            watch.narration.node_done(watch, self, grads[0], grads[1])
+        elif self.label is not None:  # a leaf's gradient was accumulated: the leaf
+            watch.narration.node_done(watch, self, (), (grads[0].grad,))
+        else:  # the node is about to run: what it received
+            watch.narration.node_starting(watch, self, grads[0])
+
+
+class BackwardWatch:
+    """The hooks on one forward's graph, and the recording its backwards are added to."""
+
+    def __init__(self, narration, recording: Recording, roots: GradientRoots, outputs,
+                 names: dict, root):
+        self.narration = narration
+        # The recording is held weakly: its output holds the graph (and what it saved for the
+        # backward), which the user may drop (`Recorder(keep=0)`, an evaluation never backwarded).
+        # What a backward needs of it is held here instead.
+        self._recording = weakref.ref(recording)
+        self.backwards = recording.backward  # where each run's `Backward` is added
+        self.header = recording.header
+        self._forward = (recording.events, recording.settings, recording.footer_extra, recording.findings)
+        self.root = root  # the model's scope: where gradients reaching its outputs are shown
+        self.runs = 0  # backwards through this graph so far
+        self.handles: list = []
+        try:
+            records, held = self._hook_nodes(roots, names, outputs)
+            self._hook_outputs(outputs, records, roots, names)
+            del held
+        except BaseException:
+            self.detach()
+            raise
+
+    @property
+    def pass_name(self) -> str:
+        return self.header or "the forward"
+
+    def recording(self) -> Recording:
+        """The pass's recording, or, if nothing holds it any more, one like it without the output."""
+        recording = self._recording()
+        if recording is None:
+            events, settings, footer_extra, findings = self._forward
+            recording = Recording(events, None, settings, self.header, footer_extra, findings=findings)
+            recording.backward = self.backwards
+        return recording
+
+    def _hook_nodes(self, roots: GradientRoots, names: dict, outputs):
+        """Record and hook every node of this forward: (id(node) -> record, the nodes, which must be
+        held for as long as those ids are read). The walk starts from each op's output, then from
+        the forward's outputs (one made by a custom `autograd.Function` was no op's)."""
+        records, start, handles = {}, roots.start, self.handles
+        # Every node reached is held until the walk ends: autograd makes a node's Python object on
+        # demand and may make a new one (at a freed one's address) once nothing holds the last
+        held = []
+        walked = []  # (record, the nodes it sends to), to resolve the edges once all are recorded
+        starts = list(roots.items)
+        last = roots.items[-1][0] if roots.items else None
+        if last is not None:
+            starts += [(last, tensor.grad_fn, ("output", label))
+                       for label, tensor in outputs if isinstance(tensor, _Tensor) and tensor.grad_fn is not None]
+        for event, first, forward in starts:
+            stack = [first]
+            while stack:
+                node = stack.pop()
+                if node is None or id(node) in records:
+                    continue
+                held.append(node)
+                record = self._record(node, event, forward, start, roots, names)
+                if record is None:
+                    records[id(node)] = None  # made before this forward: not walked again
+                    continue
+                records[id(node)] = record
+                record.watch = self
+                if record.label is not None:
+                    # A leaf: hooked on the tensor, after accumulation. A hook on its node would be
+                    # handed the incoming gradient, and autograd, seeing it referenced, would copy it
+                    # into `.grad` instead of taking it (a parameter-sized copy per step).
+                    handles.append(node.variable.register_post_accumulate_grad_hook(record))
+                    continue
+                handles.append(node.register_prehook(record))
+                handles.append(node.register_hook(record))
+                next_nodes = tuple(next_node for next_node, _ in node.next_functions)
+                walked.append((record, next_nodes))
+                stack.extend(next_nodes)
+        for record, next_nodes in walked:
+            record.edges = tuple(records.get(id(n)) if n is not None else None for n in next_nodes)
+        return records, held
+
+    @staticmethod
+    def _record(node, event, forward, start: int, roots: GradientRoots, names: dict) -> Optional[NodeRecord]:
+        """What `node`, reached from `event`'s output, stands for; None for a node made before
+        the forward began (another model's, or preprocessing's)."""
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
+            leaf = node.variable
+            return NodeRecord(kind, event.scope, None, None, roots.leaf_label(leaf, names), key=("leaf", id(leaf)))
+        if node._sequence_nr() < start:
+            return None
+        output = forward[1] if isinstance(forward, tuple) else None  # reached from the forward's output
+        if isinstance(node, _BackwardCFunction) and (forward is None or output is not None):
+            # a custom autograd.Function: its apply is no torch op, so it is named by what read it
+            reader = (f"returning the output {output}" if output is not None
+                      else f"read by {op_ref(event.ordinal, event.op, event.scope.path)}")
+            forward = f"{node._forward_cls.__name__}.apply (an autograd.Function), {reader}"
+        elif output is not None:
+            forward = f"the output {output}, made by no narrated op"
+        elif forward is None:
+            forward = op_ref(event.ordinal, event.op, event.scope.path)
+        return NodeRecord(node.name(), event.scope, event.site, forward)
+
+    def _hook_outputs(self, outputs, records: dict, roots: GradientRoots, names: dict) -> None:
+        """A `<=` hook on each output (once per tensor), tied to the record of the node it feeds —
+        or, for an output that is a leaf (a parameter returned as is), the leaf's, hooked here if no
+        op read it."""
+        arrived = self.narration.output_grad
+        leaves = {record.key: record for record in records.values() if record is not None and record.label}
+        seen = set()
+        for label, tensor in outputs:
+            if not isinstance(tensor, _Tensor) or not tensor.requires_grad or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if tensor.grad_fn is not None:
+                node = records.get(id(tensor.grad_fn))
+            else:
+                node = leaves.get(("leaf", id(tensor)))
+                if node is None:
+                    node = NodeRecord("AccumulateGrad", self.root, None, None, roots.leaf_label(tensor, names),
+                                      key=("leaf", id(tensor)))
+                    node.watch = self
+                    self.handles.append(tensor.register_post_accumulate_grad_hook(node))
+            self.handles.append(tensor.register_hook(functools.partial(arrived, self, label, node)))
+
+    def detach(self) -> None:
+        """Remove every hook (nodes outlive the pass while the user holds the graph). Idempotent."""
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()

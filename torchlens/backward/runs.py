@@ -1,0 +1,325 @@
+"""Each run of autograd's engine through watched graphs: its lines, statistics and verdict, how it
+ends (autograd's final callback, or a failure seen later), and the hooks' entry points."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import meter as meter_module
+from ..errors import NonFiniteError
+from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
+from ..meter import Meter
+from ..narrator import Narrator
+from ..results import Backward, PartialTrace, Recording
+from ..session import attach, error_summary, internal_error, nonfinite_message
+from ..tracking import Finding, held, settled
+from .graph import BackwardWatch, GradientRoots, NodeRecord
+from .verdicts import GradTracker, _received_kinds
+
+_graph_task_id = torch._C._current_graph_task_id
+_Tensor = torch.Tensor
+
+
+def _queue_callback(fn) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class BackwardRun:
+    """One execution of autograd's engine through watched graphs, narrated as one section."""
+
+    def __init__(self, narration: "BackwardNarration", watch: BackwardWatch, task: int):
+        watch.runs += 1
+        number = "" if watch.runs == 1 else f" {watch.runs}"
+        settings = narration.settings
+        self.narration = narration
+        self.watch = watch
+        self.task = task
+        self.record = Backward(f"backward{number} of {watch.pass_name}", settings)
+        watch.backwards.append(self.record)
+        self.ordinal = 0
+        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+        self.meter = meter if meter.active else None
+        self.tracker = GradTracker() if settings.on_nonfinite is not None else None
+        self.thread = threading.get_ident()
+        self.in_flight: Optional[tuple] = None  # (record, metadata of what it received) of the node running now
+        self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
+        self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
+        self.incomplete: Optional[str] = None
+        self.narrator = narration.narrator
+        self._owned = None  # a narrator (and sink) of this run's own, when no entry point shares one
+        if self.narrator is None and settings.narration is not None:
+            self.narrator = self._owned = Narrator(settings.narration)
+        if self.narrator is not None:
+            self.narrator.begin_pass(self.record.header)
+
+    def starting(self, record: NodeRecord, grads) -> None:
+        """A node is about to run with `grads`: remember it (as metadata: holding the gradients would
+        keep them), and where values are read once per backward, measure what it received."""
+        tensors = tuple(g for g in grads if isinstance(g, _Tensor))
+        self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors))
+        if (self.tracker is not None and record.label is None and tensors
+                and tensors[0].device.type not in meter_module.READ_NOW):
+            self._received[record.key] = self.meter.measure_output(tensors, False)
+
+    def add(self, event, record: Optional[NodeRecord], measured, positions, received) -> None:
+        """Measure, record, narrate and judge one node (or received gradient)."""
+        narration = self.narration
+        narrator = self.narrator
+        tracker = self.tracker
+        if self.meter is not None and measured:
+            at_hand = measured[0].device.type in meter_module.READ_NOW  # no device to wait for
+            live = (narration.raising or (narrator is not None and narrator.prints(event))
+                    or (tracker is not None and at_hand))
+            event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
+        self.record.events.append(event)
+        findings = ()
+        if tracker is not None:
+            direct = self._received.pop(record.key, None) if event.kind is NODE else None
+            if direct is None and received is not None and event.stats is not None and settled(event) and held(event):
+                direct = _received_kinds(received)  # at hand: measured only when it produced one
+            findings = tracker.judge(event, record, positions, direct)
+            for finding in findings:
+                finding.live = finding.event is event
+                event.finding = event.finding or finding
+        if narrator is not None:
+            narrator.feed(event)
+        if findings and narration.raising:
+            narration.stop(self, findings[0])
+
+    def finish(self) -> None:
+        """The engine finished: read what is still on the device, judge, print the footer."""
+        record = self.record
+        extra = record.footer_extra
+        try:
+            if self.meter is not None:
+                self.meter.flush()
+            settings = self.narration.settings
+            if settings.value_stats != "off":
+                extra.append(f"value_stats={settings.value_stats}")
+            if self.tracker is not None:
+                for finding in self.tracker.judge_rest():
+                    if finding.event is not None and finding.event.finding is None:
+                        finding.event.finding = finding
+                record.findings = tuple(self.tracker.findings)
+                extra.append(self.tracker.summary(self.incomplete))
+        except Exception as exc:
+            internal_error("ending the backward's narration", exc)
+        record.finished = True
+        if self.narrator is not None:
+            self.narrator.end_pass(extra, backward=True)
+        self.close()
+
+    def close(self) -> None:
+        """Release the sink this run opened (not a shared one). Idempotent."""
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.close()
+
+    def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
+        """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
+        record = self.record
+        if self.tracker is not None:
+            try:
+                if self.meter is not None:
+                    self.meter.flush()
+                self.tracker.judge_rest()
+                record.findings = tuple(self.tracker.findings)
+            except Exception as inner:
+                internal_error("judging the failed backward's gradients", inner)
+        record.error = error_summary(exc)
+        record.attempt = self._attempt(noticed_late)
+        partial = PartialTrace.of_backward(self.watch.recording(), record)
+        if self.narrator is not None:
+            self.narrator.fail(record.events, record.attempt, record.error, "backward")
+        self.close()
+        return partial
+
+    def _attempt(self, noticed_late: bool) -> Optional[BackwardAttempt]:
+        if self.in_flight is None:
+            return None
+        record, inputs = self.in_flight
+        notes = ("seen after the backward had already stopped: the node whose hook never ran",) if noticed_late else ()
+        return BackwardAttempt(record.name, self.ordinal + 1, record.scope, record.site, inputs, record.forward, notes)
+
+
+class BackwardNarration:
+    """The backwards of one entry point's passes (`Recorder`, a compiled model): their runs, the
+    narrator they write to, and the watches whose hooks are still on a graph."""
+
+    MAX_WATCHES = 8  # graphs kept hooked while no backward has run through them (gradient accumulation)
+
+    def __init__(self, settings, narrator: Optional[Narrator]):
+        self.settings = settings
+        self.narrator = narrator  # shared with the forwards (a `Recorder`'s); else each run opens its own
+        self.raising = settings.on_nonfinite == "raise"
+        # The runs not ended yet, by autograd's graph task: a backward may run inside another (a
+        # reentrant checkpoint's), or on another thread while this one runs a forward.
+        self.runs: Dict[int, BackwardRun] = {}
+        self.watches: List[BackwardWatch] = []
+        self.released = 0  # graphs released before any backward ran through them (past MAX_WATCHES)
+        self._lock = threading.RLock()  # nodes on different devices run on different threads
+
+    # -- the forward side -------------------------------------------------------------------------
+
+    def watch(self, recording: Recording, roots: GradientRoots, outputs, names: dict, root) -> None:
+        """Hook the graph a forward just built; graphs whose backward already ran are released
+        (and, past `MAX_WATCHES`, the oldest ones)."""
+        with self._lock:
+            self._release(keep_pending=True)
+            self.watches.append(BackwardWatch(self, recording, roots, outputs, names, root))
+
+    def _release(self, keep_pending: bool) -> None:
+        running = {run.watch for run in self.runs.values()}
+        kept = []
+        for watch in self.watches:
+            if watch in running or (keep_pending and watch.runs == 0):
+                kept.append(watch)
+            else:
+                watch.detach()
+        while len(kept) >= self.MAX_WATCHES:  # room for the graph being added
+            oldest = kept.pop(0)
+            oldest.detach()
+            self.released += 1
+        self.watches = kept
+
+    def settle(self) -> None:
+        """A new pass begins outside any backward: the runs this thread began and did not end
+        failed unseen (their final callback never came)."""
+        with self._lock:
+            if _graph_task_id() != -1:
+                return
+            thread = threading.get_ident()
+            for task, run in list(self.runs.items()):
+                if run.thread == thread:
+                    self._end_failed(run, None)
+
+    def close(self, exc: Optional[BaseException] = None) -> None:
+        """The entry point is done (the `Recorder` block ends): a backward still open failed (with
+        `exc`, the exception leaving the block, when there is one); every hook is removed."""
+        with self._lock:
+            try:
+                for run in list(self.runs.values()):
+                    self._end_failed(run, exc)
+            finally:
+                for watch in self.watches:
+                    watch.detach()
+                self.watches = []
+
+    # -- hooks (autograd's engine calls them, possibly on a device's thread) -----------------------
+
+    def node_starting(self, watch: BackwardWatch, record: NodeRecord, grad_outputs) -> None:
+        try:
+            with self._lock:
+                run = self._run_for(watch, record)
+                if run is not None:
+                    run.starting(record, grad_outputs)
+        except Exception as exc:
+            internal_error("narrating a backward node", exc)
+
+    def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
+        try:
+            with self._lock:
+                run = self._run_for(watch, record)
+                if run is None or record.key in run.seen:
+                    return
+                run.seen.add(record.key)
+                run.in_flight = None
+                grads = grad_outputs if record.label is not None else grad_inputs
+                positions = [i for i, g in enumerate(grads) if isinstance(g, _Tensor)]
+                measured = tuple(grads[i] for i in positions)
+                run.ordinal += 1
+                forward = record.forward
+                if forward is not None and watch is not run.watch:
+                    forward += f" of {watch.pass_name}"
+                event = BackwardEvent(NODE, run.ordinal, record.name, record.scope,
+                                      tuple(TensorMeta.of(t) for t in measured), record.site, None, record.label,
+                                      forward)
+                run.add(event, record, measured, positions, None if record.label is not None else grad_outputs)
+        except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise
+            self._internal_failure(exc)
+
+    def output_grad(self, watch: BackwardWatch, label: str, node, grad) -> None:
+        try:
+            with self._lock:
+                run = self._run_for(watch)
+                if not isinstance(grad, _Tensor):
+                    return
+                if watch is not run.watch:
+                    label += f" of {watch.pass_name}"
+                event = BackwardEvent(GRAD, run.ordinal, "grad", watch.root, (TensorMeta.of(grad),), None, None, label)
+                run.add(event, node, (grad,), (0,), None)
+        except Exception as exc:
+            if getattr(exc, "torchlens_stop", False):
+                raise
+            self._internal_failure(exc)
+
+    def _internal_failure(self, exc: Exception) -> None:
+        """A failure of torchlens in a hook: reported, the run marked incomplete, the backward untouched."""
+        run = self.runs.get(_graph_task_id())
+        if run is not None:
+            run.incomplete = run.incomplete or "nodes after an internal error were not all narrated"
+        internal_error("narrating a backward node", exc)
+
+    def _run_for(self, watch: BackwardWatch, record: Optional[NodeRecord] = None) -> Optional[BackwardRun]:
+        """The run the engine's current execution belongs to, begun now if need be. A leaf's node
+        (`AccumulateGrad`, which outlives graphs and is shared by them) never begins a run: fired
+        alone, it is a backward through a graph no narrated forward built (None)."""
+        task = _graph_task_id()
+        run = self.runs.get(task)
+        if run is None:
+            if record is not None and record.label is not None:
+                return None
+            run = self.runs[task] = BackwardRun(self, watch, task)
+            _queue_callback(functools.partial(self._finished, run))
+        return run
+
+    def _finished(self, run: BackwardRun) -> None:
+        """Autograd's final callback for the run's graph task: it finished. Never raises (it runs
+        inside the user's backward)."""
+        try:
+            with self._lock:
+                if self.runs.get(run.task) is not run:
+                    return
+                del self.runs[run.task]
+                if self.released:
+                    graphs = "the graph of 1 earlier pass was" if self.released == 1 else \
+                        f"the graphs of {self.released} earlier passes were"
+                    run.incomplete = run.incomplete or (f"{graphs} released before a backward reached them (more than "
+                                                        f"{self.MAX_WATCHES} waited)")
+                run.finish()
+        except Exception as exc:
+            internal_error("ending the backward's narration", exc)
+
+    def _end_failed(self, run: BackwardRun, exc: Optional[BaseException]) -> None:
+        self.runs.pop(run.task, None)
+        known = exc is not None
+        if not known:
+            exc = BackwardStopped()
+        try:
+            partial = run.fail(exc, noticed_late=not known)
+            if known and getattr(exc, "partial_trace", None) is None:
+                attach(exc, partial)
+        except Exception as inner:
+            internal_error("ending a failed backward", inner)
+
+    def stop(self, run: BackwardRun, finding: Finding) -> None:
+        """`on_nonfinite="raise"`: stop the backward at this finding, with the partial trace."""
+        self.runs.pop(run.task, None)
+        error = NonFiniteError(nonfinite_message(finding))
+        partial = run.fail(error, noticed_late=False)
+        attach(error, partial)
+        raise error
+
+
+class BackwardStopped(BaseException):
+    """Stands for an exception a backward raised that torchlens did not see (it was caught inside
+    the `Recorder` block, or the backward was run after it): the error its partial trace reports."""
+
+    def __str__(self) -> str:
+        return "the backward stopped without finishing (an exception raised inside it was not seen by torchlens)"

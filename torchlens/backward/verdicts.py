@@ -1,0 +1,187 @@
+"""Where the first non-finite gradient of a backward was born, from what each node produced and
+what the nodes before it sent it."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from ..events import GRAD, NODE, StatsGroup
+from ..tracking import NAN, NEGINF, POSINF, Finding, _bits, held, kind_names, settled, unmeasured_reason
+from .graph import NodeRecord
+
+_Tensor = torch.Tensor
+
+
+class GradTracker:
+    """Where the first non-finite gradient was born: the first node that produced one although
+    nothing it received was non-finite.
+
+    What a node received is what the nodes that ran before it sent it, summed, so the tracker
+    follows the graph: a node that produced a non-finite gradient marks the nodes it sent it to,
+    and a node that received one only passes it on. What a node received is also measured where
+    that is cheap (on the CPU, when it produced a non-finite value; on an accelerator, in the same
+    single read as everything else), because not everything it receives comes from a watched node:
+    a gradient hook, a loss term computed outside the forward, a sum of finite gradients that
+    overflowed. A non-finite gradient that no watched node sent is "first seen", never "born",
+    and once a run has a finding such gradients are taken as coming from it.
+    """
+
+    def __init__(self):
+        self.received: Dict[object, int] = {}  # record key -> non-finite kinds sent to its node
+        self.unknown: set = set()  # keys of nodes sent something that was not measured
+        self.findings: List[Finding] = []
+        self.unmeasured: Dict[str, int] = {}
+        self.measured = 0
+        self.leaves: List[str] = []  # leaves whose accumulated gradient was non-finite
+        self._queue: list = []
+
+    def judge(self, event, record: Optional[NodeRecord], positions, direct) -> List[Finding]:
+        """Take `event` in (and any before it still waiting for statistics); the findings made now.
+        `positions`: which of the node's gradient slots the measured tensors came from; `direct`:
+        what the node received, as kinds (measured at once) or as statistics still to be read."""
+        self._queue.append((event, record, positions, direct))
+        made = []
+        while self._queue and settled(self._queue[0][0]) and _direct_settled(self._queue[0][3]):
+            made.extend(self._judge_one(*self._queue.pop(0)))
+        return made
+
+    def judge_rest(self) -> List[Finding]:
+        queue, self._queue = self._queue, []
+        made = []
+        for item in queue:
+            made.extend(self._judge_one(*item))
+        return made
+
+    def _judge_one(self, event, record, positions, direct) -> List[Finding]:
+        leaf = record is not None and event.kind is NODE and record.label is not None
+        kinds = None if leaf and not event.outputs else held(event)
+        if kinds is None:
+            reason = "leaves whose .grad an earlier hook released" if leaf and not event.outputs else \
+                unmeasured_reason(event)
+            self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
+            if record is not None and not leaf and event.kind is NODE:
+                self.unknown.update(target.key for target in record.edges if target is not None)
+            return []
+        self.measured += 1
+        if event.kind is GRAD:
+            return self._arrived(event, record, kinds)
+        if not kinds:
+            return []
+        received = self.received.get(record.key, 0)
+        if leaf:
+            self.leaves.append(record.label)
+            if received or record.key in self.unknown:
+                return []
+            return self._unexplained(event, kinds, f"in {record.label}.grad at ~{event.ordinal} AccumulateGrad",
+                                     "a loss term computed outside the narrated forward, a sum of finite "
+                                     "gradients that overflowed, or what .grad held before this backward")
+        self._send(record, event, positions)
+        if received:
+            return []  # it received a non-finite gradient: it passes it on
+        where = f"at ~{event.ordinal} {event.op}, the backward of {record.forward}"
+        if _kinds_of(direct):
+            return self._unexplained(event, kinds, where.replace("at ~", "entering ~", 1),
+                                     "a gradient hook, a node outside the narrated forward, or a sum of finite "
+                                     "gradients that overflowed")
+        if record.key in self.unknown:
+            return self._unexplained(event, kinds, where, "not everything it received was measured, so it may have "
+                                                          "come from earlier")
+        return self._note(Finding(f"{kind_names(kinds)} gradient born {where} ({_counts(event, kinds)})", event,
+                                  birth=True))
+
+    def _unexplained(self, event, kinds: int, where: str, why: str) -> List[Finding]:
+        """A non-finite gradient no watched node sent: a finding only when it is the run's first."""
+        if self.findings:
+            return []
+        return self._note(Finding(f"{kind_names(kinds)} gradient first seen {where} ({_counts(event, kinds)}); "
+                                  f"no watched node sent it: {why}", event))
+
+    def _arrived(self, event, node: Optional[NodeRecord], kinds) -> List[Finding]:
+        """The gradient of a forward output (`node`: the record of the node it feeds, or of the
+        leaf the output is): non-finite from outside unless the forward's own nodes sent it."""
+        if not kinds:
+            return []
+        inside = self.received.get(node.key, 0) if node is not None else 0
+        if node is not None:
+            self.received[node.key] = inside | kinds
+        if inside or self.findings:  # sent by its own nodes, or by what a finding already names
+            return []
+        return self._note(Finding(f"{kind_names(kinds)} in the gradient reaching the output {event.label} "
+                                  f"({_counts(event, kinds)}): no node of the narrated forward sent it; it came "
+                                  f"from outside, such as the loss", event, birth=True))
+
+    def _send(self, record: NodeRecord, event, positions) -> None:
+        """Mark the nodes this one sent a non-finite gradient to (by gradient slot)."""
+        parts = event.stats.parts if isinstance(event.stats, StatsGroup) else (event.stats,)
+        edges = record.edges
+        for part, position in zip(parts, positions):
+            sent = _bits(part.nan, part.posinf, part.neginf) if part.nan is not None else 0
+            target = edges[position] if sent and position < len(edges) else None
+            if target is not None:
+                self.received[target.key] = self.received.get(target.key, 0) | sent
+
+    def _note(self, finding: Finding) -> List[Finding]:
+        self.findings.append(finding)
+        return [finding]
+
+    def summary(self, incomplete: Optional[str]) -> str:
+        missing = sum(self.unmeasured.values())
+        why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
+        gap = f"; {missing} not measured ({why})" if missing else ""
+        if incomplete:
+            gap += f"; {incomplete}, so nothing is claimed of them"
+        leaves = ""
+        if self.leaves:
+            shown = ", ".join(self.leaves[:3]) + (f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else "")
+            leaves = f"; non-finite gradients reached {len(self.leaves)} lea{'f' if len(self.leaves) == 1 else 'ves'} ({shown})"
+        if self.findings:
+            more = len(self.findings) - 1
+            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
+            return f"first non-finite gradient: {self.findings[0].text}{extra}{leaves}{gap}"
+        if missing or incomplete:
+            return f"no non-finite gradients in the {self.measured} measured{gap}"
+        return "no non-finite gradients" + leaves
+
+
+def _direct_settled(direct) -> bool:
+    return direct is None or isinstance(direct, int) or _kinds_of(direct) is not None
+
+
+def _kinds_of(direct) -> Optional[int]:
+    """Kinds a node received: `direct` as measured at once (an int), or read from its statistics
+    (None while they are still on the device; 0 when nothing was measured)."""
+    if direct is None or isinstance(direct, int):
+        return direct or 0
+    parts = direct.parts if isinstance(direct, StatsGroup) else (direct,)
+    kinds = 0
+    for part in parts:
+        if part.kind == "na":
+            continue
+        if part.nan is None:
+            return None
+        kinds |= _bits(part.nan, part.posinf, part.neginf)
+    return kinds
+
+
+def _counts(event, kinds: int) -> str:
+    parts = event.stats.parts if isinstance(event.stats, StatsGroup) else (event.stats,)
+    shown = []
+    for bit, field, label in ((NAN, "nan", "nan"), (POSINF, "posinf", "+inf"), (NEGINF, "neginf", "-inf")):
+        if kinds & bit:
+            shown.append(f"{label}={sum(getattr(part, field) or 0 for part in parts)}")
+    return " ".join(shown)
+
+
+def _received_kinds(grads) -> int:
+    """The non-finite kinds in the gradients a node received (measured at once, on the CPU)."""
+    kinds = 0
+    for grad in grads:
+        if isinstance(grad, _Tensor) and (grad.dtype.is_floating_point or grad.dtype.is_complex):
+            g = grad.detach()
+            if g.is_complex():
+                g = torch.view_as_real(g)
+            if not bool(torch.isfinite(g).all()):
+                kinds |= _bits(bool(torch.isnan(g).any()), bool(torch.isposinf(g).any()), bool(torch.isneginf(g).any()))
+    return kinds
