@@ -288,6 +288,15 @@ def test_raise_stops_the_backward_at_the_first_nonfinite_gradient_with_the_parti
     assert "!! backward failed: NonFiniteError" in out.getvalue()
 
 
+def test_raise_on_an_accelerator_stops_at_the_birth_though_values_are_read_once_per_backward(deferred_reads):
+    torch.manual_seed(0)
+    model, x = SafeSqrt(), torch.randn(3, 4)
+    with pytest.raises(tl.errors.NonFiniteError, match="NaN gradient born at ~3 SqrtBackward0"):
+        with tl.recording.Recorder(model, backward=True, on_nonfinite="raise"):
+            model(x).backward()
+    assert model.fc.weight.grad is None
+
+
 def test_tracking_reads_the_device_once_per_backward_and_metadata_narration_never(deferred_reads, monkeypatch):
     """Torch function modes do not reach autograd's engine, so host reads are counted at the
     dispatcher (scalar reads) and on `Tensor.tolist` itself (how statistics vectors are read)."""

@@ -63,7 +63,8 @@ class BackwardRun:
         self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors))
         if (self.tracker is not None and record.label is None and tensors
                 and tensors[0].device.type not in meter_module.READ_NOW):
-            self._received[record.key] = self.meter.measure_output(tensors, False)
+            # read at once under `raise`, which must decide at this node; else with the rest
+            self._received[record.key] = self.meter.measure_output(tensors, self.narration.raising)
 
     def add(self, event, record: Optional[NodeRecord], measured, positions, received) -> None:
         """Measure, record, narrate and judge one node (or received gradient)."""
