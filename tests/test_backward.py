@@ -639,7 +639,7 @@ def test_a_nan_from_a_loss_term_outside_the_model_is_first_seen_at_the_leaf_neve
         (model(torch.randn(2, 3)) + 1e-4 * model.fc.weight.pow(2).sqrt().sum()).backward()  # an L1 penalty
 
     [finding] = _track(model, step).recordings[0].backward[0].findings
-    assert finding.text.startswith("NaN gradient first seen in fc.weight.grad at ~") and not finding.birth
+    assert finding.text.startswith("NaN gradient first seen in the gradient of fc.weight at ~") and not finding.birth
     assert "no watched node sent it" in finding.text
 
 
@@ -701,27 +701,39 @@ def test_a_parameter_returned_as_is_gets_its_gradient_line_and_no_false_finding(
     assert [f.text.split(" (")[0] for f in backward.findings] == ["NaN in the gradient reaching the output out[1]"]
     assert sorted(e.label for e in backward.nodes if e.label) == ["fc.bias", "fc.weight", "scale"]
 
+    class OnlyReturnsScale(ReturnsScale):
+        def forward(self, x):
+            return self.fc(x), self.scale  # no op reads it: its accumulator is the graph's only link
 
-def test_a_leaf_whose_grad_an_optimizer_hook_released_is_not_claimed_finite():
+    model = OnlyReturnsScale()
+    [backward] = _track(model, step).recordings[0].backward
+    assert sorted(e.label for e in backward.nodes if e.label) == ["fc.bias", "fc.weight", "scale"]
+
+
+def test_leaves_show_the_gradient_they_received_not_what_grad_held_before_nor_after_a_hook_freed_it():
     class Tanh(OneLinear):
         def forward(self, x):
             return torch.tanh(self.fc(x)).sum()
 
     model = Tanh()
-    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    model.fc.bias.grad = torch.full((3,), float("nan"))  # another step's gradient, never zeroed
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in [model.fc.weight]}
 
     def step_in_backward(p):  # the optimizer-in-backward pattern: step, then free the gradient
         optimizers[p].step()
         optimizers[p].zero_grad(set_to_none=True)
 
-    handles = [p.register_post_accumulate_grad_hook(step_in_backward) for p in model.parameters()]
+    handle = model.fc.weight.register_post_accumulate_grad_hook(step_in_backward)
     try:
-        rec = _track(model, lambda: model(torch.randn(2, 3)).backward())
+        rec = _track(model, lambda: model(torch.randn(2, 3)).backward(), value_stats="exact")
     finally:
-        for handle in handles:
-            handle.remove()
-    footer = rec.recordings[0].backward[0].footer_extra[-1]
-    assert footer.startswith("no non-finite gradients in the 5 measured; 2 not measured (2 leaves whose .grad")
+        handle.remove()
+    [backward] = rec.recordings[0].backward
+    weight = next(e for e in backward.nodes if e.label == "fc.weight")
+    bias = next(e for e in backward.nodes if e.label == "fc.bias")
+    assert weight.outputs[0].shape == (3, 3) and weight.stats.kind == "exact"
+    assert bias.stats.nan == 0 and model.fc.bias.grad.isnan().all()  # this backward's part was finite
+    assert backward.footer_extra[-1] == "no non-finite gradients"
 
 
 def test_a_nested_backward_inside_a_reentrant_checkpoint_is_no_failed_run():

@@ -14,6 +14,8 @@ from typing import Dict, Optional
 
 import torch
 
+from torch.autograd.graph import get_gradient_edge
+
 from ..grammar import op_ref
 from ..results import Recording
 
@@ -67,8 +69,8 @@ class GradientRoots:
 
 class NodeRecord:
     """A hooked node: its name and what it stands for in the forward. The record is itself the
-    node's pre-hook and hook (called with one argument before the node runs, two after), and a
-    leaf's post-accumulate hook: one object per node, which a training step makes by the thousand.
+    node's pre-hook and hook (called with one argument before the node runs, two after): one
+    object per node, which a training step makes by the thousand.
 
     It holds no autograd node (that would keep the graph, and the activations it saved, alive for
     as long as the pass is watched): `edges` are the records of the nodes it sends its gradients to,
@@ -92,8 +94,6 @@ class NodeRecord:
         watch = self.watch
         if len(grads) == 2:  # after the node ran: (what it produced, what it received)
             watch.narration.node_done(watch, self, grads[0], grads[1])
-        elif self.label is not None:  # a leaf's gradient was accumulated: the leaf
-            watch.narration.node_done(watch, self, (), (grads[0].grad,))
         else:  # the node is about to run: what it received
             watch.narration.node_starting(watch, self, grads[0])
 
@@ -114,6 +114,7 @@ class BackwardWatch:
         self.root = root  # the model's scope: where gradients reaching its outputs are shown
         self.runs = 0  # backwards through this graph so far
         self.handles: list = []
+        self.accumulators: list = []  # of leaves returned as they are (no graph holds theirs)
         try:
             records, held = self._hook_nodes(roots, names, outputs)
             self._hook_outputs(outputs, records, roots, names)
@@ -163,10 +164,9 @@ class BackwardWatch:
                 records[id(node)] = record
                 record.watch = self
                 if record.label is not None:
-                    # A leaf: hooked on the tensor, after accumulation. A hook on its node would be
-                    # handed the incoming gradient, and autograd, seeing it referenced, would copy it
-                    # into `.grad` instead of taking it (a parameter-sized copy per step).
-                    handles.append(node.variable.register_post_accumulate_grad_hook(record))
+                    # a leaf's accumulator: after it ran, what it received (the gradient added to
+                    # `.grad`, not what `.grad` held before, which may be another step's)
+                    handles.append(node.register_hook(record))
                     continue
                 handles.append(node.register_prehook(record))
                 handles.append(node.register_hook(record))
@@ -218,7 +218,11 @@ class BackwardWatch:
                     node = NodeRecord("AccumulateGrad", self.root, None, None, roots.leaf_label(tensor, names),
                                       key=("leaf", id(tensor)))
                     node.watch = self
-                    self.handles.append(tensor.register_post_accumulate_grad_hook(node))
+                    # autograd holds a leaf's accumulator only while a graph uses it: this one is
+                    # held here, or the backward would make another, without the hook
+                    accumulator = get_gradient_edge(tensor).node
+                    self.accumulators.append(accumulator)
+                    self.handles.append(accumulator.register_hook(node))
             self.handles.append(tensor.register_hook(functools.partial(arrived, self, label, node)))
 
     def detach(self) -> None:
@@ -226,3 +230,4 @@ class BackwardWatch:
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
+        self.accumulators = []

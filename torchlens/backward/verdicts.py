@@ -58,8 +58,7 @@ class GradTracker:
         leaf = record is not None and event.kind is NODE and record.label is not None
         kinds = None if leaf and not event.outputs else held(event)
         if kinds is None:
-            reason = "leaves whose .grad an earlier hook released" if leaf and not event.outputs else \
-                unmeasured_reason(event)
+            reason = "leaves that received no gradient" if leaf and not event.outputs else unmeasured_reason(event)
             self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
             if record is not None and not leaf and event.kind is NODE:
                 self.unknown.update(target.key for target in record.edges if target is not None)
@@ -74,9 +73,9 @@ class GradTracker:
             self.leaves.append(record.label)
             if received or record.key in self.unknown:
                 return []
-            return self._unexplained(event, kinds, f"in {record.label}.grad at ~{event.ordinal} AccumulateGrad",
-                                     "a loss term computed outside the narrated forward, a sum of finite "
-                                     "gradients that overflowed, or what .grad held before this backward")
+            return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
+                                                   f"AccumulateGrad", "a loss term computed outside the narrated "
+                                                   "forward, or a sum of finite gradients that overflowed")
         self._send(record, event, positions)
         if received:
             return []  # it received a non-finite gradient: it passes it on
