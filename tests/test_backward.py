@@ -506,11 +506,18 @@ def test_selectors_depth_max_lines_and_prefix_apply_to_backward_lines():
     assert lines[5].startswith("-- max_lines=5 reached")
 
 
-def test_backward_is_a_recorder_and_compile_keyword_and_checked_like_the_others():
+def test_record_takes_backward_and_narrates_the_later_backward_to_its_sink_appended(tmp_path):
+    model = tiny_gpt().train()
+    log = tmp_path / "run.log"
+    recording = tl.record(model, tokens(), narrate=str(log), backward=True, on_nonfinite="track")
+    forward_text = log.read_text()
+    assert "backward" not in forward_text
+    recording.output.sum().backward()
+    text = log.read_text()
+    assert text.startswith(forward_text) and text[len(forward_text):].startswith("-- backward of the forward\n")
+    assert recording.narrate() == text and recording.backward[0].footer_extra[-1] == "no non-finite gradients"
     with pytest.raises(tl.errors.OptionTypeError, match=r"backward=.*True or False"):
         tl.recording.Recorder(tiny_gpt(), backward="yes")
-    with pytest.raises(TypeError):
-        tl.record(tiny_gpt(), tokens(), backward=True)  # the forward takes no such keyword
 
 
 # -- compiled -------------------------------------------------------------------------------------------
@@ -819,3 +826,65 @@ def test_graphs_released_unbackwarded_past_the_limit_are_said_in_the_footer():
     footer = rec.recordings[-1].backward[0].footer_extra[-1]
     assert "the graphs of 2 earlier passes were released before a backward reached them" in footer
     assert footer.startswith("no non-finite gradients in the")  # nothing claimed of them
+
+
+# -- compare: gradients aligned too ------------------------------------------------------------------------
+
+
+class HookedGradient(nn.Module):
+    """A forward identical with and without `scale`, whose backward differs from relu's node on."""
+
+    def __init__(self, scale=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+        self.scale = scale
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.scale is not None:
+            h.register_hook(lambda grad: grad * self.scale)
+        return self.fc2(h).sum()
+
+
+def test_compare_aligns_two_backwards_and_names_the_first_gradient_divergence():
+    x = torch.randn(3, 4)
+    a = tl.trace(HookedGradient(), x, backward=True)
+    a.output.backward()
+    b = tl.trace(HookedGradient(scale=1.5), x, backward=True)
+    b.output.backward()
+    report = tl.debug.compare(a, b)
+    assert report.first_divergence is None  # the forwards are the same
+    first = report.first_gradient_divergence
+    assert first.op == "ReluBackward0" and (first.ordinal_a, first.ordinal_b) == (6, 6)
+    assert report.gradients.counts["matched"] == len(a.backward[0].nodes) == len(b.backward[0].nodes)
+    text = str(report)
+    assert "first gradient divergence: ~6 ReluBackward0 (a ~6, b ~6)" in text
+    assert "fc2.weight" in report.gradients.table(elide=False)
+    # the gradients kept are the node's own, detached
+    relu = next(e for e in b.backward[0].nodes if e.op == "ReluBackward0")
+    assert b.backward[0].values[relu.ordinal][0].shape == (3, 8)
+
+    same = tl.trace(HookedGradient(), x, backward=True)
+    same.output.backward()
+    assert tl.debug.compare(a, same).first_gradient_divergence is None
+    plain = tl.trace(HookedGradient(), x)  # no backward kept: nothing to align
+    assert tl.debug.compare(a, plain).gradients is None
+
+
+def test_compare_pairs_every_parameter_gradient_of_eager_and_compiled_backwards_by_name():
+    torch._dynamo.reset()
+    model, x = tiny_gpt().train(), tokens()
+    torch.manual_seed(3)
+    eager = tl.trace(model, x, backward=True)
+    eager.output.square().mean().backward()
+    model.zero_grad()
+    torch.manual_seed(3)
+    compiled = tl.trace(model, x, backward=True, compiled=True)
+    compiled.output.square().mean().backward()
+    gradients = tl.debug.compare(eager, compiled).gradients
+    leaves = [row for row in gradients.rows if row.op.startswith("AccumulateGrad ")]
+    assert sorted(row.op.split()[1] for row in leaves) == sorted(n for n, _ in model.named_parameters())
+    assert all(row.status == "both" and row.verdict == "within" for row in leaves)
+    assert gradients.first_divergence is None

@@ -21,25 +21,29 @@ _COMPILED_ONLY = tuple(name for name in keywords_of(COMPILE) if name not in _TRA
 
 
 @outside_dynamo
-def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None, **kwargs) -> Recording:
+def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None, backward: bool = False,
+           **kwargs) -> Recording:
     """Run `model(*args, **kwargs)` once and record every op; narrate it live if asked.
 
     `narrate=` takes True (stderr), a path, a text stream, a callable taking one line, a Logger, a
     selector such as `tl.in_module("encoder.layer.3")`, or `tl.options.NarrationOptions(...)`.
     `value_stats=` is "off", "reuse", "sampled" or "exact"; `on_nonfinite=` None, "track" or
-    "raise". Other keyword arguments go to the model's forward.
+    "raise". `backward=True` also narrates the backward you run later through the graph this
+    forward built (`recording.backward`, docs/backward.md). Other keyword arguments go to the
+    model's forward.
 
     If the forward raises, the exception propagates unchanged, with `exc.partial_trace` attached.
     """
     check_model(model, "tl.record")
     _check_forward_kwargs(model, kwargs, _RECORD_KEYWORDS, "tl.record")
-    settings = make_settings(narrate, value_stats, on_nonfinite)
+    settings = make_settings(narrate, value_stats, on_nonfinite, backward=backward)
     return run_eager(model, args, kwargs, settings)
 
 
 @outside_dynamo
 def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None,
-          keep_on_cpu: bool = False, max_bytes=DEFAULT_MAX_BYTES, compiled=False, **kwargs) -> Trace:
+          keep_on_cpu: bool = False, max_bytes=DEFAULT_MAX_BYTES, compiled=False, backward: bool = False,
+          **kwargs) -> Trace:
     """Like `record`, and also keep a detached copy of every op's output (`trace.values`).
 
     `keep_on_cpu=True` copies values to host memory; `max_bytes` (default 2 GiB, None for no
@@ -50,6 +54,9 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     `tl.debug.compare(tl.trace(model, x), tl.trace(model, x, compiled=True))` finds where compiled
     numerics leave eager's. `compiled=` may also be a dict of `tl.compile` keywords, such as
     `{"compiler": "aot_eager", "dynamic": True}`.
+
+    `backward=True` also keeps the gradients of the backward you run later through this forward's
+    graph, node by node, so `compare` aligns them too (each backward within its own `max_bytes`).
     """
     check_model(model, "tl.trace")
     _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS + ("compiled",), "tl.trace")
@@ -64,10 +71,10 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
         for key in set(options) & set(OPTION_KEYS + _TRACE_KEYWORDS):
             raise OptionTypeError(f"tl.trace(compiled=...): {key!r} is a keyword of tl.trace itself; pass it there")
         config = make_config(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
-                             max_bytes=max_bytes, **ours)
+                             max_bytes=max_bytes, backward=backward, **ours)
         return trace_compiled(model, args, kwargs, config, options)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
-                             max_bytes=max_bytes)
+                             max_bytes=max_bytes, backward=backward)
     return run_eager(model, args, kwargs, settings)
 
 

@@ -266,7 +266,7 @@ KEYWORDS: Tuple[Keyword, ...] = (
     Keyword("max_bytes", (TRACE,), lambda owner, value: check_count(owner, "max_bytes", value, none_means="no limit")),
     Keyword("keep", (RECORDER,), lambda owner, value: check_count(owner, "keep", value, none_means="every pass")),
     Keyword("tail", (RECORDER,), lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
-    Keyword("backward", (RECORDER, COMPILE), lambda owner, value: check_bool(owner, "backward", value)),
+    Keyword("backward", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_bool(owner, "backward", value)),
     Keyword("live", (COMPILE,), lambda owner, value: check_bool(owner, "live", value)),
     Keyword("compiler", (COMPILE,), check_compiler),
     Keyword("stats_on", (COMPILE,), check_stats_on),

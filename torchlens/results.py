@@ -56,11 +56,14 @@ class Backward:
       the forward's outputs.
     - `findings`: with `on_nonfinite=`, where the first non-finite gradient was born.
     - `error`, `attempt`: when the backward failed, what it raised and the node that was running.
+    - `values`: for a `tl.trace(..., backward=True)`, each node's gradients (detached copies) by
+      its `~N`, which `tl.debug.compare` aligns; None otherwise.
     """
 
     def __init__(self, header: str, settings):
         self.header = header
         self.settings = settings
+        self.values: Optional[Dict[int, Tuple]] = {} if settings.keep_values else None
         self.events: List[Event] = []
         self.footer_extra: List[str] = []
         self.findings: tuple = ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import TraceBudgetError
+from .events import BackwardEvent
 from .grammar import op_ref
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
@@ -37,8 +38,10 @@ class ValueKeeper:
         tensors = (out,) if isinstance(out, torch.Tensor) else tuple(t for t in out if isinstance(t, torch.Tensor))
         size = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
         if self.max_bytes is not None and self.total + size > self.max_bytes:
+            where = (f"~{event.ordinal} {event.op} (a backward node)" if isinstance(event, BackwardEvent)
+                     else op_ref(event.ordinal, event.op, event.scope.path))
             raise TraceBudgetError(
-                f"tl.trace stopped at {op_ref(event.ordinal, event.op, event.scope.path)}: keeping its output would make "
+                f"tl.trace stopped at {where}: keeping its output would make "
                 f"{_fmt_bytes(self.total + size)} of kept values, over max_bytes={self.max_bytes} "
                 f"({_fmt_bytes(self.max_bytes)}). Pass a larger max_bytes= (None for no limit), "
                 f"keep_on_cpu=True to keep them in host memory, or use tl.record, which keeps no values."

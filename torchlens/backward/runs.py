@@ -17,6 +17,7 @@ from ..narrator import Narrator
 from ..results import Backward, PartialTrace, Recording
 from ..session import attach, error_summary, internal_error, nonfinite_message
 from ..tracking import Finding, held, settled
+from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import GradTracker, _received_kinds
 
@@ -43,6 +44,9 @@ class BackwardRun:
         self.ordinal = 0
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         self.meter = meter if meter.active else None
+        # `tl.trace(..., backward=True)`: each node's gradients kept, within a budget of their own
+        self.keeper = (ValueKeeper(self.record.values, settings.keep_on_cpu, settings.max_bytes)
+                       if self.record.values is not None else None)
         self.tracker = GradTracker() if settings.on_nonfinite is not None else None
         self.thread = threading.get_ident()
         self.in_flight: Optional[tuple] = None  # (record, metadata of what it received) of the node running now
@@ -77,6 +81,8 @@ class BackwardRun:
                     or (tracker is not None and at_hand))
             event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
         self.record.events.append(event)
+        if self.keeper is not None and measured and event.kind is NODE:
+            self.keeper(event, measured)
         findings = ()
         if tracker is not None:
             direct = self._received.pop(record.key, None) if event.kind is NODE else None

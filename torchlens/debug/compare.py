@@ -144,11 +144,21 @@ class CompareReport:
     - `counts`: matched, within_tolerance, diverged, not_comparable, unchecked, only_a, only_b.
     - `str(report)` / `table(...)`: the text report, led by the first divergence.
     - `to_rows()`: the rows as plain dicts; `plot(path)`: max abs difference per op.
+    - `gradients`: when both traces kept a backward (`tl.trace(..., backward=True)`), the same
+      report for their first backwards, node by node in the order they ran (`~N`), None
+      otherwise; `first_gradient_divergence` is its first divergence.
     """
 
-    def __init__(self, rows: List[CompareRow]):
+    def __init__(self, rows: List[CompareRow], gradients: Optional["CompareReport"] = None, tag: str = "#"):
         self.rows = rows
         self.first_divergence: Optional[CompareRow] = next((row for row in rows if row.diverged), None)
+        self.gradients = gradients
+        self.tag = tag  # how a row's position is written: `#N` for ops, `~N` for backward nodes
+        self.noun = "op" if tag == "#" else "node"
+
+    @property
+    def first_gradient_divergence(self) -> Optional[CompareRow]:
+        return self.gradients.first_divergence if self.gradients is not None else None
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -170,12 +180,14 @@ class CompareReport:
 
     def summary(self) -> str:
         """One line naming the first divergence: op, module, ordinals and how far apart."""
-        row = self.first_divergence
+        row, tag = self.first_divergence, self.tag
+        which = "" if tag == "#" else "gradient "
         if row is None:
             counts = self.counts
             unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
-            return f"no divergence: {counts['within_tolerance']} matched ops within tolerance{unchecked}"
-        head = f"first divergence: #{row.ordinal} {row.where} (a #{row.ordinal_a}, b #{row.ordinal_b})"
+            return f"no {which}divergence: {counts['within_tolerance']} matched {self.noun}s within tolerance{unchecked}"
+        head = (f"first {which}divergence: {tag}{row.ordinal} {row.where} (a {_ordinal(row.ordinal_a, tag)}, "
+                f"b {_ordinal(row.ordinal_b, tag)})")
         if row.verdict == NOT_COMPARABLE:
             return f"{head}: not comparable, {row.reason}"
         return (f"{head}: max abs diff {_number(row.max_abs)}, max rel diff {_number(row.max_rel)} "
@@ -191,15 +203,19 @@ class CompareReport:
         counts = self.counts
         lines = [
             self.summary(),
-            f"{len(self.rows)} aligned ops: {counts['matched']} in both ({counts['within_tolerance']} within "
+            f"{len(self.rows)} aligned {self.noun}s: {counts['matched']} in both ({counts['within_tolerance']} within "
             f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
             f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b",
         ]
-        body = _row_lines(self.rows, elide)
+        body = _row_lines(self.rows, elide, self.tag)
         if max_rows is not None and len(body) > max_rows + 1:
             left_out = len(body) - max_rows - 1
             body = body[:max_rows + 1] + [f"... {left_out} more lines (report.table(max_rows=None) shows all)"]
-        return "\n".join(lines + body) + "\n"
+        text = "\n".join(lines + body) + "\n"
+        if self.gradients is not None:
+            text += "\ngradients (the backwards, node by node in the order they ran):\n"
+            text += self.gradients.table(elide, max_rows)
+        return text
 
     def plot(self, path=None):
         """Plot the max abs difference per aligned op (log scale), the first divergence marked.
@@ -245,8 +261,10 @@ class CompareReport:
 
     def __repr__(self) -> str:
         counts = self.counts
-        first = f"first divergence #{self.first_divergence.ordinal} {self.first_divergence.where}" \
+        first = f"first divergence {self.tag}{self.first_divergence.ordinal} {self.first_divergence.where}" \
             if self.first_divergence else "no divergence"
+        if self.gradients is not None:
+            first += f"; gradients: {self.gradients!r}"
         return (f"<CompareReport: {counts['matched']} matched, {counts['diverged'] + counts['not_comparable']} "
                 f"diverged, {counts['only_a']} only in a, {counts['only_b']} only in b; {first}>")
 
@@ -270,7 +288,63 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
         else:
             tolerance.observe(event_a.outputs, event_b.outputs)
             rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
-    return CompareReport(rows)
+    return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol))
+
+
+def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[float]) -> Optional[CompareReport]:
+    """The first backward of each trace, node by node, when both kept their gradients.
+
+    Nodes are aligned in the order they ran on the module of their forward op and the node's name;
+    leaves' accumulators are paired by the leaf's name, wherever they ran (a compiled graph's
+    backward is one node, and accumulates its parameters in an order of its own). Rows follow
+    trace_b's backward; the first divergence is the one nearest the loss, where the two backwards
+    first part.
+    """
+    backward_a, backward_b = _kept_backward(trace_a), _kept_backward(trace_b)
+    if backward_a is None or backward_b is None:
+        return None
+    tolerance = _Tolerance(rtol, atol)
+    nodes_a = [e for e in backward_a.nodes if not e.label]
+    nodes_b = [e for e in backward_b.nodes if not e.label]
+    leaves_a = {e.label: e for e in backward_a.nodes if e.label}
+    leaves_b = {e.label: e for e in backward_b.nodes if e.label}
+    pairs = _align(nodes_a, nodes_b, (_gradient_full_key, _gradient_name_key))
+    pairs += [(leaves_a.get(label), leaves_b.get(label)) for label in {**leaves_a, **leaves_b}]
+    rows = []
+    for event_a, event_b in sorted(pairs, key=_backward_position):
+        if event_b is None:
+            rows.append(CompareRow(ONLY_A, event_a.module, _node_name(event_a), event_a.ordinal, None))
+        elif event_a is None:
+            rows.append(CompareRow(ONLY_B, event_b.module, _node_name(event_b), None, event_b.ordinal))
+        else:
+            tolerance.observe(event_a.outputs, event_b.outputs)
+            row = _compare_matched(event_a, event_b, backward_a.values, backward_b.values, tolerance)
+            row.op = _node_name(event_b)
+            rows.append(row)
+    return CompareReport(rows, tag="~")
+
+
+def _backward_position(pair) -> tuple:
+    """Where a pair sits in trace_b's backward (a node only in a: right after its neighbour in a)."""
+    a, b = pair
+    return (b.ordinal, 0) if b is not None else (a.ordinal, 1)
+
+
+def _kept_backward(trace):
+    backwards = getattr(trace, "backward", None) or ()
+    return next((b for b in backwards if b.values is not None), None)
+
+
+def _node_name(event: Event) -> str:
+    return f"{event.op} {event.label}" if event.label else event.op
+
+
+def _gradient_full_key(event: Event) -> tuple:
+    return (event.module, event.op, tuple((tuple(meta.shape), meta.dtype) for meta in event.outputs))
+
+
+def _gradient_name_key(event: Event) -> tuple:
+    return (event.module, event.op)
 
 
 def align(ops_a: Sequence[Event], ops_b: Sequence[Event]) -> List[Tuple[Optional[Event], Optional[Event]]]:
@@ -479,7 +553,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> _
     return _Difference(diff.max().item(), rel.max().item(), rtol, atol, within)
 
 
-def _row_lines(rows: List[CompareRow], elide: bool) -> List[str]:
+def _row_lines(rows: List[CompareRow], elide: bool, tag: str = "#") -> List[str]:
     """The column header and one line per row, runs of within-tolerance rows folded when eliding."""
     ordinal_width = max([2] + [len(str(o)) for row in rows for o in (row.ordinal_a, row.ordinal_b) if o])
     op_width = max([2] + [len(row.op) for row in rows])
@@ -489,7 +563,7 @@ def _row_lines(rows: List[CompareRow], elide: bool) -> List[str]:
                 f"{op:<{op_width}}  {module}")
         return (text + "  " + reason if reason else text).rstrip()
 
-    lines = [line("a#", "b#", "verdict", "max_abs", "max_rel", "op", "module")]
+    lines = [line("a" + tag, "b" + tag, "verdict", "max_abs", "max_rel", "op" if tag == "#" else "node", "module")]
     shown = _rows_to_show(rows) if elide else [True] * len(rows)
     hidden = 0
     for row, show in zip(rows, shown):
@@ -497,14 +571,14 @@ def _row_lines(rows: List[CompareRow], elide: bool) -> List[str]:
             hidden += 1
             continue
         if hidden:
-            lines.append(_elision(hidden))
+            lines.append(_elision(hidden, tag))
             hidden = 0
         lines.append(line(
-            _ordinal(row.ordinal_a), _ordinal(row.ordinal_b),
+            _ordinal(row.ordinal_a, tag), _ordinal(row.ordinal_b, tag),
             row.verdict or ("only in a" if row.status == ONLY_A else "only in b"),
             _number(row.max_abs), _number(row.max_rel), row.op, row.module or "(root)", row.reason))
     if hidden:
-        lines.append(_elision(hidden))
+        lines.append(_elision(hidden, tag))
     return lines
 
 
@@ -523,12 +597,13 @@ def _rows_to_show(rows: List[CompareRow]) -> List[bool]:
     return shown
 
 
-def _elision(count: int) -> str:
-    return f"  ... {count} op{'s' if count != 1 else ''} within tolerance"
+def _elision(count: int, tag: str = "#") -> str:
+    noun = "op" if tag == "#" else "node"
+    return f"  ... {count} {noun}{'s' if count != 1 else ''} within tolerance"
 
 
-def _ordinal(ordinal: Optional[int]) -> str:
-    return "-" if ordinal is None else f"#{ordinal}"
+def _ordinal(ordinal: Optional[int], tag: str = "#") -> str:
+    return "-" if ordinal is None else f"{tag}{ordinal}"
 
 
 def _number(value: Optional[float]) -> str:

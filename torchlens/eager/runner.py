@@ -7,6 +7,7 @@ from typing import Optional
 
 from torch import nn
 
+from ..backward import BackwardNarration
 from ..forward_pass import ForwardPass
 from ..grammar import opaque_calls_note
 from ..narrator import Narrator
@@ -58,8 +59,11 @@ class EagerPass(ForwardPass):
 
 
 def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings) -> Recording:
-    """Run `model(*args, **kwargs)` once under capture and return its recording."""
-    run = EagerPass(model, settings)
+    """Run `model(*args, **kwargs)` once under capture and return its recording. With
+    `settings.backward`, the backward run later through its graph is narrated to a sink of its own
+    (the forward's sink is closed when this returns), and added to the recording."""
+    backward = BackwardNarration(settings, None) if settings.backward else None
+    run = EagerPass(model, settings, backward=backward)
     try:
         run.begin(args, kwargs)
         output = model(*args, **kwargs)

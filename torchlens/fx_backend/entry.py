@@ -98,7 +98,7 @@ def trace_compiled(model: nn.Module, args, kwargs, config: CompileConfig, torch_
     check_torch_compile_kwargs(torch_compile_kwargs, "tl.trace(compiled=...)")
     settings = config.settings
     key = (settings.value_stats, settings.on_nonfinite, settings.keep_on_cpu, settings.max_bytes, config.live,
-           config.compiler, config.stats_on, tuple(sorted(torch_compile_kwargs.items())))
+           config.compiler, config.stats_on, settings.backward, tuple(sorted(torch_compile_kwargs.items())))
     backends = _trace_backends.setdefault(model, {})
     backend = backends.get(key)
     if backend is None:
@@ -106,6 +106,7 @@ def trace_compiled(model: nn.Module, args, kwargs, config: CompileConfig, torch_
     backend.runtime.scopes.refresh()  # a reused runtime read the model's names at its first trace
     check_selection(settings, backend.runtime.scopes.paths)
     backend.runtime.config = config  # this call's narration; the graphs are instrumented alike
+    backend.runtime.renew_backward()  # its backward narrated with this call's options
     compiled = compile_model(model, config, torch_compile_kwargs, backend)
     compiled(*args, **kwargs)
     runtime = backend.runtime

@@ -118,6 +118,12 @@ class CompiledRuntime:
             internal_error("starting a compiled forward", exc)
             return None
 
+    def renew_backward(self) -> None:
+        """The backwards of forwards from now on are narrated with the current options (a runtime
+        reused by `tl.trace(compiled=...)`; graphs watched before keep theirs)."""
+        settings = self.config.settings
+        self.backward = BackwardNarration(settings, None) if settings.backward else None
+
     def __reduce__(self):
         """A copied or saved compiled model carries no narration state: its copy's runtime is
         None (the runtime holds the sink, weak references and dynamo's hooks, none of which copy)."""
