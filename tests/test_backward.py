@@ -888,3 +888,126 @@ def test_compare_pairs_every_parameter_gradient_of_eager_and_compiled_backwards_
     assert sorted(row.op.split()[1] for row in leaves) == sorted(n for n, _ in model.named_parameters())
     assert all(row.status == "both" and row.verdict == "within" for row in leaves)
     assert gradients.first_divergence is None
+
+
+# -- one-forward entry points: every backward ends, and nothing stays behind -----------------------------
+
+
+def test_a_record_whose_backward_fails_unseen_is_ended_when_the_next_forward_begins(tmp_path):
+    model = WithCustomFunction()
+    log = tmp_path / "run.log"
+    recording = tl.record(model, torch.randn(2, 4), narrate=str(log), backward=True)
+    with pytest.raises(ValueError):
+        recording.output.backward()
+    [backward] = recording.backward
+    assert not backward.finished and backward.error is None  # nothing saw it fail yet
+    tl.record(model, torch.randn(2, 4))  # any forward
+    assert backward.error.startswith("BackwardStopped") and backward.attempt.op == "ExplodingBackward"
+    assert "!! backward failed: BackwardStopped" in log.read_text()
+
+
+def test_a_trace_whose_gradients_exceed_max_bytes_stops_its_backward_with_the_partial_trace():
+    model = tiny_gpt().train()
+    trace = tl.trace(model, tokens(), backward=True, max_bytes=200_000)  # 76 kB forward, 484 kB backward
+    with pytest.raises(tl.errors.TraceBudgetError, match=r"tl.trace stopped at ~\d+ \S+ \(a backward node\)") as info:
+        trace.output.sum().backward()
+    assert info.value.partial_trace.failed_backward is trace.backward[0]
+    assert trace.backward[0].error.startswith("TraceBudgetError")
+
+
+def test_a_parameter_returned_as_is_by_a_recorded_forward_keeps_no_hook_after_its_backward():
+    class ReturnsScale(OneLinear):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return self.fc(x), self.scale
+
+    model, sink = ReturnsScale(), io.StringIO()
+    recording = tl.record(model, torch.randn(2, 3), narrate=sink, backward=True)
+    out, scale = recording.output
+    (out.sum() + scale.sum()).backward()
+    assert not model.scale._backward_hooks
+    text = sink.getvalue()
+    out, scale = model(torch.randn(2, 3))
+    (out.sum() + scale.sum()).backward()  # a plain step afterwards: not narrated, not recorded
+    assert sink.getvalue() == text and len(recording.backward) == 1
+
+
+def test_a_compiled_trace_dropped_frees_the_gradients_it_kept():
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    model = SafeSqrt()
+    trace = tl.trace(model, torch.randn(3, 4), backward=True, compiled=True)
+    trace.output.backward()
+    kept = weakref.ref(next(iter(trace.backward[0].values.values()))[0])
+    del trace
+    gc.collect()
+    assert kept() is None
+
+
+def test_a_backward_on_a_worker_thread_during_the_next_forward_is_written_whole_after_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(20)])
+    sink = io.StringIO()
+    import threading
+
+    with tl.recording.Recorder(model, narrate=sink, backward=True) as rec:
+        loss = model(torch.randn(4, 16)).sum()
+        worker = threading.Thread(target=loss.backward)
+        worker.start()
+        model(torch.randn(4, 16))  # pass 2's forward while pass 1's backward runs
+        worker.join()
+    notes = [line for line in sink.getvalue().splitlines() if line.startswith("-- ")]
+    forward_footer = "-- end: 1 input, 40 ops, 60 module calls"
+    assert notes[notes.index("-- pass 2") + 1] == forward_footer  # pass 2 narrated whole
+    section = sink.getvalue().split("-- backward of pass 1\n")[1].splitlines()
+    assert len(node_lines("\n".join(section))) == 100 and section[-1].startswith("-- end: 100 nodes")
+    assert rec.recordings[0].backward[0].lines(rec.settings.narration) == \
+        ["-- backward of pass 1"] + section
+
+
+def test_compare_pairs_same_named_leaves_in_order_and_reads_sparse_gradients():
+    class TwoLeaves(nn.Module):
+        def __init__(self, scale=1.0):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, u, v):
+            return (u * 2).sum() + (v * self.scale).sum()
+
+    u, v = torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True)
+    a = tl.trace(TwoLeaves(), u, v, backward=True)
+    a.output.backward()
+    b = tl.trace(TwoLeaves(3.0), u, v, backward=True)
+    b.output.backward()
+    gradients = tl.debug.compare(a, b).gradients
+    leaves = [row for row in gradients.rows if row.op.startswith("AccumulateGrad")]
+    assert [row.verdict for row in leaves].count("diverged") == 1 and len(leaves) == 2
+
+    embed = nn.Embedding(10, 3, sparse=True)
+    ids = torch.tensor([[1, 2, 3]])
+    a = tl.trace(embed, ids, backward=True)
+    a.output.sum().backward()
+    b = tl.trace(embed, ids, backward=True)
+    b.output.sum().backward()
+    assert tl.debug.compare(a, b).first_gradient_divergence is None
+
+
+def test_released_graphs_are_said_by_the_next_backward_only():
+    class Tanh(OneLinear):
+        def forward(self, x):
+            return torch.tanh(self.fc(x)).sum()
+
+    model = Tanh()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        for _ in range(9):
+            model(torch.randn(2, 3))  # evaluations with grad on, never backwarded
+        model(torch.randn(2, 3)).backward()
+        model(torch.randn(2, 3)).backward()
+    first, second = rec.recordings[-2].backward[0], rec.recordings[-1].backward[0]
+    assert "released before a backward reached them" in first.footer_extra[-1]
+    assert second.footer_extra[-1] == "no non-finite gradients"

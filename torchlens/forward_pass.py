@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .backward import BackwardNarration, GradientRoots
+from .backward import BackwardNarration, GradientRoots, settle_open_runs
 from .events import Scope, TensorMeta
 from .mode_stack import own_work, under_a_capture
 from .narrator import Narrator
@@ -48,6 +48,7 @@ class ForwardPass:
                  backward: Optional[BackwardNarration] = None):
         self.settings = settings
         self.nested = under_a_capture()
+        settle_open_runs()  # a backward of an earlier forward that failed unseen: ended now
         self.tensor_names = tensor_names
         # `backward`: where this forward's backward is narrated (`backward=True`); the nodes its ops
         # feed autograd are noted in `roots` (none when the forward builds no graph)

@@ -219,6 +219,11 @@ class Narrator:
         for line in lines:
             self._write(line)
 
+    def write_lines(self, lines: Sequence[str]) -> None:
+        """Write lines rendered by another narrator (a backward held back while this one was busy),
+        with this narrator's prefix."""
+        self._write_block(lines)
+
     def note(self, text: str) -> None:
         if not self._quiet:
             self._emit(grammar.render_note(text))

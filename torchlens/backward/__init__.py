@@ -25,6 +25,6 @@ first non-finite gradient was born), `runs` (each backward run: its lines, stati
 """
 
 from .graph import GradientRoots, running_backward
-from .runs import BackwardNarration, BackwardStopped
+from .runs import BackwardNarration, BackwardStopped, settle_open_runs
 
-__all__ = ["BackwardNarration", "BackwardStopped", "GradientRoots", "running_backward"]
+__all__ = ["BackwardNarration", "BackwardStopped", "GradientRoots", "running_backward", "settle_open_runs"]

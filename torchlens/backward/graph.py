@@ -108,7 +108,6 @@ class BackwardWatch:
         # backward), which the user may drop (`Recorder(keep=0)`, an evaluation never backwarded).
         # What a backward needs of it is held here instead.
         self._recording = weakref.ref(recording)
-        self.backwards = recording.backward  # where each run's `Backward` is added
         self.header = recording.header
         self._forward = (recording.events, recording.settings, recording.footer_extra, recording.findings)
         self.root = root  # the model's scope: where gradients reaching its outputs are shown
@@ -127,13 +126,21 @@ class BackwardWatch:
     def pass_name(self) -> str:
         return self.header or "the forward"
 
-    def recording(self) -> Recording:
-        """The pass's recording, or, if nothing holds it any more, one like it without the output."""
+    def add_backward(self, backward) -> None:
+        """A run through this graph began: its `Backward` joins the recording (if still held: a
+        recording nobody holds keeps none, nor the gradients a trace would keep in them)."""
+        recording = self._recording()
+        if recording is not None:
+            recording.backward.append(backward)
+
+    def recording(self, backward) -> Recording:
+        """The pass's recording, or, if nothing holds it any more, one like it without the output,
+        holding `backward` (the run that failed)."""
         recording = self._recording()
         if recording is None:
             events, settings, footer_extra, findings = self._forward
             recording = Recording(events, None, settings, self.header, footer_extra, findings=findings)
-            recording.backward = self.backwards
+            recording.backward = [backward]
         return recording
 
     def _hook_nodes(self, roots: GradientRoots, names: dict, outputs):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Dict, List, Optional
+import weakref
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -14,12 +15,13 @@ from ..errors import NonFiniteError
 from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
 from ..meter import Meter
 from ..narrator import Narrator
+from ..sinks import ListSink
 from ..results import Backward, PartialTrace, Recording
 from ..session import attach, error_summary, internal_error, nonfinite_message
 from ..tracking import Finding, held, settled
 from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
-from .verdicts import GradTracker, _received_kinds
+from .verdicts import UNREAD, GradTracker, _received_kinds
 
 _graph_task_id = torch._C._current_graph_task_id
 _Tensor = torch.Tensor
@@ -40,7 +42,7 @@ class BackwardRun:
         self.watch = watch
         self.task = task
         self.record = Backward(f"backward{number} of {watch.pass_name}", settings)
-        watch.backwards.append(self.record)
+        watch.add_backward(self.record)
         self.ordinal = 0
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         self.meter = meter if meter.active else None
@@ -53,25 +55,40 @@ class BackwardRun:
         self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
         self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
         self.incomplete: Optional[str] = None
-        self.narrator = narration.narrator
-        self._owned = None  # a narrator (and sink) of this run's own, when no entry point shares one
-        if self.narrator is None and settings.narration is not None:
-            self.narrator = self._owned = Narrator(settings.narration)
+        self.narrator, self._owned, self._buffered = self._narrator(narration, settings)
         if self.narrator is not None:
             self.narrator.begin_pass(self.record.header)
 
+    def _narrator(self, narration: "BackwardNarration", settings):
+        """(the narrator it writes to, the one it opened itself, the shared one its lines go to as
+        one block at its end). A shared narrator busy with a forward or with another run, or owned
+        by another thread, gets this run's lines in one block when it ends, not interleaved."""
+        shared = narration.narrator
+        if shared is None:
+            if settings.narration is None:
+                return None, None, None
+            own = Narrator(settings.narration)  # a sink of its own, opened again for each backward
+            return own, own, None
+        if narration.busy(self.thread):
+            buffer = Narrator(settings.narration.replace(prefix=""), ListSink())
+            return buffer, buffer, shared
+        narration.live_run = self
+        return shared, None, None
+
     def starting(self, record: NodeRecord, grads) -> None:
-        """A node is about to run with `grads`: remember it (as metadata: holding the gradients would
-        keep them), and where values are read once per backward, measure what it received."""
+        """A node is about to run with `grads`: remember it (as metadata and versions: holding the
+        gradients would keep them), and where values are read once per backward, measure what it
+        received."""
         tensors = tuple(g for g in grads if isinstance(g, _Tensor))
-        self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors))
+        self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors), tuple(_version(g) for g in tensors))
         if (self.tracker is not None and record.label is None and tensors
                 and tensors[0].device.type not in meter_module.READ_NOW):
             # read at once under `raise`, which must decide at this node; else with the rest
             self._received[record.key] = self.meter.measure_output(tensors, self.narration.raising)
 
-    def add(self, event, record: Optional[NodeRecord], measured, positions, received) -> None:
-        """Measure, record, narrate and judge one node (or received gradient)."""
+    def add(self, event, record: Optional[NodeRecord], measured, positions, received, versions=()) -> None:
+        """Measure, record, narrate and judge one node (or received gradient); `versions` are those
+        of the gradients it received, when it was about to run."""
         narration = self.narration
         narrator = self.narrator
         tracker = self.tracker
@@ -87,7 +104,9 @@ class BackwardRun:
         if tracker is not None:
             direct = self._received.pop(record.key, None) if event.kind is NODE else None
             if direct is None and received is not None and event.stats is not None and settled(event) and held(event):
-                direct = _received_kinds(received)  # at hand: measured only when it produced one
+                # at hand: measured only when it produced one, and only if the node left it as it was
+                # received (a backward may reuse its incoming gradient's memory)
+                direct = _received_kinds(received) if versions == _versions(received) else UNREAD
             findings = tracker.judge(event, record, positions, direct)
             for finding in findings:
                 finding.live = finding.event is event
@@ -121,10 +140,16 @@ class BackwardRun:
         self.close()
 
     def close(self) -> None:
-        """Release the sink this run opened (not a shared one). Idempotent."""
+        """Release the sink this run opened (not a shared one), or hand its lines to the shared
+        narrator it held them back from. Idempotent."""
         owned, self._owned = self._owned, None
-        if owned is not None:
-            owned.close()
+        if self.narration.live_run is self:
+            self.narration.live_run = None
+        if owned is None:
+            return
+        if self._buffered is not None:
+            self._buffered.write_lines(owned.sink.lines)
+        owned.close()
 
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
@@ -139,7 +164,7 @@ class BackwardRun:
                 internal_error("judging the failed backward's gradients", inner)
         record.error = error_summary(exc)
         record.attempt = self._attempt(noticed_late)
-        partial = PartialTrace.of_backward(self.watch.recording(), record)
+        partial = PartialTrace.of_backward(self.watch.recording(record), record)
         if self.narrator is not None:
             self.narrator.fail(record.events, record.attempt, record.error, "backward")
         self.close()
@@ -148,7 +173,7 @@ class BackwardRun:
     def _attempt(self, noticed_late: bool) -> Optional[BackwardAttempt]:
         if self.in_flight is None:
             return None
-        record, inputs = self.in_flight
+        record, inputs, _ = self.in_flight
         notes = ("seen after the backward had already stopped: the node whose hook never ran",) if noticed_late else ()
         return BackwardAttempt(record.name, self.ordinal + 1, record.scope, record.site, inputs, record.forward, notes)
 
@@ -159,9 +184,15 @@ class BackwardNarration:
 
     MAX_WATCHES = 8  # graphs kept hooked while no backward has run through them (gradient accumulation)
 
-    def __init__(self, settings, narrator: Optional[Narrator]):
+    def __init__(self, settings, narrator: Optional[Narrator], forward_open: Callable[[], bool] = bool,
+                 once: bool = False):
         self.settings = settings
         self.narrator = narrator  # shared with the forwards (a `Recorder`'s); else each run opens its own
+        self.thread = threading.get_ident()  # the thread whose forwards the shared narrator narrates
+        self.forward_open = forward_open  # whether a forward is being narrated on the shared narrator now
+        self.live_run: Optional[BackwardRun] = None  # the run writing to the shared narrator now
+        # `once`: the graph of one forward (`tl.record`, `tl.trace`), released when its backward ends
+        self.once = once
         self.raising = settings.on_nonfinite == "raise"
         # The runs not ended yet, by autograd's graph task: a backward may run inside another (a
         # reentrant checkpoint's), or on another thread while this one runs a forward.
@@ -169,6 +200,10 @@ class BackwardNarration:
         self.watches: List[BackwardWatch] = []
         self.released = 0  # graphs released before any backward ran through them (past MAX_WATCHES)
         self._lock = threading.RLock()  # nodes on different devices run on different threads
+
+    def busy(self, thread: int) -> bool:
+        """Whether a run on `thread` must hold its lines back from the shared narrator."""
+        return thread != self.thread or self.live_run is not None or self.forward_open()
 
     # -- the forward side -------------------------------------------------------------------------
 
@@ -178,6 +213,7 @@ class BackwardNarration:
         with self._lock:
             self._release(keep_pending=True)
             self.watches.append(BackwardWatch(self, recording, roots, outputs, names, root))
+            _OPEN.add(self)
 
     def _release(self, keep_pending: bool) -> None:
         running = {run.watch for run in self.runs.values()}
@@ -203,6 +239,14 @@ class BackwardNarration:
             for task, run in list(self.runs.items()):
                 if run.thread == thread:
                     self._end_failed(run, None)
+
+    def _ended(self, run: BackwardRun) -> None:
+        """After a run ended: a one-forward narration lets go of its graph."""
+        if self.once:
+            for watch in self.watches:
+                watch.detach()
+            self.watches = []
+            _OPEN.discard(self)
 
     def close(self, exc: Optional[BaseException] = None) -> None:
         """The entry point is done (the `Recorder` block ends): a backward still open failed (with
@@ -234,7 +278,8 @@ class BackwardNarration:
                 if run is None or record.key in run.seen:
                     return
                 run.seen.add(record.key)
-                run.in_flight = None
+                flight, run.in_flight = run.in_flight, None
+                versions = flight[2] if flight is not None and flight[0] is record else None
                 grads = grad_outputs if record.label is not None else grad_inputs
                 positions = [i for i, g in enumerate(grads) if isinstance(g, _Tensor)]
                 measured = tuple(grads[i] for i in positions)
@@ -245,11 +290,10 @@ class BackwardNarration:
                 event = BackwardEvent(NODE, run.ordinal, record.name, record.scope,
                                       tuple(TensorMeta.of(t) for t in measured), record.site, None, record.label,
                                       forward)
-                run.add(event, record, measured, positions, None if record.label is not None else grad_outputs)
+                run.add(event, record, measured, positions, None if record.label is not None else grad_outputs,
+                        versions)
         except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise
-            self._internal_failure(exc)
+            self._hook_failed(exc)
 
     def output_grad(self, watch: BackwardWatch, label: str, node, grad) -> None:
         try:
@@ -262,15 +306,20 @@ class BackwardNarration:
                 event = BackwardEvent(GRAD, run.ordinal, "grad", watch.root, (TensorMeta.of(grad),), None, None, label)
                 run.add(event, node, (grad,), (0,), None)
         except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise
-            self._internal_failure(exc)
+            self._hook_failed(exc)
 
-    def _internal_failure(self, exc: Exception) -> None:
-        """A failure of torchlens in a hook: reported, the run marked incomplete, the backward untouched."""
-        run = self.runs.get(_graph_task_id())
-        if run is not None:
-            run.incomplete = run.incomplete or "nodes after an internal error were not all narrated"
+    def _hook_failed(self, exc: Exception) -> None:
+        """A hook raised. A deliberate stop (a kept-values budget) ends the run with its partial
+        trace and stops the backward; a failure of torchlens is reported and the run marked
+        incomplete, the backward untouched."""
+        with self._lock:
+            run = self.runs.get(_graph_task_id())
+            if getattr(exc, "torchlens_stop", False):
+                if run is not None:
+                    self._end_failed(run, exc)
+                raise exc
+            if run is not None:
+                run.incomplete = run.incomplete or "nodes after an internal error were not all narrated"
         internal_error("narrating a backward node", exc)
 
     def _run_for(self, watch: BackwardWatch, record: Optional[NodeRecord] = None) -> Optional[BackwardRun]:
@@ -294,12 +343,14 @@ class BackwardNarration:
                 if self.runs.get(run.task) is not run:
                     return
                 del self.runs[run.task]
-                if self.released:
+                if self.released:  # said by the next backward to end, the one that would reach them
                     graphs = "the graph of 1 earlier pass was" if self.released == 1 else \
                         f"the graphs of {self.released} earlier passes were"
                     run.incomplete = run.incomplete or (f"{graphs} released before a backward reached them (more than "
                                                         f"{self.MAX_WATCHES} waited)")
+                    self.released = 0
                 run.finish()
+                self._ended(run)
         except Exception as exc:
             internal_error("ending the backward's narration", exc)
 
@@ -314,6 +365,7 @@ class BackwardNarration:
                 attach(exc, partial)
         except Exception as inner:
             internal_error("ending a failed backward", inner)
+        self._ended(run)
 
     def stop(self, run: BackwardRun, finding: Finding) -> None:
         """`on_nonfinite="raise"`: stop the backward at this finding, with the partial trace."""
@@ -321,7 +373,31 @@ class BackwardNarration:
         error = NonFiniteError(nonfinite_message(finding))
         partial = run.fail(error, noticed_late=False)
         attach(error, partial)
+        self._ended(run)
         raise error
+
+
+# Narrations with graphs still hooked: a backward of theirs that failed unseen is ended (its sink
+# closed, its partial trace kept) when this thread next begins a forward.
+_OPEN: "weakref.WeakSet[BackwardNarration]" = weakref.WeakSet()
+
+
+def settle_open_runs() -> None:
+    """A forward begins: end the runs of this thread that failed unseen, whatever narrated them."""
+    for narration in list(_OPEN):
+        if narration.runs:
+            narration.settle()
+
+
+def _version(tensor) -> Optional[int]:
+    try:
+        return tensor._version
+    except Exception:  # an inference tensor, a wrapper
+        return None
+
+
+def _versions(grads) -> tuple:
+    return tuple(_version(g) for g in grads if isinstance(g, _Tensor))
 
 
 class BackwardStopped(BaseException):

@@ -12,6 +12,7 @@ from ..tracking import NAN, NEGINF, POSINF, Finding, _bits, held, kind_names, se
 from .graph import NodeRecord
 
 _Tensor = torch.Tensor
+UNREAD = -1  # what a node received could not be read (it overwrote it in place as it ran)
 
 
 class GradTracker:
@@ -71,8 +72,12 @@ class GradTracker:
         received = self.received.get(record.key, 0)
         if leaf:
             self.leaves.append(record.label)
-            if received or record.key in self.unknown:
+            if received:
                 return []
+            if record.key in self.unknown:
+                return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
+                                                       f"AccumulateGrad", "not everything it received was measured, "
+                                                       "so it may have come from earlier")
             return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
                                                    f"AccumulateGrad", "a loss term computed outside the narrated "
                                                    "forward, or a sum of finite gradients that overflowed")
@@ -80,6 +85,9 @@ class GradTracker:
         if received:
             return []  # it received a non-finite gradient: it passes it on
         where = f"at ~{event.ordinal} {event.op}, the backward of {record.forward}"
+        if direct == UNREAD:
+            return self._unexplained(event, kinds, where, "it may have received it: it overwrote what it received in "
+                                                          "place before that could be measured")
         if _kinds_of(direct):
             return self._unexplained(event, kinds, where.replace("at ~", "entering ~", 1),
                                      "a gradient hook, a node outside the narrated forward, or a sum of finite "
@@ -140,7 +148,7 @@ class GradTracker:
             extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
             return f"first non-finite gradient: {self.findings[0].text}{extra}{leaves}{gap}"
         if missing or incomplete:
-            return f"no non-finite gradients in the {self.measured} measured{gap}"
+            return f"no non-finite gradients in the {self.measured} measured{leaves}{gap}"
         return "no non-finite gradients" + leaves
 
 
@@ -152,7 +160,7 @@ def _kinds_of(direct) -> Optional[int]:
     """Kinds a node received: `direct` as measured at once (an int), or read from its statistics
     (None while they are still on the device; 0 when nothing was measured)."""
     if direct is None or isinstance(direct, int):
-        return direct or 0
+        return max(direct or 0, 0)
     parts = direct.parts if isinstance(direct, StatsGroup) else (direct,)
     kinds = 0
     for part in parts:

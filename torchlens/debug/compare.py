@@ -278,7 +278,8 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
     """
     values_a = _kept_values(trace_a, "trace_a")
     values_b = _kept_values(trace_b, "trace_b")
-    tolerance = _Tolerance(_check_tolerance(rtol, "rtol"), _check_tolerance(atol, "atol"))
+    rtol, atol = _check_tolerance(rtol, "rtol"), _check_tolerance(atol, "atol")
+    tolerance = _Tolerance(rtol, atol)
     rows = []
     for event_a, event_b in align(trace_a.ops, trace_b.ops):
         if event_b is None:
@@ -288,28 +289,30 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
         else:
             tolerance.observe(event_a.outputs, event_b.outputs)
             rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
-    return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol))
+    return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol, tolerance.floor))
 
 
-def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[float]) -> Optional[CompareReport]:
+def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[float],
+                       floor: Tuple[float, float]) -> Optional[CompareReport]:
     """The first backward of each trace, node by node, when both kept their gradients.
 
     Nodes are aligned in the order they ran on the module of their forward op and the node's name;
     leaves' accumulators are paired by the leaf's name, wherever they ran (a compiled graph's
     backward is one node, and accumulates its parameters in an order of its own). Rows follow
     trace_b's backward; the first divergence is the one nearest the loss, where the two backwards
-    first part.
+    first part. Gradients are held to the tolerance the forwards ended with: the rounding a lower
+    precision brought into the forward travels into every gradient (`floor`).
     """
     backward_a, backward_b = _kept_backward(trace_a), _kept_backward(trace_b)
     if backward_a is None or backward_b is None:
         return None
     tolerance = _Tolerance(rtol, atol)
+    tolerance.floor = floor
     nodes_a = [e for e in backward_a.nodes if not e.label]
     nodes_b = [e for e in backward_b.nodes if not e.label]
-    leaves_a = {e.label: e for e in backward_a.nodes if e.label}
-    leaves_b = {e.label: e for e in backward_b.nodes if e.label}
+    leaves_a, leaves_b = _leaves(backward_a), _leaves(backward_b)
     pairs = _align(nodes_a, nodes_b, (_gradient_full_key, _gradient_name_key))
-    pairs += [(leaves_a.get(label), leaves_b.get(label)) for label in {**leaves_a, **leaves_b}]
+    pairs += [(leaves_a.get(key), leaves_b.get(key)) for key in {**leaves_a, **leaves_b}]
     rows = []
     for event_a, event_b in sorted(pairs, key=_backward_position):
         if event_b is None:
@@ -325,9 +328,20 @@ def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[f
 
 
 def _backward_position(pair) -> tuple:
-    """Where a pair sits in trace_b's backward (a node only in a: right after its neighbour in a)."""
+    """Where a pair sits in trace_b's backward (a node only in a sits at its own position in a)."""
     a, b = pair
     return (b.ordinal, 0) if b is not None else (a.ordinal, 1)
+
+
+def _leaves(backward) -> dict:
+    """(label, occurrence) -> the accumulator's event: leaves of the same name (unnamed tensors)
+    pair in the order they ran, none dropped."""
+    leaves, seen = {}, {}
+    for event in backward.nodes:
+        if event.label:
+            seen[event.label] = seen.get(event.label, 0) + 1
+            leaves[(event.label, seen[event.label])] = event
+    return leaves
 
 
 def _kept_backward(trace):
@@ -537,6 +551,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> _
     or infinity on one side only differs by inf and is never within tolerance. Integer and bool
     tensors are within tolerance only when equal (float64 could round large integers together).
     """
+    a, b = _dense(a), _dense(b)
     wide = torch.complex128 if a.dtype.is_complex else torch.float64
     a64, b64 = a.detach().to("cpu", wide), b.detach().to("cpu", wide)
     same = (a64 == b64) | (a64.isnan() & b64.isnan())
@@ -551,6 +566,11 @@ def _difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> _
     if diff.numel() == 0:
         return _Difference(0.0, 0.0, rtol, atol, within)
     return _Difference(diff.max().item(), rel.max().item(), rtol, atol, within)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (`nn.Embedding(sparse=True)`) as the dense values it stands for."""
+    return tensor.to_dense() if tensor.layout != torch.strided else tensor
 
 
 def _row_lines(rows: List[CompareRow], elide: bool, tag: str = "#") -> List[str]:

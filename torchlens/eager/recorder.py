@@ -72,7 +72,7 @@ class Recorder:
         if self.settings.narration is not None:
             self._narrator = Narrator(self.settings.narration)
         if self.settings.backward:
-            self._backward = BackwardNarration(self.settings, self._narrator)
+            self._backward = BackwardNarration(self.settings, self._narrator, lambda: self._run is not None)
         self._thread = threading.get_ident()
         self._handles = [
             self.model.register_forward_pre_hook(self._begin, with_kwargs=True),

@@ -62,7 +62,7 @@ def run_eager(model: nn.Module, args: tuple, kwargs: dict, settings: Settings) -
     """Run `model(*args, **kwargs)` once under capture and return its recording. With
     `settings.backward`, the backward run later through its graph is narrated to a sink of its own
     (the forward's sink is closed when this returns), and added to the recording."""
-    backward = BackwardNarration(settings, None) if settings.backward else None
+    backward = BackwardNarration(settings, None, once=True) if settings.backward else None
     run = EagerPass(model, settings, backward=backward)
     try:
         run.begin(args, kwargs)
