@@ -1011,3 +1011,37 @@ def test_released_graphs_are_said_by_the_next_backward_only():
     first, second = rec.recordings[-2].backward[0], rec.recordings[-1].backward[0]
     assert "released before a backward reached them" in first.footer_extra[-1]
     assert second.footer_extra[-1] == "no non-finite gradients"
+
+
+class NormOfZeros(nn.Module):
+    """`z / z.norm()` with z == 0 in value (`h - h.detach()`) but not in gradient: 0/0 in the
+    forward and in the backward, whichever compiler runs it (a `* 0` inductor folds away)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        z = h - h.detach()
+        return (z / z.norm()).sum()
+
+
+@pytest.mark.parametrize("case", ["nan_in_the_loss", "norm_at_zero"])
+def test_compiled_inductor_backward_names_what_it_can_see(case):
+    """Under inductor a graph's backward is one node: a NaN from the loss is named at the output it
+    reached; one born inside the compiled backward is named at the graph's ops."""
+    torch._dynamo.reset()
+    model = NormOfZeros() if case == "norm_at_zero" else SafeSqrt()
+    compiled = tl.compile(model, backward=True, on_nonfinite="track")
+    out = compiled(torch.randn(3, 4))
+    (out * float("nan") if case == "nan_in_the_loss" else out).backward()
+    [backward] = compiled.torchlens.last_recording.backward
+    first = backward.findings[0]
+    if case == "nan_in_the_loss":
+        assert first.text.startswith("NaN in the gradient reaching the output out")
+    else:
+        assert first.event.op == "CompiledFunctionBackward" and first.birth
+        assert re.search(r"NaN gradient born at ~\d+ CompiledFunctionBackward, the backward of the compiled "
+                         r"graph of #2\.\.#\d+", first.text)
