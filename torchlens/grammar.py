@@ -333,30 +333,28 @@ UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
 def footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: Iterable[str] = ()) -> List[str]:
     """The footer's parts from a narrator's `PassCounts`: what ran, what was not shown and why,
     then `extra` (notes of how the forward ran, statistics, the tracking verdict)."""
-    parts = [f"{plural(counts.inputs, 'input')}, {plural(counts.ops, 'op')}, {plural(counts.module_calls, 'module call')}"]
-    if counts.unselected:
-        parts.append(f"{counts.unselected} not selected")
-    if counts.folded_total:
-        parts.append(f"{counts.folded_total} folded (depth={depth})")
-    if counts.lines_suppressed:
-        parts.append(f"{counts.lines_suppressed} lines not printed (max_lines={max_lines})")
-    parts.extend(extra)
-    return parts
+    ran = f"{plural(counts.inputs, 'input')}, {plural(counts.ops, 'op')}, {plural(counts.module_calls, 'module call')}"
+    return [ran] + _unshown_parts(counts, depth, max_lines) + list(extra)
 
 
 def backward_footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: Iterable[str] = ()) -> List[str]:
     """The footer of a backward: the nodes that ran, the gradients accumulated into leaves, what
     was not shown and why, then `extra` (statistics, the gradient verdict)."""
-    parts = [f"{plural(counts.nodes, 'node')}, {plural(counts.leaves, 'gradient')} accumulated"]
+    ran = f"{plural(counts.nodes, 'node')}, {plural(counts.leaves, 'gradient')} accumulated"
     if counts.grads:
-        parts[0] += f", {plural(counts.grads, 'output gradient')} received"
+        ran += f", {plural(counts.grads, 'output gradient')} received"
+    return [ran] + _unshown_parts(counts, depth, max_lines) + list(extra)
+
+
+def _unshown_parts(counts, depth: Optional[int], max_lines: Optional[int]) -> List[str]:
+    """What a narration did not show, and why: selection, depth folding, `max_lines`."""
+    parts = []
     if counts.unselected:
         parts.append(f"{counts.unselected} not selected")
     if counts.folded_total:
         parts.append(f"{counts.folded_total} folded (depth={depth})")
     if counts.lines_suppressed:
         parts.append(f"{counts.lines_suppressed} lines not printed (max_lines={max_lines})")
-    parts.extend(extra)
     return parts
 
 
