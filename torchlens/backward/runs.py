@@ -148,7 +148,7 @@ class BackwardRun:
         if owned is None:
             return
         if self._buffered is not None:
-            self._buffered.write_lines(owned.sink.lines)
+            self.narration.deliver(owned.sink.lines)
         owned.close()
 
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
@@ -191,6 +191,7 @@ class BackwardNarration:
         self.thread = threading.get_ident()  # the thread whose forwards the shared narrator narrates
         self.forward_open = forward_open  # whether a forward is being narrated on the shared narrator now
         self.live_run: Optional[BackwardRun] = None  # the run writing to the shared narrator now
+        self._pending: list = []  # lines of runs held back until the forward being narrated ends
         # `once`: the graph of one forward (`tl.record`, `tl.trace`), released when its backward ends
         self.once = once
         self.raising = settings.on_nonfinite == "raise"
@@ -204,6 +205,21 @@ class BackwardNarration:
     def busy(self, thread: int) -> bool:
         """Whether a run on `thread` must hold its lines back from the shared narrator."""
         return thread != self.thread or self.live_run is not None or self.forward_open()
+
+    def deliver(self, lines) -> None:
+        """A held-back run's lines: written now, or, while a forward is being narrated, after it."""
+        with self._lock:
+            if self.forward_open():
+                self._pending.append(lines)
+            else:
+                self.narrator.write_lines(lines)
+
+    def flush_pending(self) -> None:
+        """A forward's narration ended: write the backwards held back while it ran."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for lines in pending:
+                self.narrator.write_lines(lines)
 
     # -- the forward side -------------------------------------------------------------------------
 
@@ -259,6 +275,8 @@ class BackwardNarration:
                 for watch in self.watches:
                     watch.detach()
                 self.watches = []
+                if self.narrator is not None:
+                    self.flush_pending()
 
     # -- hooks (autograd's engine calls them, possibly on a device's thread) -----------------------
 

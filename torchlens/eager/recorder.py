@@ -63,6 +63,7 @@ class Recorder:
         self._handles = []
         self._run: Optional[EagerPass] = None
         self._backward: Optional[BackwardNarration] = None
+        self._narrating = False  # a pass's lines are being written (from its header to its footer)
         self._call_frame = None
         self._thread = None
 
@@ -72,7 +73,7 @@ class Recorder:
         if self.settings.narration is not None:
             self._narrator = Narrator(self.settings.narration)
         if self.settings.backward:
-            self._backward = BackwardNarration(self.settings, self._narrator, lambda: self._run is not None)
+            self._backward = BackwardNarration(self.settings, self._narrator, lambda: self._narrating)
         self._thread = threading.get_ident()
         self._handles = [
             self.model.register_forward_pre_hook(self._begin, with_kwargs=True),
@@ -109,6 +110,7 @@ class Recorder:
             internal_error("ending an interrupted pass", inner)
         finally:
             run.close()
+            self._pass_written()
 
     def _keep(self, recording) -> None:
         if recording is None:
@@ -157,6 +159,7 @@ class Recorder:
             if self._backward is not None:
                 self._backward.settle()
             self.passes += 1
+            self._narrating = True
             self._run = EagerPass(self.model, self.settings, self._narrator, header=f"pass {self.passes}",
                                   backward=self._backward)
             self._run.begin(args, kwargs)
@@ -164,6 +167,7 @@ class Recorder:
             if self._run is not None:
                 self._run.close()
             self._run = None
+            self._pass_written()
             if getattr(exc, "torchlens_stop", False):
                 raise
             internal_error("starting a pass", exc)
@@ -181,7 +185,14 @@ class Recorder:
             internal_error("ending a pass", exc)
         finally:
             run.close()
+            self._pass_written()
         return None
+
+    def _pass_written(self) -> None:
+        """A pass's lines are all written: the backwards of other threads held back meanwhile follow."""
+        self._narrating = False
+        if self._backward is not None and self._narrator is not None:
+            self._backward.flush_pending()
 
 
 class PassCutShort(BaseException):
