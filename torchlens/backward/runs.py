@@ -51,40 +51,43 @@ class BackwardRun:
                        if self.record.values is not None else None)
         self.tracker = GradTracker() if settings.on_nonfinite is not None else None
         self.thread = threading.get_ident()
-        self.in_flight: Optional[tuple] = None  # (record, metadata of what it received) of the node running now
+        # (record, metadata of what it received, their versions) of the node running now
+        self.in_flight: Optional[tuple] = None
         self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
         self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
         self.incomplete: Optional[str] = None
-        self.narrator, self._owned, self._buffered = self._narrator(narration, settings)
+        self.narrator, self._owned, self._held_back = self._narrator(narration, settings)
         if self.narrator is not None:
             self.narrator.begin_pass(self.record.header)
 
     def _narrator(self, narration: "BackwardNarration", settings):
-        """(the narrator it writes to, the one it opened itself, the shared one its lines go to as
-        one block at its end). A shared narrator busy with a forward or with another run, or owned
+        """(the narrator it writes to, the one it opened itself, whether its lines go to the shared
+        one as one block at its end). A shared narrator busy with a forward or with another run, or owned
         by another thread, gets this run's lines in one block when it ends, not interleaved."""
         shared = narration.narrator
         if shared is None:
             if settings.narration is None:
-                return None, None, None
+                return None, None, False
             own = Narrator(settings.narration)  # a sink of its own, opened again for each backward
-            return own, own, None
+            return own, own, False
         if narration.busy(self.thread):
             buffer = Narrator(settings.narration.replace(prefix=""), ListSink())
-            return buffer, buffer, shared
+            return buffer, buffer, True
         narration.live_run = self
-        return shared, None, None
+        return shared, None, False
 
     def starting(self, record: NodeRecord, grads) -> None:
         """A node is about to run with `grads`: remember it (as metadata and versions: holding the
         gradients would keep them), and where values are read once per backward, measure what it
         received."""
         tensors = tuple(g for g in grads if isinstance(g, _Tensor))
-        self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors), tuple(_version(g) for g in tensors))
-        if (self.tracker is not None and record.label is None and tensors
-                and tensors[0].device.type not in meter_module.READ_NOW):
-            # read at once under `raise`, which must decide at this node; else with the rest
-            self._received[record.key] = self.meter.measure_output(tensors, self.narration.raising)
+        versions = ()
+        if self.tracker is not None and tensors:
+            if tensors[0].device.type in meter_module.READ_NOW:
+                versions = tuple(_version(g) for g in tensors)  # to tell, after, that they are unchanged
+            else:  # read at once under `raise`, which must decide at this node; else with the rest
+                self._received[record.key] = self.meter.measure_output(tensors, self.narration.raising)
+        self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors), versions)
 
     def add(self, event, record: Optional[NodeRecord], measured, positions, received, versions=()) -> None:
         """Measure, record, narrate and judge one node (or received gradient); `versions` are those
@@ -147,7 +150,7 @@ class BackwardRun:
             self.narration.live_run = None
         if owned is None:
             return
-        if self._buffered is not None:
+        if self._held_back:
             self.narration.deliver(owned.sink.lines)
         owned.close()
 
