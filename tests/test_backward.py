@@ -1045,3 +1045,19 @@ def test_compiled_inductor_backward_names_what_it_can_see(case):
         assert first.event.op == "CompiledFunctionBackward" and first.birth
         assert re.search(r"NaN gradient born at ~\d+ CompiledFunctionBackward, the backward of the compiled "
                          r"graph of #2\.\.#\d+", first.text)
+
+
+@pytest.mark.parametrize("rung", ["off", "exact"])
+def test_measuring_a_training_forward_adds_no_node_to_autograd(rung):
+    """Statistics and tracking reduce detached values: a forward with grad on makes exactly the
+    autograd nodes it makes without torchlens (each extra node is work, and memory, per op)."""
+    model, x = tiny_gpt().train(), tokens()
+    counter = torch._C._autograd._get_sequence_nr
+    torch.manual_seed(0)
+    before = counter()
+    model(x)
+    plain = counter() - before
+    torch.manual_seed(0)
+    before = counter()
+    tl.record(model, x, value_stats=rung, on_nonfinite="track", backward=True)
+    assert counter() - before == plain > 50
