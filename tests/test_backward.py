@@ -1061,3 +1061,16 @@ def test_measuring_a_training_forward_adds_no_node_to_autograd(rung):
     before = counter()
     tl.record(model, x, value_stats=rung, on_nonfinite="track", backward=True)
     assert counter() - before == plain > 50
+
+
+def test_a_backward_attempt_on_cuda_tensors_says_kernel_errors_surface_later():
+    from torchlens.events import BackwardAttempt, Scope, TensorMeta
+    from torchlens.grammar import render_attempt
+
+    scope = Scope("fc", "Linear", Scope("", "Net", None))
+    received = (TensorMeta((2, 4), torch.float32, torch.device("cuda", 0)),)
+    lines = render_attempt(BackwardAttempt("AddmmBackward0", 3, scope, None, received, "#2 linear @fc"), True)
+    assert lines[0] == "!! attempted ~3 AddmmBackward0 <- #2 linear @fc  received: [2,4] f32 cuda  (not proven culprit)"
+    assert "earlier node" in lines[1] and "CUDA_LAUNCH_BLOCKING=1" in lines[1]
+    on_cpu = (TensorMeta((2, 4), torch.float32, torch.device("cpu")),)
+    assert len(render_attempt(BackwardAttempt("AddmmBackward0", 3, scope, None, on_cpu, "#2 linear @fc"), True)) == 1

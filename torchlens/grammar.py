@@ -275,15 +275,7 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
     if attempt.site:
         line += "  " + site_text(attempt.site, normalize)
     line += f"  inputs: {inputs}  (not proven culprit)"
-    lines = [render_failure(line)]
-    if attempt.on_cuda:
-        lines.append(
-            render_failure(
-                "CUDA errors are asynchronous: the failing kernel may have been launched by an earlier op; "
-                "rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous"
-            )
-        )
-    return lines
+    return [render_failure(line)] + _cuda_caveat(attempt, "op")
 
 
 def _backward_attempt_lines(attempt: BackwardAttempt, normalize: bool) -> list:
@@ -294,11 +286,15 @@ def _backward_attempt_lines(attempt: BackwardAttempt, normalize: bool) -> list:
     if attempt.site:
         line += "  " + site_text(attempt.site, normalize)
     line += f"  received: {received}  (not proven culprit)"
-    lines = [render_failure(line)]
-    if attempt.on_cuda:
-        lines.append(render_failure("CUDA errors are asynchronous: the failing kernel may have been launched by an "
-                                    "earlier node; rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous"))
-    return lines
+    return [render_failure(line)] + _cuda_caveat(attempt, "node")
+
+
+def _cuda_caveat(attempt: Attempt, earlier: str) -> list:
+    """When CUDA tensors were involved: a kernel error surfaces at a later synchronisation point."""
+    if not attempt.on_cuda:
+        return []
+    return [render_failure(f"CUDA errors are asynchronous: the failing kernel may have been launched by an "
+                           f"earlier {earlier}; rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous")]
 
 
 def plural(n: int, word: str) -> str:
