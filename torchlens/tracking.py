@@ -268,16 +268,18 @@ class Tracker:
         entry = self._writers.get(_storage_key(tensor))  # the cheap key first: most memory was never written
         if entry is None or entry[0].expired():
             return (first,)
+        after = -1 if producer is None else producer.ordinal
+        later = [(writer, span) for writer, span in entry[1] if writer.ordinal > after and writer is not producer]
+        if not later:  # written only before it was produced (or by its producer: `relu_`)
+            return (first,)
         memory = _storage_of(tensor)
         if memory is None:
             return (first,)
-        after = -1 if producer is None else producer.ordinal
         refs = [first]
-        for writer, span in entry[1]:
-            if writer.ordinal > after and writer is not producer:
-                if covers(span, memory[2]):
-                    refs = []  # this write replaced everything the tensor holds
-                refs.append(writer)
+        for writer, span in later:
+            if covers(span, memory[2]):
+                refs = []  # this write replaced everything the tensor holds
+            refs.append(writer)
         return tuple(refs)
 
     def source(self, tensor: torch.Tensor) -> Source:
