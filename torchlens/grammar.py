@@ -269,32 +269,26 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
         inputs = "not read"
     else:
         inputs = ", ".join(meta_text(m, normalize) for m in attempt.inputs) or "no tensor inputs"
-    line = f"attempted #{attempt.ordinal} {attempt.op}"
-    if attempt.scope.path:
-        line += f" @{attempt.scope.path}"
-    if attempt.site:
-        line += "  " + site_text(attempt.site, normalize)
-    line += f"  inputs: {inputs}  (not proven culprit)"
-    return [render_failure(line)] + _cuda_caveat(attempt, "op")
+    head = f"#{attempt.ordinal} {attempt.op}" + (f" @{attempt.scope.path}" if attempt.scope.path else "")
+    return _attempted(head, attempt, f"inputs: {inputs}", "op", normalize)
 
 
 def _backward_attempt_lines(attempt: BackwardAttempt, normalize: bool) -> list:
     received = ", ".join(meta_text(m, normalize) for m in attempt.inputs or ()) or "no gradients"
-    line = f"attempted ~{attempt.ordinal} {attempt.op}"
-    if attempt.forward:
-        line += f" <- {attempt.forward}"
+    head = f"~{attempt.ordinal} {attempt.op}" + (f" <- {attempt.forward}" if attempt.forward else "")
+    return _attempted(head, attempt, f"received: {received}", "node", normalize)
+
+
+def _attempted(head: str, attempt: Attempt, tensors: str, earlier: str, normalize: bool) -> list:
+    """`!! attempted {head}  {site}  {tensors}  (not proven culprit)`, and the CUDA caveat."""
+    line = f"attempted {head}"
     if attempt.site:
         line += "  " + site_text(attempt.site, normalize)
-    line += f"  received: {received}  (not proven culprit)"
-    return [render_failure(line)] + _cuda_caveat(attempt, "node")
-
-
-def _cuda_caveat(attempt: Attempt, earlier: str) -> list:
-    """When CUDA tensors were involved: a kernel error surfaces at a later synchronisation point."""
-    if not attempt.on_cuda:
-        return []
-    return [render_failure(f"CUDA errors are asynchronous: the failing kernel may have been launched by an "
-                           f"earlier {earlier}; rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous")]
+    lines = [render_failure(f"{line}  {tensors}  (not proven culprit)")]
+    if attempt.on_cuda:
+        lines.append(render_failure(f"CUDA errors are asynchronous: the failing kernel may have been launched by an "
+                                    f"earlier {earlier}; rerun with CUDA_LAUNCH_BLOCKING=1 to make them synchronous"))
+    return lines
 
 
 def plural(n: int, word: str) -> str:

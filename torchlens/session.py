@@ -126,7 +126,7 @@ class Session:
         """The tracker's findings made now; those about this very op get their `!!` line after it."""
         findings = self.tracker.judge(event)
         for finding in findings:
-            _attach_finding(finding, finding.live and finding.event is event)
+            attach_finding(finding, finding.live and finding.event is event)
         return findings
 
     def add_output(self, label: str, metas, value=None) -> Event:
@@ -291,7 +291,7 @@ class Session:
             try:
                 for finding in tracker.judge_rest():
                     # with no live narration, nothing was printed it must match: the note shows
-                    _attach_finding(finding, finding.live and self.narrator is None)
+                    attach_finding(finding, finding.live and self.narrator is None)
                 for label, value in self._outputs:
                     tracker.output_reached(label, value)
                 self.footer_extra.append(tracker.summary(self.incomplete))
@@ -314,7 +314,7 @@ class Session:
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
 
 
-def _attach_finding(finding, live: bool) -> None:
+def attach_finding(finding, live: bool) -> None:
     """Put a finding on its op; `live`: its `!!` line follows the op's line (when printed)."""
     finding.live = live
     if finding.event is not None and finding.event.finding is None:

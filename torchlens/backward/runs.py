@@ -17,11 +17,11 @@ from ..meter import Meter
 from ..narrator import Narrator
 from ..sinks import ListSink
 from ..results import Backward, PartialTrace, Recording
-from ..session import attach, error_summary, internal_error, nonfinite_message
+from ..session import attach, attach_finding, error_summary, internal_error, nonfinite_message
 from ..tracking import Finding, held, settled
 from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
-from .verdicts import UNREAD, GradTracker, _received_kinds
+from .verdicts import UNREAD, GradTracker
 
 _graph_task_id = torch._C._current_graph_task_id
 _Tensor = torch.Tensor
@@ -108,12 +108,13 @@ class BackwardRun:
             direct = self._received.pop(record.key, None) if event.kind is NODE else None
             if direct is None and received is not None and event.stats is not None and settled(event) and held(event):
                 # at hand: measured only when it produced one, and only if the node left it as it was
-                # received (a backward may reuse its incoming gradient's memory)
-                direct = _received_kinds(received) if versions == _versions(received) else UNREAD
+                # received (a backward may reuse its incoming gradient's memory); the meter shares
+                # the statistics of a gradient measured as an earlier node's output
+                tensors = tuple(g for g in received if isinstance(g, _Tensor))
+                direct = self.meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
             findings = tracker.judge(event, record, positions, direct)
             for finding in findings:
-                finding.live = finding.event is event
-                event.finding = event.finding or finding
+                attach_finding(finding, finding.event is event)
         if narrator is not None:
             narrator.feed(event)
         if findings and narration.raising:
@@ -124,16 +125,10 @@ class BackwardRun:
         record = self.record
         extra = record.footer_extra
         try:
-            if self.meter is not None:
-                self.meter.flush()
-            settings = self.narration.settings
-            if settings.value_stats != "off":
-                extra.append(f"value_stats={settings.value_stats}")
+            self._settle()
+            if self.narration.settings.value_stats != "off":
+                extra.append(f"value_stats={self.narration.settings.value_stats}")
             if self.tracker is not None:
-                for finding in self.tracker.judge_rest():
-                    if finding.event is not None and finding.event.finding is None:
-                        finding.event.finding = finding
-                record.findings = tuple(self.tracker.findings)
                 extra.append(self.tracker.summary(self.incomplete))
         except Exception as exc:
             internal_error("ending the backward's narration", exc)
@@ -141,6 +136,15 @@ class BackwardRun:
         if self.narrator is not None:
             self.narrator.end_pass(extra, backward=True)
         self.close()
+
+    def _settle(self) -> None:
+        """Read the statistics still on the device, and judge what waited for them."""
+        if self.meter is not None:
+            self.meter.flush()
+        if self.tracker is not None:
+            for finding in self.tracker.judge_rest():
+                attach_finding(finding, False)
+            self.record.findings = tuple(self.tracker.findings)
 
     def close(self) -> None:
         """Release the sink this run opened (not a shared one), or hand its lines to the shared
@@ -157,14 +161,10 @@ class BackwardRun:
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
         record = self.record
-        if self.tracker is not None:
-            try:
-                if self.meter is not None:
-                    self.meter.flush()
-                self.tracker.judge_rest()
-                record.findings = tuple(self.tracker.findings)
-            except Exception as inner:
-                internal_error("judging the failed backward's gradients", inner)
+        try:
+            self._settle()
+        except Exception as inner:
+            internal_error("judging the failed backward's gradients", inner)
         record.error = error_summary(exc)
         record.attempt = self._attempt(noticed_late)
         partial = PartialTrace.of_backward(self.watch.recording(record), record)
@@ -230,15 +230,15 @@ class BackwardNarration:
         """Hook the graph a forward just built; graphs whose backward already ran are released
         (and, past `MAX_WATCHES`, the oldest ones)."""
         with self._lock:
-            self._release(keep_pending=True)
+            self._release()
             self.watches.append(BackwardWatch(self, recording, roots, outputs, names, root))
             _OPEN.add(self)
 
-    def _release(self, keep_pending: bool) -> None:
+    def _release(self) -> None:
         running = {run.watch for run in self.runs.values()}
         kept = []
         for watch in self.watches:
-            if watch in running or (keep_pending and watch.runs == 0):
+            if watch in running or watch.runs == 0:
                 kept.append(watch)
             else:
                 watch.detach()
@@ -390,11 +390,8 @@ class BackwardNarration:
 
     def stop(self, run: BackwardRun, finding: Finding) -> None:
         """`on_nonfinite="raise"`: stop the backward at this finding, with the partial trace."""
-        self.runs.pop(run.task, None)
         error = NonFiniteError(nonfinite_message(finding))
-        partial = run.fail(error, noticed_late=False)
-        attach(error, partial)
-        self._ended(run)
+        self._end_failed(run, error)
         raise error
 
 
@@ -405,6 +402,8 @@ _OPEN: "weakref.WeakSet[BackwardNarration]" = weakref.WeakSet()
 
 def settle_open_runs() -> None:
     """A forward begins: end the runs of this thread that failed unseen, whatever narrated them."""
+    if not _OPEN:  # the common case, every forward: nothing is watched
+        return
     for narration in list(_OPEN):
         if narration.runs:
             narration.settle()
@@ -417,8 +416,8 @@ def _version(tensor) -> Optional[int]:
         return None
 
 
-def _versions(grads) -> tuple:
-    return tuple(_version(g) for g in grads if isinstance(g, _Tensor))
+def _versions(tensors) -> tuple:
+    return tuple(_version(t) for t in tensors)
 
 
 class BackwardStopped(BaseException):

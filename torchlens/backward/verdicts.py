@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-import torch
-
 from ..events import GRAD, NODE, StatsGroup
 from ..tracking import NAN, NEGINF, POSINF, Finding, _bits, held, kind_names, settled, unmeasured_reason
 from .graph import NodeRecord
 
-_Tensor = torch.Tensor
 UNREAD = -1  # what a node received could not be read (it overwrote it in place as it ran)
 
 
@@ -41,7 +38,8 @@ class GradTracker:
     def judge(self, event, record: Optional[NodeRecord], positions, direct) -> List[Finding]:
         """Take `event` in (and any before it still waiting for statistics); the findings made now.
         `positions`: which of the node's gradient slots the measured tensors came from; `direct`:
-        what the node received, as kinds (measured at once) or as statistics still to be read."""
+        the statistics of what the node received (perhaps still to be read), None when not measured,
+        or `UNREAD`."""
         self._queue.append((event, record, positions, direct))
         made = []
         while self._queue and settled(self._queue[0][0]) and _direct_settled(self._queue[0][3]):
@@ -157,10 +155,10 @@ def _direct_settled(direct) -> bool:
 
 
 def _kinds_of(direct) -> Optional[int]:
-    """Kinds a node received: `direct` as measured at once (an int), or read from its statistics
-    (None while they are still on the device; 0 when nothing was measured)."""
-    if direct is None or isinstance(direct, int):
-        return max(direct or 0, 0)
+    """Kinds a node received, read from the statistics of what it received (None while they are
+    still on the device; 0 when nothing was measured)."""
+    if direct is None or isinstance(direct, int):  # nothing measured, or UNREAD
+        return 0
     parts = direct.parts if isinstance(direct, StatsGroup) else (direct,)
     kinds = 0
     for part in parts:
@@ -179,16 +177,3 @@ def _counts(event, kinds: int) -> str:
         if kinds & bit:
             shown.append(f"{label}={sum(getattr(part, field) or 0 for part in parts)}")
     return " ".join(shown)
-
-
-def _received_kinds(grads) -> int:
-    """The non-finite kinds in the gradients a node received (measured at once, on the CPU)."""
-    kinds = 0
-    for grad in grads:
-        if isinstance(grad, _Tensor) and (grad.dtype.is_floating_point or grad.dtype.is_complex):
-            g = grad.detach()
-            if g.is_complex():
-                g = torch.view_as_real(g)
-            if not bool(torch.isfinite(g).all()):
-                kinds |= _bits(bool(torch.isnan(g).any()), bool(torch.isposinf(g).any()), bool(torch.isneginf(g).any()))
-    return kinds
