@@ -5,6 +5,7 @@ hook left behind however the backward ends."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import re
@@ -1074,3 +1075,50 @@ def test_a_backward_attempt_on_cuda_tensors_says_kernel_errors_surface_later():
     assert "earlier node" in lines[1] and "CUDA_LAUNCH_BLOCKING=1" in lines[1]
     on_cpu = (TensorMeta((2, 4), torch.float32, torch.device("cpu")),)
     assert len(render_attempt(BackwardAttempt("AddmmBackward0", 3, scope, None, on_cpu, "#2 linear @fc"), True)) == 1
+
+
+# -- models we did not write ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["distilbert", "t5", "nn_transformer_encoder"])
+def test_training_steps_of_real_architectures_narrate_every_node_with_gradients_bitwise(name):
+    from real_models import TRAINING
+
+    case = TRAINING[name]
+
+    def step(recorder):
+        model, args, kwargs = case.built()
+        torch.manual_seed(5)  # the same dropout masks
+        with (tl.recording.Recorder(model, backward=True, on_nonfinite="track") if recorder
+              else contextlib.nullcontext()) as rec:
+            output = model(*args, **kwargs)
+            made = torch._C._autograd._get_sequence_nr()  # nodes made after this are the loss's
+            loss = case.loss(output)
+            expected = len([n for n in reachable_nodes(loss.grad_fn)
+                            if type(n).__name__ == "AccumulateGrad" or n._sequence_nr() < made])
+            loss.backward()
+        return rec, expected, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    _, _, plain = step(False)
+    rec, expected, narrated = step(True)
+    assert_bitwise(narrated, plain)
+    [backward] = rec.recordings[0].backward
+    assert len(backward.nodes) == expected and backward.finished
+    assert sorted(e.label for e in backward.nodes if e.label) == sorted(plain)
+    assert backward.footer_extra[-1] == "no non-finite gradients"
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_a_real_model_under_no_grad_or_inference_mode_is_narrated_unchanged_and_watches_nothing(context):
+    from real_models import qwen2
+
+    model, args, kwargs = qwen2()
+    guard = torch.no_grad if context == "no_grad" else torch.inference_mode
+    with guard():
+        plain = model(*args, **kwargs).logits
+    sink = io.StringIO()
+    with tl.recording.Recorder(model, narrate=sink, backward=True, on_nonfinite="track") as rec:
+        with guard():
+            narrated = model(*args, **kwargs).logits
+    assert torch.equal(plain, narrated)
+    assert rec.recordings[0].backward == [] and "-- backward" not in sink.getvalue()
