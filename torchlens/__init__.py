@@ -7,7 +7,7 @@ See the README and docs/ for the guide.
 """
 
 from . import debug, errors, options, recording
-from .api import compile, record, trace
+from .api import compile, load, record, trace
 from .events import Attempt, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
 from .fx_backend.registration import register_without_entry_point as _register
 from .recording import PartialTrace, Recording, Trace
@@ -17,6 +17,7 @@ from .selectors import in_module
 __all__ = [
     "record",
     "trace",
+    "load",
     "in_module",
     "options",
     "recording",

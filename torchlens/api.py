@@ -141,3 +141,15 @@ def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) 
                 f"silently. If it really is for the forward, call the model yourself inside "
                 f"`with tl.recording.Recorder(model, ...):`, which passes every argument through."
             )
+
+
+def load(path) -> Recording:
+    """The recording, trace or partial trace `recording.save(path)` wrote, as it was saved.
+
+    Reads data only (JSON and a safetensors file): nothing in the file is imported, unpickled or
+    run, and a file that is not a saved trace raises `tl.errors.TraceFileError`. Kept values and
+    output tensors load on the CPU; the events keep the devices they ran on.
+    """
+    from .archive import decode, files
+
+    return decode.recording(*files.read(path))

@@ -21,6 +21,8 @@ __all__ = [
     "TraceBudgetError",
     "NonFiniteError",
     "CompareInputError",
+    "TraceFileError",
+    "ReproError",
     "NarrationWarning",
 ]
 
@@ -65,6 +67,14 @@ class NonFiniteError(TorchlensError, FloatingPointError):
 
 class CompareInputError(TorchlensError, TypeError):
     """`tl.debug.compare` was given something other than two traces with kept values."""
+
+
+class TraceFileError(TorchlensError, ValueError):
+    """`tl.load` was given a file that is not a trace `save` wrote (or a damaged or crafted one)."""
+
+
+class ReproError(TorchlensError, LookupError):
+    """`.repro(directory)` has no op to reproduce, or the op's inputs were not kept."""
 
 
 class NarrationWarning(UserWarning):

@@ -105,6 +105,18 @@ class Backward:
         return f"<Backward ({self.header}): {len(self.nodes)} nodes>"
 
 
+def _write_page(path, page: str) -> str:
+    import os
+
+    from .errors import OptionTypeError
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionTypeError(f"to_html(path) takes a file path, got {type(path).__name__}")
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(page)
+    return os.fspath(path)
+
+
 class Recording:
     """The events of one forward pass, its output, and the settings it ran with.
 
@@ -193,6 +205,21 @@ class Recording:
         for run in getattr(self, "backward", ()):  # (absent from a recording pickled before it existed)
             lines += run.lines(options.replace(prefix=""))
         return lines
+
+    def save(self, path) -> str:
+        """Write this recording to `path` (a zip of JSON lines and a safetensors file, readable
+        without torchlens); `tl.load(path)` gives it back, narrating byte-identically. A trace's
+        kept values and the forward's output tensors are saved too; returns the path."""
+        from .archive.files import save
+
+        return save(self, path)
+
+    def to_html(self, path) -> str:
+        """Write a self-contained HTML page of this run (a module tree that folds, each op with its
+        shapes, site and statistics, non-finite values and the failure highlighted); returns the path."""
+        from .view import recording_page
+
+        return _write_page(path, recording_page(self))
 
     def __len__(self) -> int:
         return len(self.events)

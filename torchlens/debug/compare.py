@@ -256,6 +256,14 @@ class CompareReport:
             figure.savefig(path)
         return figure
 
+    def to_html(self, path) -> str:
+        """Write a self-contained HTML page of this comparison: both sides aligned row by row, the
+        first divergence highlighted, each row's error against its tolerance; returns the path."""
+        from ..results import _write_page
+        from ..view import report_page
+
+        return _write_page(path, report_page(self))
+
     def __str__(self) -> str:
         return self.table()
 

@@ -1,0 +1,1 @@
+"""Saved traces: a recording as files a user can read (`save`), and back (`tl.load`)."""

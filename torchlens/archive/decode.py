@@ -1,0 +1,314 @@
+"""A saved document back into a `Recording`, `Trace` or `PartialTrace`.
+
+Everything read from the file is checked as data: names of dtypes must be torch dtypes, devices
+must parse, every index must point into its table. Nothing from the file is imported, called or
+unpickled, so a crafted file can only be refused (`TraceFileError`), never run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from ..errors import TraceFileError
+from ..events import Attempt, BackwardAttempt, BackwardEvent, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
+from ..options import NarrationOptions, Settings
+from ..results import Backward, PartialTrace, Recording, Trace
+from ..selectors import InModule, Predicate
+from ..tracking import Finding
+from .encode import FORMAT, VERSION
+
+_CLASSES = {"Recording": Recording, "Trace": Trace, "PartialTrace": PartialTrace}
+_KINDS = {kind.value: kind for kind in EventKind}
+_BACKWARD_KINDS = (EventKind.NODE, EventKind.GRAD)
+_STATS_KINDS = ("exact", "sampled", "counts", "bool", "na")
+
+
+def bad(what: str) -> TraceFileError:
+    return TraceFileError(f"not a trace torchlens saved, or a damaged one: {what}")
+
+
+def _expect(value, kinds, what: str):
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise bad(f"{what} should be {_kind_names(kinds)}, found {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kinds):
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _kind_names(kinds) -> str:
+    return " or ".join(kind.__name__ for kind in _as_tuple(kinds))
+
+
+def _optional(value, kinds, what: str):
+    return None if value is None else _expect(value, kinds, what)
+
+
+def _number(value, what: str):
+    if isinstance(value, str):
+        try:
+            return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[value]
+        except KeyError:
+            raise bad(f"{what}: {value!r} is no number") from None
+    return _optional(value, (int, float, bool), what)
+
+
+def dtype(name) -> torch.dtype:
+    value = getattr(torch, _expect(name, str, "a dtype"), None) if not str(name).startswith("_") else None
+    if not isinstance(value, torch.dtype):
+        raise bad(f"{name!r} is no torch dtype")
+    return value
+
+
+def device(name) -> torch.device:
+    try:
+        return torch.device(_expect(name, str, "a device"))
+    except RuntimeError:
+        raise bad(f"{name!r} is no torch device") from None
+
+
+def meta(doc) -> TensorMeta:
+    shape, dtype_name, device_name = _expect(doc, list, "a tensor description")
+    sizes = _expect(shape, list, "a shape")
+    for size in sizes:
+        _expect(size, (int, str), "a size")
+    shape = torch.Size(sizes) if all(isinstance(size, int) for size in sizes) else tuple(sizes)
+    return TensorMeta(shape, dtype(dtype_name), device(device_name))
+
+
+def stats(doc):
+    if doc is None:
+        return None
+    if isinstance(doc, list):
+        return StatsGroup([stats(part) for part in doc])
+    _expect(doc, dict, "statistics")
+    kind = doc.get("kind")
+    if kind not in _STATS_KINDS:
+        raise bad(f"statistics of kind {kind!r}")
+    out = Stats(kind, _expect(doc.get("numel", 0), int, "numel"), bool(doc.get("shown", True)),
+                _expect(doc.get("note", ""), str, "a note"))
+    for name in ("min", "max", "mean", "sd", "nan", "posinf", "neginf", "true"):
+        setattr(out, name, _number(doc.get(name), name))
+    out.sampled = _expect(doc.get("sampled", 0), int, "sampled")
+    return out
+
+
+class _Tables:
+    """The scopes of one document, and the loaded events' selection (a selector saved as flags)."""
+
+    def __init__(self, rows):
+        self.scopes: List[Scope] = []
+        for row in _expect(rows, list, "the scope table"):
+            path, type_name, parent, key = _expect(row, list, "a scope")
+            if parent is not None and not (isinstance(parent, int) and 0 <= parent < len(self.scopes)):
+                raise bad(f"scope {path!r} names parent {parent!r}, not an earlier scope")
+            self.scopes.append(Scope(_expect(path, str, "a module path"), _expect(type_name, str, "a class name"),
+                                     None if parent is None else self.scopes[parent], _expect(key, str, "a key")))
+        self.unselected = set()
+
+    def scope(self, index) -> Scope:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.scopes):
+            raise bad(f"scope {index!r} is not in the scope table")
+        return self.scopes[index]
+
+
+def event(doc, tables: _Tables, backward: bool) -> Event:
+    _expect(doc, dict, "an event")
+    kind = _KINDS.get(doc.get("kind"))
+    if kind is None or (kind in _BACKWARD_KINDS) != backward:
+        raise bad(f"an event of kind {doc.get('kind')!r} {'in a backward' if backward else 'in a forward'}")
+    args = (kind, _expect(doc.get("ordinal"), int, "an ordinal"), _expect(doc.get("op"), str, "an op name"),
+            tables.scope(doc.get("scope")), tuple(meta(m) for m in _expect(doc.get("outputs", []), list, "outputs")),
+            _optional(doc.get("site"), str, "a site"), stats(doc.get("stats")), _optional(doc.get("label"), str, "a label"))
+    made = BackwardEvent(*args, forward=_optional(doc.get("forward"), str, "a forward op")) if backward else Event(*args)
+    if doc.get("selected", True) is False:
+        tables.unselected.add(id(made))
+    return made
+
+
+def events(rows, tables: _Tables, backward: bool) -> List[Event]:
+    return [event(row, tables, backward) for row in _expect(rows, list, "the events")]
+
+
+def findings(rows, made: List[Event], docs: list) -> tuple:
+    out = []
+    for row in _expect(rows, list, "the findings"):
+        _expect(row, dict, "a finding")
+        index = row.get("event")
+        if index is not None and not (isinstance(index, int) and 0 <= index < len(made)):
+            raise bad(f"a finding names event {index!r}, which is not there")
+        finding = Finding(_expect(row.get("text"), str, "a finding's text"), None if index is None else made[index],
+                          bool(row.get("birth", False)))
+        finding.live = bool(row.get("live", False))
+        out.append(finding)
+    for event_doc, made_event in zip(docs, made):
+        at = event_doc.get("finding")
+        if at is not None:
+            if not (isinstance(at, int) and 0 <= at < len(out)):
+                raise bad(f"an event names finding {at!r}, which is not there")
+            made_event.finding = out[at]
+    return tuple(out)
+
+
+def attempt(doc, tables: _Tables) -> Optional[Attempt]:
+    if doc is None:
+        return None
+    _expect(doc, dict, "the attempted op")
+    inputs = doc.get("inputs")
+    args = (_optional(doc.get("op"), str, "an op name"), _expect(doc.get("ordinal"), int, "an ordinal"),
+            tables.scope(doc.get("scope")), _optional(doc.get("site"), str, "a site"),
+            None if inputs is None else tuple(meta(m) for m in _expect(inputs, list, "inputs")))
+    notes = [_expect(note, str, "a note") for note in _expect(doc.get("notes", []), list, "notes")]
+    if "forward" in doc:
+        return BackwardAttempt(*args, _optional(doc.get("forward"), str, "a forward op"), notes)
+    return Attempt(*args, notes)
+
+
+def selector(doc):
+    _expect(doc, dict, "a selector")
+    if "in_module" in doc:
+        return InModule(*[_expect(path, str, "a module path") for path in _expect(doc["in_module"], list, "paths")])
+    if "any" in doc or "all" in doc:
+        parts = [selector(part) for part in _expect(doc.get("any", doc.get("all")), list, "selector parts")]
+        combined = parts[0]
+        for part in parts[1:]:
+            combined = (combined | part) if "any" in doc else (combined & part)
+        return combined
+    if "not" in doc:
+        return ~selector(doc["not"])
+    raise bad(f"a selector {sorted(doc)!r}")
+
+
+def settings(doc, tables: _Tables) -> Settings:
+    _expect(doc, dict, "the settings")
+    narration = doc.get("narration")
+    options = None
+    if narration is not None:
+        _expect(narration, dict, "the narration options")
+        fields = {name: narration[name] for name in ("sites", "max_lines", "prefix", "depth", "normalize",
+                                                      "tail_on_error", "on_error_only", "symbolic_shapes")
+                  if name in narration}
+        if narration.get("select") is not None:
+            fields["select"] = selector(narration["select"])
+        elif narration.get("select_saved_as_flags"):
+            unselected = tables.unselected
+
+            def saved_selection(event):  # the function's verdicts, as the run made them
+                return id(event) not in unselected
+
+            fields["select"] = Predicate(saved_selection)
+        try:
+            options = NarrationOptions(**fields)
+        except (TypeError, ValueError) as exc:
+            raise bad(f"narration options: {exc}") from None
+    value_stats = doc.get("value_stats", "off")
+    on_nonfinite = doc.get("on_nonfinite")
+    if value_stats not in ("off", "sampled", "exact", "reuse") or on_nonfinite not in (None, "track", "raise"):
+        raise bad(f"value_stats={value_stats!r}, on_nonfinite={on_nonfinite!r}")
+    return Settings(options, value_stats, on_nonfinite, keep_values=bool(doc.get("keep_values")),
+                    keep_on_cpu=bool(doc.get("keep_on_cpu")),
+                    max_bytes=_optional(doc.get("max_bytes"), int, "max_bytes"), backward=bool(doc.get("backward")))
+
+
+def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) -> Recording:
+    """Build the recording a document describes; `tensors` are its stored values."""
+    _expect(doc, dict, "the document")
+    if doc.get("format") != FORMAT:
+        raise bad(f"format {doc.get('format')!r}, expected {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise TraceFileError(f"this trace was saved in format version {doc.get('version')!r}; this torchlens "
+                             f"reads version {VERSION}: load it with the torchlens release that saved it")
+    cls = _CLASSES.get(doc.get("class"))
+    if cls is None:
+        raise bad(f"a recording of class {doc.get('class')!r}")
+    tables = _Tables(doc.get("scopes"))
+    forward_docs = _expect(doc.get("events"), list, "the events")
+    forward = events(forward_docs, tables, backward=False)
+    made_findings = findings(doc.get("findings", []), forward, forward_docs)
+    backward_runs = [_backward(run, tables) for run in _expect(doc.get("backward", []), list, "the backwards")]
+    run_settings = settings(doc.get("settings"), tables)
+    values = _values(tensors, how, "op/") if cls is Trace or run_settings.keep_values else None
+    kwargs = dict(header=_optional(doc.get("header"), str, "the header"),
+                  footer_extra=[_expect(line, str, "a footer part") for line in _expect(doc.get("footer_extra", []),
+                                                                                        list, "the footer")],
+                  values=values, findings=made_findings)
+    output = _output(doc.get("output", {"value": None}), tensors)
+    if cls is PartialTrace:
+        made = PartialTrace(forward, output, run_settings, attempt=attempt(doc.get("attempt"), tables),
+                            error=_expect(doc.get("error", ""), str, "the error"), **kwargs)
+        failed = doc.get("failed_backward")
+        if failed is not None:
+            if not (isinstance(failed, int) and 0 <= failed < len(backward_runs)):
+                raise bad(f"failed backward {failed!r}")
+            made.failed_backward = backward_runs[failed]
+    else:
+        made = cls(forward, output, run_settings, **kwargs)
+    for k, run in enumerate(backward_runs):
+        run.settings = run_settings
+        if run_settings.keep_values:
+            run.values = _values(tensors, how, f"backward/{k}/")
+    made.backward = backward_runs
+    return made
+
+
+def _backward(doc, tables: _Tables) -> Backward:
+    _expect(doc, dict, "a backward")
+    run = Backward(_expect(doc.get("header"), str, "a backward's header"), Settings(None))
+    docs = _expect(doc.get("events"), list, "a backward's events")
+    run.events = events(docs, tables, backward=True)
+    run.findings = findings(doc.get("findings", []), run.events, docs)
+    run.footer_extra = [_expect(line, str, "a footer part") for line in _expect(doc.get("footer_extra", []), list,
+                                                                                  "a backward's footer")]
+    run.finished = bool(doc.get("finished"))
+    run.error = _optional(doc.get("error"), str, "a backward's error")
+    run.attempt = attempt(doc.get("attempt"), tables)
+    return run
+
+
+def _values(tensors: Dict[str, torch.Tensor], how: Dict[str, str], prefix: str) -> Dict[int, tuple]:
+    """Kept values by ordinal from names `prefix + "N/i"`, each restored to how it was kept."""
+    grouped: Dict[int, Dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):].split("/")
+        if len(rest) != 2 or not all(part.isdigit() for part in rest):
+            raise bad(f"a tensor named {name!r}")
+        grouped.setdefault(int(rest[0]), {})[int(rest[1])] = _restored(tensor, how.get(name))
+    for name, why in how.items():  # an output left out keeps its place: its siblings keep their index
+        rest = name[len(prefix):].split("/") if name.startswith(prefix) else ()
+        if len(rest) == 2 and all(part.isdigit() for part in rest) and why.startswith("left out"):
+            grouped.setdefault(int(rest[0]), {})[int(rest[1])] = None
+    return {ordinal: tuple(parts[i] for i in sorted(parts)) for ordinal, parts in sorted(grouped.items())}
+
+
+def _restored(tensor: torch.Tensor, how: Optional[str]) -> torch.Tensor:
+    if how and how.startswith("view_as_real:"):
+        return torch.view_as_complex(tensor).to(dtype(how.split(":", 1)[1].replace("torch.", "")))
+    return tensor
+
+
+def _output(doc, tensors: Dict[str, torch.Tensor]):
+    _expect(doc, dict, "the output")
+    if "tensor" in doc:
+        name = doc["tensor"]
+        if name not in tensors:
+            raise bad(f"the output names tensor {name!r}, which is not in the file")
+        return tensors[name]
+    if "value" in doc:
+        return _expect(doc["value"], (int, float, bool, str, type(None)), "an output value")
+    if "float" in doc:
+        return _number(_expect(doc["float"], str, "a non-finite output"), "an output")
+    if "tuple" in doc:
+        return tuple(_output(item, tensors) for item in _expect(doc["tuple"], list, "a tuple"))
+    if "list" in doc:
+        return [_output(item, tensors) for item in _expect(doc["list"], list, "a list")]
+    if "dict" in doc:
+        return {key: _output(item, tensors) for key, item in _expect(doc["dict"], dict, "a dict").items()}
+    if "left_out" in doc:
+        return None
+    raise bad(f"an output {sorted(doc)!r}")
