@@ -249,18 +249,21 @@ class Attempt:
     `inputs` describes its tensor arguments; `ordinal` is the number it would have had.
     `op` is None when no torch call was in flight (the error came from Python code between ops).
     `notes` say how the call was located and what that method cannot promise (a replay's caveats).
-    `inputs` is None when the call was located without seeing its arguments.
+    `inputs` is None when the call was located without seeing its arguments. `call` keeps the
+    function and the arguments themselves when the eager capture saw the call raise (a
+    `torchlens.repro.kept.KeptCall`, which `PartialTrace.repro` replays); None otherwise.
     """
 
-    __slots__ = ("op", "ordinal", "scope", "site", "inputs", "notes")
+    __slots__ = ("op", "ordinal", "scope", "site", "inputs", "notes", "call")
 
-    def __init__(self, op, ordinal, scope, site, inputs, notes=()):
+    def __init__(self, op, ordinal, scope, site, inputs, notes=(), call=None):
         self.op = op
         self.ordinal = ordinal
         self.scope = scope
         self.site = site
         self.inputs = inputs
         self.notes = tuple(notes)
+        self.call = call  # the function and arguments it was called with, for `.repro()` (eager only)
 
     @property
     def module(self) -> str:

@@ -142,6 +142,9 @@ class Recording:
         self.footer_extra = list(footer_extra)
         self._values = values
         self.backward: List[Backward] = []
+        # ordinal -> the call and the inputs an op that first produced a non-finite value read
+        # (with tracking; `torchlens.repro.kept`): what `repro()` replays
+        self.kept_calls: Dict[int, object] = {}
 
     def __deepcopy__(self, memo):
         """A copy whose output tensors are detached: torch refuses to deep-copy a tensor that is
@@ -213,6 +216,15 @@ class Recording:
         from .archive.files import save
 
         return save(self, path)
+
+    def repro(self, directory):
+        """Write a standalone script (`repro.py`) and the inputs (`inputs.pt`) that replay, with
+        plain torch, the op where tracking found the first non-finite value; returns the script's
+        path. Needs `on_nonfinite=` and an eager run: the first op to produce each kind of
+        non-finite value keeps a copy of its inputs (`tl.errors.ReproError` says when it did not)."""
+        from .repro.replay import nonfinite_repro
+
+        return nonfinite_repro(self, directory)
 
     def to_html(self, path) -> str:
         """Write a self-contained HTML page of this run (a module tree that folds, each op with its
@@ -296,6 +308,14 @@ class PartialTrace(Recording):
         else:
             lines = failure_block(self.events, self.attempt, self.error, options, last)
         return _transcript(lines, options.prefix)
+
+    def repro(self, directory):
+        """Write a standalone script and the inputs that replay the attempted op with plain torch
+        and show the same exception (eager runs); a run stopped by `on_nonfinite="raise"`
+        replays the op that produced the non-finite value. Returns the script's path."""
+        from .repro.replay import failure_repro
+
+        return failure_repro(self, directory)
 
     def short_note(self) -> str:
         """One or two lines for the exception's notes (shown under the traceback)."""

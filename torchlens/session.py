@@ -21,6 +21,7 @@ from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 from .meter import Meter
 from .tracking import UNINITIALIZED, Tracker
+from .repro.kept import InputKeeper, KeptCall
 
 
 class FailedCall(NamedTuple):
@@ -32,6 +33,7 @@ class FailedCall(NamedTuple):
     inputs: tuple  # metadata of its tensor inputs
     exc: BaseException
     notes: tuple
+    call: Optional[KeptCall] = None  # the function and its arguments, when the capture saw them
 
 
 class Session:
@@ -57,6 +59,8 @@ class Session:
         self.raise_on_nonfinite = settings.on_nonfinite == "raise"
         # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
+        # With tracking: the inputs of the first op to produce each kind of non-finite value, for `.repro()`
+        self.kept_inputs = InputKeeper() if self.tracker is not None else None
         self._outputs = []  # (label, tensor) of the forward's outputs, for the tracker
         self.incomplete: Optional[str] = None  # why some of the forward went unrecorded, if it did
         # Tracking while narrating: CPU statistics are read as each op completes (there is no
@@ -226,9 +230,9 @@ class Session:
             self.incomplete = why
 
     def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
-                  notes=()) -> None:
+                  notes=(), call: Optional[KeptCall] = None) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails."""
-        self.failed_call = FailedCall(op, scope or self.scope, site, metas, exc, tuple(notes))
+        self.failed_call = FailedCall(op, scope or self.scope, site, metas, exc, tuple(notes), call)
 
     # -- ending the pass ------------------------------------------------------------------------
 
@@ -238,7 +242,7 @@ class Session:
         if self.narrator is not None:
             self.narrator.end_pass(self.footer_extra)
         cls = Trace if self.values is not None else Recording
-        return cls(
+        made = cls(
             events=self.events,
             output=output,
             settings=self.settings,
@@ -247,6 +251,11 @@ class Session:
             values=self.values,
             findings=self.findings,
         )
+        made.kept_calls = self._kept_calls()
+        return made
+
+    def _kept_calls(self) -> dict:
+        return self.kept_inputs.calls if self.kept_inputs is not None else {}
 
     def fail(self, exc: BaseException) -> PartialTrace:
         """Build the partial trace for `exc`, narrate the tail, and attach both to the exception.
@@ -268,6 +277,7 @@ class Session:
                 attempt=attempt,
                 error=error,
             )
+            partial.kept_calls = self._kept_calls()
             if self.narrator is not None:
                 self.narrator.fail(self.events, attempt, error)
             attach(exc, partial)
@@ -309,7 +319,8 @@ class Session:
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
         if failed is not None and _in_chain(failed.exc, exc):
-            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes)
+            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes,
+                           failed.call)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
 

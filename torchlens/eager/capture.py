@@ -29,8 +29,10 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..errors import NonFiniteError
 from ..events import TensorMeta
-from ..session import Session, internal_error
+from ..repro.kept import KeptCall
+from ..session import Session, error_summary, internal_error
 from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
@@ -172,7 +174,7 @@ class OpReporter:
             if self.follows_stack:
                 self.locate(frame)
             site = find_user_site(frame) if self.sites else None
-            self.record_op(op_name(func), metas, site, out, args, kwargs)
+            self.record_op(op_name(func), metas, site, out, args, kwargs, func)
         except Exception as exc:
             self.recording_failed(exc)
 
@@ -202,14 +204,23 @@ class OpReporter:
             self.recording_failed(exc)
         return True
 
-    def record_op(self, name: str, metas, site, out, args, kwargs=None) -> None:
-        """Add an op to the session, with what it read when tracking, and keep its output (`tl.trace`)."""
-        tracker = self.session.tracker
+    def record_op(self, name: str, metas, site, out, args, kwargs=None, func=None) -> None:
+        """Add an op to the session, with what it read when tracking, and keep its output (`tl.trace`).
+        With tracking, an op whose output is measured non-finite may keep its inputs (`func` and
+        its arguments) for a one-op repro: see `torchlens.repro.kept`."""
+        session = self.session
+        tracker = session.tracker
         if tracker is None:
-            event = self.session.add_op(name, metas, site, None, out)
+            event = session.add_op(name, metas, site, None, out)
         else:
-            event = self.session.add_op(name, metas, site, None, out, tracker.reads_of(args, kwargs or {}))
+            try:
+                event = session.add_op(name, metas, site, None, out, tracker.reads_of(args, kwargs or {}))
+            except NonFiniteError:  # `on_nonfinite="raise"` stops at this op: keep what it read first
+                session.kept_inputs.consider(session.events[-1], func, out, args, kwargs)
+                raise
             tracker.produced(event, out, args, kwargs)
+            if event.stats is not None and event.stats.nonfinite:
+                session.kept_inputs.consider(event, func, out, args, kwargs)
         if self.keeper is not None:
             self.keeper(event, out)
         if self.roots is not None:
@@ -221,7 +232,8 @@ class OpReporter:
             frame = sys._getframe(2)
             self.locate(frame)
             site = find_user_site(frame)  # a failure is rare: always worth its site
-            self.session.op_failed(op_name(func), input_metas(args, kwargs), site, exc)
+            self.session.op_failed(op_name(func), input_metas(args, kwargs), site, exc,
+                                   call=KeptCall(func, args, kwargs, error=error_summary(exc)))
         except Exception as inner:
             internal_error("describing the failed op", inner)
 

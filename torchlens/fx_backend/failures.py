@@ -22,7 +22,8 @@ import torch
 from ..eager.runner import run_eager
 from ..events import INPUT, Scope, TensorMeta
 from ..options import make_settings
-from ..session import internal_error
+from ..repro.kept import KeptCall
+from ..session import error_summary, internal_error
 from ..sites import site_from_stack_trace
 from ..structure import module_of
 from .active import quiet_runs
@@ -53,6 +54,7 @@ class Location(NamedTuple):
     inputs: Optional[tuple]
     notes: Sequence[str]
     values: Optional[list] = None  # the completed ops' outputs, from the replay, when they are wanted
+    call: Optional[tuple] = None  # the replayed node's (function, args, kwargs, exception), for a repro
 
 
 def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
@@ -64,7 +66,15 @@ def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
             concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
             run.add_plan_ops(plan, scope, concrete, 0, where.completed, values=where.values, args=args, events={})
         run.session.move_to(where.scope)  # the enter lines of the op's modules, as eager would show
-        run.session.op_failed(where.op, where.inputs, where.site, exc, where.scope, where.notes)
+        call = None
+        if where.call is not None:
+            func, call_args, call_kwargs, replayed = where.call
+            notes = ["the inputs are the replay's: the graph ran again, eagerly, up to this op"]
+            if type(replayed) is not type(exc):
+                notes.append(f"the compiled graph raised {error_summary(exc)}; replayed eagerly, the op raises "
+                             f"{error_summary(replayed)}, which is what this script expects")
+            call = KeptCall(func, call_args, call_kwargs, notes, error=error_summary(replayed))
+        run.session.op_failed(where.op, where.inputs, where.site, exc, where.scope, where.notes, call)
     except Exception as inner:
         internal_error("locating the failure in a compiled graph", inner)
 
@@ -88,7 +98,7 @@ def _locate(run, graph, args, scope: Scope, exc: BaseException) -> Location:
     notes = [REPLAYED] + [f"replay caveat: {c}" for c in located.caveats]
     if located.node is None:
         return _graph_call(scope, arg_metas, notes)
-    where = _at_node(run, graph, scope, located.node, located.inputs, notes)
+    where = _at_node(run, graph, scope, located.node, located.inputs, notes)._replace(call=located.call)
     if keep is None or not where.completed or not located.values:
         return where
     values = [located.values.get(op.node) for op in graph.plan.ops[:where.completed]]

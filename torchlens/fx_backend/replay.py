@@ -47,6 +47,7 @@ class _Locator(fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.current: Optional[fx.Node] = None
         self.current_inputs: Tuple = ()
+        self.current_call: Tuple = ((), {})  # the node in flight's real arguments, for a repro
         self.keep = keep or {}
         self.values: Dict[str, object] = {}
         self.nodes = {node.name: node for node in gm.graph.nodes} if keep else {}
@@ -55,6 +56,7 @@ class _Locator(fx.Interpreter):
     def run_node(self, n: fx.Node):
         self.current = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        self.current_call = (args, kwargs)
         self.current_inputs = tuple(a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor))
         result = super().run_node(n)
         holder = self.keep.get(n.name)
@@ -87,11 +89,13 @@ class Located:
     """Where a replay failed: the node, the metadata of its tensor inputs, the replay's caveats, and
     the outputs of the nodes asked for that completed before it (copies, by node name)."""
 
-    def __init__(self, node: Optional[fx.Node], inputs: Tuple[TensorMeta, ...], caveats: List[str], values=None):
+    def __init__(self, node: Optional[fx.Node], inputs: Tuple[TensorMeta, ...], caveats: List[str], values=None,
+                 call=None):
         self.node = node
         self.inputs = inputs
         self.caveats = caveats
         self.values = values or {}
+        self.call = call  # (function, args, kwargs, exception) of the failing node, when a torch-level call
 
 
 def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = None) -> Located:
@@ -104,15 +108,27 @@ def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = No
     with torch.no_grad(), torch.random.fork_rng(devices=devices), watch:  # the user's generators are untouched
         try:
             locator.run(*args)
-        except Exception:
+        except Exception as replayed:
             node = locator.current
             inputs = tuple(TensorMeta.of(t) for t in locator.current_inputs)
             caveats = replay_caveats(gm, watch.drew)
             if locator.copies_failed:
                 caveats.append("the values of the ops before it could not be copied during the replay, and are not kept")
-            return Located(node, inputs, caveats, locator.values)
+            return Located(node, inputs, caveats, locator.values, _node_call(node, *locator.current_call, replayed))
     unknown = "the replay ran without error, so the failing op is unknown"
     return Located(None, (), replay_caveats(gm, watch.drew) + [unknown])
+
+
+def _node_call(node: Optional[fx.Node], args, kwargs, raised: BaseException):
+    """The node as a call a script can make again (a function, or a tensor method by name), with
+    what it raised in the replay."""
+    if node is None:
+        return None
+    if node.op == "call_function":
+        return node.target, args, kwargs, raised
+    if node.op == "call_method" and callable(getattr(torch.Tensor, node.target, None)):
+        return getattr(torch.Tensor, node.target), args, kwargs, raised
+    return None  # a submodule call: its code is the user's, not one torch call
 
 
 class _DrawWatch(TorchDispatchMode):
