@@ -1,0 +1,12 @@
+"""The HTML view: one self-contained page of a run (`Recording.to_html`) or of a comparison
+(`CompareReport.to_html`), to open in any browser without a server or a network.
+
+`recording_page` and `report_page` return the page as text; the `to_html` methods write it. This
+package reads events and reports through their attributes only, so that the results and the
+comparison can import it without an import cycle.
+"""
+
+from .recording_page import recording_page
+from .report_page import report_page
+
+__all__ = ["recording_page", "report_page"]

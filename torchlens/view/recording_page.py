@@ -1,0 +1,140 @@
+"""The page of one run (`Recording.to_html`): the forward as a module tree, then each backward.
+
+Each part of the run is a *section*: its summary lines, its tree (see `tree.py`), where its first
+non-finite row and its failure sit, and its footer as narration printed it. The summary says what
+was measured before saying what was found: with neither statistics nor tracking on, a run with NaN
+everywhere would show no non-finite row, and the page says it cannot tell rather than "no NaN".
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ..events import ENTER, GRAD, INPUT, NODE, OP
+from ..grammar import op_ref, plural
+from ..tracking import held, unmeasured_reason
+from .page import page
+from .tree import Tree
+
+TAIL_LINES = 20  # a failure's tail, as `partial_trace.narrate(last=20)` prints it
+
+
+def recording_page(recording) -> str:
+    """The HTML page of a `Recording`, `Trace` or `PartialTrace`."""
+    kind = type(recording).__name__
+    failed_backward = getattr(recording, "failed_backward", None)
+    forward_failed = hasattr(recording, "error") and failed_backward is None
+    sections = [_forward(recording, forward_failed)]
+    sections += [_backward(run, recording.settings) for run in getattr(recording, "backward", ())]
+    title = f"torchlens: {kind}" + (f" ({recording.header})" if recording.header else "")
+    if forward_failed or failed_backward is not None:
+        title += ", failed"
+    return page(title, {"title": title, "sections": sections}, ("common.js", "tree.js"))
+
+
+def _forward(recording, failed: bool) -> dict:
+    events = recording.events
+    first = recording.first_nonfinite
+    tree = Tree(events, recording.attempt if failed else None, highlight=first)
+    ran = ", ".join(plural(sum(1 for e in events if e.kind is kind), noun)
+                    for kind, noun in ((INPUT, "input"), (OP, "op"), (ENTER, "module call")))
+    lines = [_line(("before the failure: " if failed else "") + ran)]
+    lines += _nonfinite_lines(recording.settings, tree, recording.findings, first, "values", "op", "#",
+                              [e for e in events if e.kind is OP or e.kind is INPUT])
+    section = {"title": "forward", "tag": "#", "unit": "ops", "lines": lines, "tree": tree.root,
+               "first": tree.path(first)}
+    if failed:
+        error = f"forward failed: {recording.error}"
+        lines.insert(0, _line(error, "bad", tree.attempt_path))
+        section["failure"] = {"error": error, "at": tree.attempt_path, "tail": str(recording.narrate(last=TAIL_LINES))}
+    else:
+        section["footer"] = _footer(recording.narrate().lines)
+    return section
+
+
+def _backward(run, settings) -> dict:
+    events = run.events
+    first = run.first_nonfinite
+    failed = run.error is not None
+    tree = Tree(events, run.attempt if failed else None, highlight=first)
+    nodes = [e for e in events if e.kind is NODE]
+    ran = plural(len(nodes), "node") + ", " + plural(sum(1 for e in nodes if e.label), "gradient") + " accumulated"
+    grads = sum(1 for e in events if e.kind is GRAD)
+    if grads:
+        ran += ", " + plural(grads, "output gradient") + " received"
+    lines = [_line(("before the failure: " if failed else "") + ran)]
+    lines += _nonfinite_lines(settings, tree, run.findings, first, "gradients", "node", "~",
+                              [e for e in events if e.kind is NODE or e.kind is GRAD])
+    section = {"title": run.header, "tag": "~", "unit": "nodes", "lines": lines, "tree": tree.root,
+               "first": tree.path(first)}
+    narrated = run.narrate().lines
+    if failed:
+        error = f"backward failed: {run.error}"
+        lines.insert(0, _line(error, "bad", tree.attempt_path))
+        section["failure"] = {"error": error, "at": tree.attempt_path,
+                              "tail": "".join(line + "\n" for line in narrated[-TAIL_LINES:])}
+    else:
+        section["footer"] = _footer(narrated)
+    return section
+
+
+def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: str, tag: str,
+                     measurable) -> List[dict]:
+    """What is known of NaN and infinity in this section, qualified by what was measured: rows
+    whose values were not measured are counted, with why, and "no non-finite" is never said
+    over them."""
+    tracking = settings.on_nonfinite is not None
+    if not tracking and settings.value_stats == "off":
+        return [_line(f"{values} not measured (value_stats='off', on_nonfinite=None): this page cannot tell "
+                      f"whether any was NaN or infinite; record with on_nonfinite='track' to know", "muted")]
+    if not tracking and settings.value_stats != "exact":
+        return [_line(f"finiteness not measured: value_stats={settings.value_stats!r} does not count NaN or "
+                      f"infinity; value_stats='exact' or on_nonfinite='track' does", "muted")]
+    held = tree.root.get("x", 0)
+    unmeasured = _unmeasured(measurable)
+    if not held:
+        if unmeasured:
+            return [_line(f"no non-finite {values} among those measured; {unmeasured}", "warn")]
+        return [_line(f"no non-finite {values}", "ok")]
+    lines = [_line(f"{held} of {plural(tree.root['n'], 'row')} held NaN or infinity", "warn")]
+    if unmeasured:
+        lines.append(_line(unmeasured, "muted"))
+    if tracking:
+        lines += [_line("!! " + finding.text, "bad", tree.path(finding.event)) for finding in findings]
+        if not findings:
+            lines.append(_line("non-finite tracking made no finding: it judged each one harmless (absorbed "
+                               "before the output, as a causal mask's -inf is)", "muted"))
+    else:
+        where = op_ref(first.ordinal, first.op, first.scope.path).replace("#", tag, 1)
+        lines.append(_line(f"first non-finite {noun}: {where}", "bad", tree.path(first)))
+    return lines
+
+
+def _unmeasured(events) -> str:
+    """`3 ops not measured (uninitialized: 2, a sparse tensor: 1)`, or "" when every one was."""
+    reasons = {}
+    for event in events:
+        if held(event) is None:
+            reason = unmeasured_reason(event)
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return ""
+    count = sum(reasons.values())
+    return (f"{plural(count, 'row')} not measured ("
+            + ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items())) + ")")
+
+
+def _footer(narrated: List[str]) -> List[str]:
+    """The first footer line of a transcript (`-- end: ...`): a recording's is its forward's, which
+    its backwards' transcripts follow."""
+    return [line for line in narrated if line.startswith("-- end: ")][:1]
+
+
+def _line(text: str, cls: str = "", at: Optional[list] = None) -> dict:
+    """A summary line; `at` (a row's path) makes it a link to the row."""
+    line = {"text": text}
+    if cls:
+        line["cls"] = cls
+    if at is not None:
+        line["at"] = at
+    return line

@@ -1,0 +1,64 @@
+"""The page of a comparison (`CompareReport.to_html`): both traces aligned row by row.
+
+One table per report (the forward's ops, then the backward's nodes when both traces kept
+gradients), each row with its ordinal on each side, its verdict and two error bars: the largest
+absolute difference against `atol` and the largest relative one against `rtol`. A row passes when
+`|a - b| <= atol + rtol * |b|` holds element by element, which one number per side cannot
+reconstruct; the bars show how far each measure is from its own tolerance, and the verdict is the
+report's.
+
+Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `v` verdict ("within",
+"diverged", "not comparable", "unchecked", or "only in a" / "only in b"), `d` max abs difference,
+`r` max rel difference, `at` atol, `rt` rtol, `why` the reason a row is not comparable or unchecked.
+"""
+
+from __future__ import annotations
+
+from .page import json_number, page
+
+_ONE_SIDED = {"only_a": "only in a", "only_b": "only in b"}
+
+
+def report_page(report) -> str:
+    """The HTML page of a `CompareReport` (and of its `gradients` report, when there is one)."""
+    tables = [_table(report, "forward ops")]
+    if report.gradients is not None:
+        tables.append(_table(report.gradients, "backward nodes (gradients)"))
+    title = "torchlens: compare"
+    return page(title, {"title": title, "tables": tables}, ("common.js", "compare.js"))
+
+
+def _table(report, title: str) -> dict:
+    counts = report.counts
+    noun = "op" if report.tag == "#" else "node"
+    tally = (f"{len(report.rows)} aligned {noun}s: {counts['matched']} in both ({counts['within_tolerance']} within "
+             f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
+             f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b")
+    first = report.first_divergence
+    return {
+        "title": title,
+        "tag": report.tag,
+        "summary": report.summary(),
+        "tally": tally,
+        "first": None if first is None else report.rows.index(first),
+        "rows": [_row(row) for row in report.rows],
+    }
+
+
+def _row(row) -> dict:
+    out = {"o": row.op, "v": row.verdict or _ONE_SIDED.get(row.status, row.status)}
+    for key, value in (("a", row.ordinal_a), ("b", row.ordinal_b)):
+        if value is not None:
+            out[key] = value
+    for key, value in (("p", row.module), ("why", row.reason)):
+        if value:
+            out[key] = value
+    for key, value in (("d", row.max_abs), ("r", row.max_rel), ("at", row.atol), ("rt", row.rtol)):
+        if value is not None:
+            out[key] = json_number(_rounded(value))
+    return out
+
+
+def _rounded(value: float) -> float:
+    """Four significant digits: what the page shows, and a third of the bytes of a full float."""
+    return float(f"{value:.4g}")
