@@ -39,7 +39,9 @@ def test_a_copied_or_pickled_partial_trace_still_replays(tmp_path):
         model.blocks[0].attn.out = nn.Linear(16, 32)  # a wrong width: its input is a non-leaf of the graph
         tl.record(model, tokens())
     partial = info.value.partial_trace
-    assert partial.attempt.call.args[0].grad_fn is not None
+    kept = partial.attempt.call
+    assert kept.copied and kept.args[0].grad_fn is None  # a copy: the forward's graph is not held
+    assert kept.origins[0] == (True, False)  # ... of an activation inside the graph, replayed as one
     for clone in (copy.deepcopy(partial), pickle.loads(pickle.dumps(partial))):
         code, out = run_script(clone.repro(tmp_path / str(id(clone))))
         assert code == 0, out
@@ -130,8 +132,8 @@ def test_a_compiled_failure_replays_the_node_the_graph_replay_found(tmp_path):
 
 
 def test_inputs_are_kept_only_when_something_goes_non_finite_and_within_the_bound(tmp_path, monkeypatch):
-    healthy = tl.record(tiny_gpt(), tokens(), on_nonfinite="track")  # its causal mask is -inf: one op keeps
-    assert [e.op for e in healthy.ops if e.ordinal in healthy.kept_calls] == ["masked_fill"]
+    healthy = tl.record(tiny_gpt(), tokens(), on_nonfinite="track")  # its causal mask's -inf: carried in
+    assert healthy.kept_calls == {}
     plain = tl.record(tiny_gpt(), tokens())
     assert plain.kept_calls == {}
     from torchlens.repro import kept
@@ -171,3 +173,107 @@ def test_repro_says_why_when_there_is_nothing_to_replay(tmp_path):
     saved = tl.record(LogOfNegative(), torch.randn(3, 4), on_nonfinite="track").save(tmp_path / "run.tl")
     with pytest.raises(tl.errors.ReproError, match="were not kept"):
         tl.load(saved).repro(tmp_path)
+
+
+def test_the_replay_must_raise_the_same_message_not_just_the_same_type(tmp_path):
+    class WrongWidthInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).add_(torch.ones(5))  # in place, on an activation inside the graph
+
+    with pytest.raises(RuntimeError) as info:
+        tl.record(WrongWidthInPlace(), torch.randn(3, 4))
+    script = info.value.partial_trace.repro(tmp_path)
+    code, out = run_script(script)
+    assert code == 0, out
+    assert "must match the size of tensor b (5)" in out
+    lines = script.read_text().splitlines(keepends=True)  # what the forward saw, made different
+    script.write_text("".join(line.replace("(5)", "(6)") if line.startswith("EXPECTED") else line for line in lines))
+    code, out = run_script(script)
+    assert code == 1 and "did not reproduce" in out
+
+
+def test_a_real_infinity_after_a_healthy_mask_keeps_its_own_inputs(tmp_path):
+    class MaskThenLog(nn.Module):
+        def forward(self, x):
+            masked = x.masked_fill(x < -5, float("-inf"))  # a mask: -inf carried in by the scalar
+            return masked.softmax(-1), torch.log(x - x.min())  # the log of 0 is a real -inf
+
+    recording = tl.record(MaskThenLog(), torch.randn(2, 4), on_nonfinite="track")
+    assert recording.first_nonfinite.op == "log"
+    code, out = run_script(recording.repro(tmp_path))
+    assert code == 0 and "-inf=1" in out, out
+
+
+def test_power_and_autocast_and_grad_mode_are_replayed(tmp_path):
+    class Root(nn.Module):
+        def forward(self, x):
+            return (x - 1) ** 0.5  # a tensor's __pow__: NaN below 1
+
+    recording = tl.record(Root(), torch.zeros(3), on_nonfinite="track")
+    code, out = run_script(recording.repro(tmp_path / "pow"))
+    assert code == 0 and "torch.Tensor.__pow__" in (tmp_path / "pow" / "repro.py").read_text(), out
+
+    torch.manual_seed(0)
+    wide = nn.Linear(64, 4)
+    with torch.no_grad():
+        wide.weight.fill_(300.0)
+    with torch.autocast("cpu", dtype=torch.float16):  # 64 * 300 * 300 overflows float16, not float32
+        recording = tl.record(wide, torch.full((1, 64), 300.0), on_nonfinite="track")
+    assert recording.first_nonfinite is not None
+    script = recording.repro(tmp_path / "autocast")
+    code, out = run_script(script)
+    assert code == 0 and "+inf=" in out, out
+    assert "AUTOCAST = ('cpu', 'float16')" in script.read_text()
+
+
+def test_a_compiled_graph_indexing_out_of_range_replays_through_operator(tmp_path):
+    class Gather(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, i):
+            return self.fc(x)[i]
+
+    compiled = tl.compile(Gather(), compiler="eager")
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(3, 4), torch.tensor([0, 7]))  # an index tensor: the graph raises as it runs
+    script = info.value.partial_trace.repro(tmp_path)
+    code, out = run_script(script)
+    assert code == 0, out
+    assert "import operator" in script.read_text()
+
+
+def test_a_failed_pass_holds_no_activation_of_the_forward(tmp_path):
+    import gc
+    import weakref
+
+    seen = []
+
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            seen.append(weakref.ref(h))
+            return h @ torch.ones(5, 5)
+
+    model = Fails()
+    with pytest.raises(RuntimeError):
+        with tl.recording.Recorder(model) as recorder:
+            for _ in range(3):
+                try:
+                    model(torch.randn(2, 4))
+                except RuntimeError:
+                    pass
+            model(torch.randn(2, 4))
+    gc.collect()
+    assert len(recorder.recordings) == 4 and all(ref() is None for ref in seen)
+    code, out = run_script(recorder.recordings[0].repro(tmp_path))
+    assert code == 0, out

@@ -319,8 +319,10 @@ class Session:
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
         if failed is not None and _in_chain(failed.exc, exc):
-            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes,
-                           failed.call)
+            # the forward ends here: what the call read is copied, so that the partial trace holds
+            # neither the forward's activations nor its graph (`torchlens.repro.kept`)
+            call = failed.call.copy() if failed.call is not None else None
+            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes, call)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
 

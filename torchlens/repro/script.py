@@ -39,10 +39,32 @@ def spell(func) -> str:
         for prefix, namespace in _NAMESPACES:
             if getattr(namespace, name, None) is func:
                 return f"{prefix}.{name}"
+        attribute = next((a for a in dir(torch.Tensor) if getattr(torch.Tensor, a, None) is func), None)
+        if attribute is not None:  # a Python-level wrapper a tensor method is spelled by (`x ** 2`: __pow__)
+            return f"torch.Tensor.{attribute}"
         module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+        module = _PUBLIC_MODULES.get(module, module)
         if module and qualname and _resolves(module, qualname, func):
             return f"{module}.{qualname}"
     raise ReproError(f"{func!r} cannot be named as a function a script could import, so it cannot be replayed alone")
+
+
+_PUBLIC_MODULES = {"_operator": "operator", "_functools": "functools"}  # (compiled graphs index with operator.getitem)
+
+
+def _import_line(name: str) -> str:
+    """What the script imports to call `name` (torch itself is always imported)."""
+    module = name.split(".")[0]
+    if module == "torch":
+        return ""
+    for end in range(name.count("."), 0, -1):  # the longest importable prefix
+        candidate = name.rsplit(".", name.count(".") - end + 1)[0]
+        try:
+            importlib.import_module(candidate)
+            return f"import {candidate}\n"
+        except ImportError:
+            continue
+    return f"import {module}\n"
 
 
 def _resolves(module: str, qualname: str, func) -> bool:
@@ -90,9 +112,10 @@ class _Literals:
         raise ReproError(f"an argument of type {type(value).__qualname__} cannot be written into a script")
 
 
-def _spec(tensor: torch.Tensor) -> dict:
+def _spec(tensor: torch.Tensor, origin) -> dict:
     strided = tensor.layout is torch.strided and not tensor.is_contiguous() and 0 not in tensor.stride()
-    return {"device": str(tensor.device), "requires_grad": bool(tensor.requires_grad),
+    requires_grad, leaf = origin
+    return {"device": str(tensor.device), "requires_grad": bool(requires_grad), "leaf": bool(leaf),
             "stride": list(tensor.stride()) if strided else None}
 
 
@@ -115,12 +138,16 @@ def write(directory, call: KeptCall, title: str, expected: dict, notes=()) -> pa
     directory.mkdir(parents=True, exist_ok=True)
     saved = {f"t{i}": _saved(tensor) for i, tensor in enumerate(literals.tensors)}
     torch.save(saved, directory / "inputs.pt")
-    specs = {f"t{i}": _spec(tensor) for i, tensor in enumerate(literals.tensors)}
+    origins = {id(t): origin for t, origin in zip(call.tensors(), call.origins)}
+    specs = {f"t{i}": _spec(tensor, origins.get(id(tensor), (tensor.requires_grad, tensor.is_leaf)))
+             for i, tensor in enumerate(literals.tensors)}
+    context = call.context or {"grad": True, "autocast": None}
     script = directory / "repro.py"
     script.write_text(_SCRIPT.format(
         title=_docstring_safe(title), expected=_docstring_safe(_expected_text(expected)),
         notes=_docstring_safe(_notes(tuple(call.notes) + tuple(notes))),
-        torch_version=torch.__version__, specs=repr(specs), function=name,
+        torch_version=torch.__version__, specs=repr(specs), function=name, imports=_import_line(name),
+        grad=repr(bool(context.get("grad", True))), autocast=repr(context.get("autocast")),
         args=args_source, kwargs=kwargs_source, expected_repr=repr(expected)))
     return script
 
@@ -161,14 +188,17 @@ What the forward saw: {expected}
 Recorded with torch {torch_version}. Run: python repro.py  (exit status 0: reproduced)
 {notes}"""
 
+import contextlib
 import pathlib
 import sys
 
 import torch
-
+{imports}
 HERE = pathlib.Path(__file__).resolve().parent
 EXPECTED = {expected_repr}
 SPECS = {specs}
+GRAD_ENABLED = {grad}  # the grad mode the op ran under
+AUTOCAST = {autocast}  # (device type, dtype) when it ran under torch.autocast
 
 
 def device_for(name):
@@ -192,8 +222,28 @@ def load_inputs():
         if spec["stride"] is not None:  # the layout it had (a transposed view, say)
             value = torch.empty_strided(value.shape, spec["stride"], dtype=value.dtype,
                                         device=value.device).copy_(value)
-        tensors[key] = value.requires_grad_(spec["requires_grad"])
+        if spec["requires_grad"]:
+            with torch.enable_grad():  # an activation is made inside a graph, as in the forward
+                value = value.requires_grad_(True) if spec["leaf"] else value.requires_grad_(True).clone()
+        tensors[key] = value
     return tensors
+
+
+def summary(exc):
+    """`Type: first line of the message`, as torchlens wrote the forward's."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    if len(first) > 240:
+        first = first[:237] + "..."
+    return f"{{type(exc).__name__}}: {{first}}" if first else type(exc).__name__
+
+
+def replay_context():
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.set_grad_enabled(GRAD_ENABLED))
+    if AUTOCAST is not None:
+        stack.enter_context(torch.autocast(AUTOCAST[0], dtype=getattr(torch, AUTOCAST[1])))
+    return stack
 
 
 def nonfinite_counts(value):
@@ -202,9 +252,11 @@ def nonfinite_counts(value):
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex()):
             tensor = tensor.detach()
+            if tensor.is_complex():  # measured by magnitude, as torchlens measures complex values
+                tensor = tensor.abs()
             counts["nan"] += int(torch.isnan(tensor).sum())
-            counts["+inf"] += int(torch.isposinf(tensor).sum()) if not tensor.is_complex() else 0
-            counts["-inf"] += int(torch.isneginf(tensor).sum()) if not tensor.is_complex() else 0
+            counts["+inf"] += int(torch.isposinf(tensor).sum())
+            counts["-inf"] += int(torch.isneginf(tensor).sum())
     return counts
 
 
@@ -218,14 +270,15 @@ T = load_inputs()
 def main():
     print("inputs:", ", ".join(f"{{k}} {{list(v.shape)}} {{v.dtype}} {{shown(nonfinite_counts(v))}}" for k, v in T.items()))
     try:
-        out = {function}(*{args}, **{kwargs})
+        with replay_context():
+            out = {function}(*{args}, **{kwargs})
     except Exception as exc:
-        got = f"{{type(exc).__name__}}: {{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}}".rstrip(": ")
+        got = summary(exc)
         print("raised:", got)
-        if "error" in EXPECTED and got.split(":")[0] == EXPECTED["error"].split(":")[0]:
+        if got == EXPECTED.get("error"):
             print("reproduced: the same exception as in the forward")
             return 0
-        print("did not reproduce: the forward saw", EXPECTED.get("error") or EXPECTED)
+        print("did not reproduce: the forward saw", EXPECTED.get("error") or EXPECTED["nonfinite"])
         return 1
     counts = nonfinite_counts(out)
     print("output:", shown(counts))
