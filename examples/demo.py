@@ -9,7 +9,10 @@ Everything is built here with random weights; nothing is downloaded.
 from __future__ import annotations
 
 import math
+import pathlib
+import subprocess
 import sys
+import tempfile
 
 import torch
 from torch import nn
@@ -100,6 +103,14 @@ def main():
     found = tl.record(model, idx, narrate=recipe, on_nonfinite="track", value_stats="reuse")
     print(f"first finding at: #{found.first_nonfinite.ordinal} {found.first_nonfinite.op} "
           f"@{found.first_nonfinite.module}")
+
+    banner("look and reproduce: the run as an HTML page, the NaN's op alone as a script")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="torchlens-demo-"))
+    print(f"HTML view (open it in a browser): {found.to_html(folder / 'nan-run.html')}")
+    script = found.repro(folder / "nan-repro")
+    replay = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    print(f"one-op repro: {script}")
+    print("".join("  " + line + "\n" for line in replay.stdout.splitlines()), end="")
 
 
 if __name__ == "__main__":
