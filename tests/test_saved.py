@@ -4,6 +4,8 @@ a saved trace is refused as data, never run."""
 
 from __future__ import annotations
 
+import collections
+import copy
 import io
 import json
 import os
@@ -207,8 +209,8 @@ class Payload:
         return (open, (self.marker, "w"))
 
 
-def _zip(path, files: dict):
-    with zipfile.ZipFile(path, "w") as archive:
+def _zip(path, files: dict, compression=zipfile.ZIP_STORED):
+    with zipfile.ZipFile(path, "w", compression=compression) as archive:
         for name, data in files.items():
             archive.writestr(name, data)
     return path
@@ -270,3 +272,123 @@ def test_an_output_that_is_not_data_is_left_out_and_said_so(tmp_path):
     assert torch.equal(loaded.output["y"], torch.full((2,), 2.0))
     manifest = json.loads(zipfile.ZipFile(tmp_path / "run.tl").read("trace.json"))
     assert "not tensors, numbers" in manifest["output"]["dict"]["f"]["left_out"]
+
+
+def _rewritten(good, path, member, change, compression=zipfile.ZIP_STORED):
+    parts = {name: zipfile.ZipFile(good).read(name) for name in zipfile.ZipFile(good).namelist()}
+    parts[member] = change(parts[member])
+    return _zip(path, parts, compression)
+
+
+def _edit_json(change):
+    def edit(data):
+        doc = json.loads(data)
+        change(doc)
+        return json.dumps(doc).encode()
+    return edit
+
+
+def _edit_first_event(change):
+    def edit(data):
+        lines = data.splitlines()
+        row = json.loads(lines[0])
+        change(row)
+        return b"\n".join([json.dumps(row).encode()] + lines[1:]) + b"\n"
+    return edit
+
+
+def test_damaged_and_malformed_files_are_trace_file_errors_never_other_exceptions(tmp_path):
+    trace = tl.trace(nan_gpt(), tokens(), value_stats="exact", on_nonfinite="track")
+    good = trace.save(tmp_path / "good.tl")
+    cases = {
+        "event kind a list": ("events.jsonl", _edit_first_event(lambda row: row.update(kind=["op"]))),
+        "class a list": ("trace.json", _edit_json(lambda doc: doc.update({"class": ["Trace"]}))),
+        "scope row too short": ("trace.json", _edit_json(lambda doc: doc["scopes"].__setitem__(0, ["", "X"]))),
+        "meta of two fields": ("events.jsonl", _edit_first_event(lambda row: row.update(outputs=[[[1], "int64"]]))),
+        "an input without label": ("events.jsonl", _edit_first_event(lambda row: row.pop("label"))),
+        "a stats part null": ("events.jsonl", _edit_first_event(lambda row: row.update(stats=[None]))),
+        "a finding at event True": ("trace.json", _edit_json(lambda doc: doc["findings"][0].update(event=True))),
+        "nested JSON": ("trace.json", lambda data: b"[" * 100000 + b"]" * 100000),
+        "an empty any": ("trace.json", _edit_json(lambda doc: doc["settings"].update(
+            narration={"select": {"any": []}}))),
+        "a wrong real view": ("trace.json", _edit_json(lambda doc: doc["tensors"].update(
+            {"op/3/0": "view_as_real:torch.complex128"}))),
+        "a superscript ordinal": ("trace.json", _edit_json(lambda doc: doc["tensors"].update(
+            {"op/\u00b2/0": "left out: odd"}))),
+    }
+    for what, (member, change) in cases.items():
+        path = _rewritten(good, tmp_path / "bad.tl", member, change)
+        with pytest.raises(tl.errors.TraceFileError):
+            tl.load(path)
+            pytest.fail(f"{what}: loaded")
+    data = bytearray((tmp_path / "good.tl").read_bytes())
+    position = data.index(b"events.jsonl") + 60  # inside the deflated events
+    data[position] ^= 0xFF
+    (tmp_path / "flipped.tl").write_bytes(bytes(data))
+    with pytest.raises(tl.errors.TraceFileError):
+        tl.load(tmp_path / "flipped.tl")
+    with pytest.raises(FileNotFoundError):  # a missing file is no damaged one
+        tl.load(tmp_path / "missing.tl")
+
+
+def test_a_tiny_archive_cannot_make_load_fill_memory(tmp_path):
+    good = tl.record(tiny_gpt(), tokens()).save(tmp_path / "good.tl")
+    row = zipfile.ZipFile(good).read("events.jsonl").splitlines()[2] + b"\n"
+    for name, data in (("rows.tl", row * 400_000), ("empty.tl", b"{}\n" * 5_000_000)):
+        path = _rewritten(good, tmp_path / name, "events.jsonl", lambda _: data, zipfile.ZIP_DEFLATED)
+        assert path.stat().st_size < 1_000_000
+        with pytest.raises(tl.errors.TraceFileError):
+            tl.load(path)
+    zeros = _rewritten(good, tmp_path / "zeros.tl", "tensors.safetensors", lambda _: b"\0" * (64 << 20),
+                       zipfile.ZIP_DEFLATED)
+    assert zeros.stat().st_size < 1_000_000
+    with pytest.raises(tl.errors.TraceFileError, match="stored uncompressed"):
+        tl.load(zeros)
+
+
+def test_every_dtype_and_output_shape_comes_back_as_itself(tmp_path):
+    class Odd(nn.Module):
+        def forward(self, x):
+            c = torch.complex(x, -x).to(torch.complex128)
+            scale = x.to(torch.float8_e8m0fnu) if hasattr(torch, "float8_e8m0fnu") else x.to(torch.float16)
+            point = collections.namedtuple("Point", "c scale")
+            return point(c, scale), [x.to(torch.bfloat16)]
+
+    trace = tl.trace(Odd(), torch.tensor([[1.0, 2.0]]))
+    loaded = round_trip(trace, tmp_path)
+    (c, scale), [half] = loaded.output
+    assert c.dtype == torch.complex128 and torch.equal(c, trace.output[0].c)
+    assert scale.dtype == trace.output[0].scale.dtype and torch.equal(scale.float(), trace.output[0].scale.float())
+    assert half.dtype == torch.bfloat16
+    assert_values_equal(trace, loaded)
+    assert_same(trace, loaded)
+
+
+def test_a_failed_save_leaves_the_file_it_would_have_replaced(tmp_path, monkeypatch):
+    path = tl.trace(tiny_gpt(), tokens()).save(tmp_path / "run.tl")
+    before = path.read_bytes() if hasattr(path, "read_bytes") else open(path, "rb").read()
+    from torchlens.archive import files
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(files, "_fresh_storage", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        tl.trace(conv_net(), images()).save(tmp_path / "run.tl")
+    assert open(tmp_path / "run.tl", "rb").read() == before
+    assert os.listdir(tmp_path) == ["run.tl"]
+
+
+def test_a_loaded_trace_copies_pickles_and_compares_like_any_other(tmp_path):
+    model, x = tiny_gpt(), tokens()
+    trace = tl.trace(model, x, narrate=tl.options.NarrationOptions(
+        sink=io.StringIO(), select=lambda event: event.op != "layer_norm"))
+    loaded = round_trip(trace, tmp_path)
+    for clone in (copy.deepcopy(loaded), pickle.loads(pickle.dumps(loaded))):
+        assert clone.narrate() == trace.narrate()
+    values = dict(loaded.values)
+    values[5] = (None,)  # a value the file could not hold
+    loaded._values = values
+    report = tl.debug.compare(trace, loaded)
+    row = next(row for row in report.rows if row.ordinal == 5)
+    assert row.verdict == "unchecked" and report.first_divergence is None

@@ -151,5 +151,15 @@ def load(path) -> Recording:
     output tensors load on the CPU; the events keep the devices they ran on.
     """
     from .archive import decode, files
+    from .errors import OptionTypeError, TraceFileError
 
-    return decode.recording(*files.read(path))
+    try:
+        loaded = decode.recording(*files.read(path))
+        loaded.narrate()  # every line renders: a file that loads also narrates
+        for run in loaded.backward:
+            run.narrate()
+    except (TraceFileError, OptionTypeError, OSError, MemoryError):
+        raise  # not a trace; a path of the wrong type; a file that cannot be read
+    except Exception as exc:  # what the checks above let through: damaged data is still damaged data
+        raise TraceFileError(f"not a trace torchlens saved, or a damaged one: {type(exc).__name__}: {exc}") from None
+    return loaded

@@ -16,7 +16,7 @@ from ..errors import TraceFileError
 from ..events import Attempt, BackwardAttempt, BackwardEvent, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
 from ..options import NarrationOptions, Settings
 from ..results import Backward, PartialTrace, Recording, Trace
-from ..selectors import InModule, Predicate
+from ..selectors import InModule, Selector
 from ..tracking import Finding
 from .encode import FORMAT, VERSION
 
@@ -24,6 +24,7 @@ _CLASSES = {"Recording": Recording, "Trace": Trace, "PartialTrace": PartialTrace
 _KINDS = {kind.value: kind for kind in EventKind}
 _BACKWARD_KINDS = (EventKind.NODE, EventKind.GRAD)
 _STATS_KINDS = ("exact", "sampled", "counts", "bool", "na")
+_LABELLED = (EventKind.INPUT, EventKind.OUTPUT, EventKind.GRAD)  # events whose line shows a name
 
 
 def bad(what: str) -> TraceFileError:
@@ -57,10 +58,27 @@ def _number(value, what: str):
     return _optional(value, (int, float, bool), what)
 
 
+# torch's dtypes by name (`float32`): looked up in this table, never with getattr on the torch module
+_DTYPES = {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+
+
 def dtype(name) -> torch.dtype:
-    value = getattr(torch, _expect(name, str, "a dtype"), None) if not str(name).startswith("_") else None
-    if not isinstance(value, torch.dtype):
+    value = _DTYPES.get(_expect(name, str, "a dtype"))
+    if value is None:
         raise bad(f"{name!r} is no torch dtype")
+    return value
+
+
+def _index(value, length: int, what: str) -> int:
+    """`value` as an index into a table of `length` rows (a bool is no index)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < length:
+        raise bad(f"{what} {value!r} is not in its table")
+    return value
+
+
+def _row(value, fields: int, what: str) -> list:
+    if not isinstance(value, list) or len(value) != fields:
+        raise bad(f"{what} should be a list of {fields} fields")
     return value
 
 
@@ -72,7 +90,7 @@ def device(name) -> torch.device:
 
 
 def meta(doc) -> TensorMeta:
-    shape, dtype_name, device_name = _expect(doc, list, "a tensor description")
+    shape, dtype_name, device_name = _row(doc, 3, "a tensor description")
     sizes = _expect(shape, list, "a shape")
     for size in sizes:
         _expect(size, (int, str), "a size")
@@ -84,7 +102,7 @@ def stats(doc):
     if doc is None:
         return None
     if isinstance(doc, list):
-        return StatsGroup([stats(part) for part in doc])
+        return StatsGroup([stats(_expect(part, dict, "a part's statistics")) for part in doc])
     _expect(doc, dict, "statistics")
     kind = doc.get("kind")
     if kind not in _STATS_KINDS:
@@ -103,30 +121,30 @@ class _Tables:
     def __init__(self, rows):
         self.scopes: List[Scope] = []
         for row in _expect(rows, list, "the scope table"):
-            path, type_name, parent, key = _expect(row, list, "a scope")
-            if parent is not None and not (isinstance(parent, int) and 0 <= parent < len(self.scopes)):
-                raise bad(f"scope {path!r} names parent {parent!r}, not an earlier scope")
+            path, type_name, parent, key = _row(row, 4, "a scope")
+            if parent is not None:
+                _index(parent, len(self.scopes), f"the parent of scope {path!r} (an earlier scope)")
             self.scopes.append(Scope(_expect(path, str, "a module path"), _expect(type_name, str, "a class name"),
                                      None if parent is None else self.scopes[parent], _expect(key, str, "a key")))
         self.unselected = set()
 
     def scope(self, index) -> Scope:
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.scopes):
-            raise bad(f"scope {index!r} is not in the scope table")
-        return self.scopes[index]
+        return self.scopes[_index(index, len(self.scopes), "scope")]
 
 
 def event(doc, tables: _Tables, backward: bool) -> Event:
     _expect(doc, dict, "an event")
-    kind = _KINDS.get(doc.get("kind"))
+    kind = _KINDS.get(doc.get("kind")) if isinstance(doc.get("kind"), str) else None
     if kind is None or (kind in _BACKWARD_KINDS) != backward:
         raise bad(f"an event of kind {doc.get('kind')!r} {'in a backward' if backward else 'in a forward'}")
     args = (kind, _expect(doc.get("ordinal"), int, "an ordinal"), _expect(doc.get("op"), str, "an op name"),
             tables.scope(doc.get("scope")), tuple(meta(m) for m in _expect(doc.get("outputs", []), list, "outputs")),
             _optional(doc.get("site"), str, "a site"), stats(doc.get("stats")), _optional(doc.get("label"), str, "a label"))
+    if kind in _LABELLED and args[-1] is None:
+        raise bad(f"an {kind.value} event without its label")
     made = BackwardEvent(*args, forward=_optional(doc.get("forward"), str, "a forward op")) if backward else Event(*args)
     if doc.get("selected", True) is False:
-        tables.unselected.add(id(made))
+        tables.unselected.add(selection_key(made))
     return made
 
 
@@ -139,8 +157,8 @@ def findings(rows, made: List[Event], docs: list) -> tuple:
     for row in _expect(rows, list, "the findings"):
         _expect(row, dict, "a finding")
         index = row.get("event")
-        if index is not None and not (isinstance(index, int) and 0 <= index < len(made)):
-            raise bad(f"a finding names event {index!r}, which is not there")
+        if index is not None:
+            _index(index, len(made), "a finding's event")
         finding = Finding(_expect(row.get("text"), str, "a finding's text"), None if index is None else made[index],
                           bool(row.get("birth", False)))
         finding.live = bool(row.get("live", False))
@@ -148,9 +166,7 @@ def findings(rows, made: List[Event], docs: list) -> tuple:
     for event_doc, made_event in zip(docs, made):
         at = event_doc.get("finding")
         if at is not None:
-            if not (isinstance(at, int) and 0 <= at < len(out)):
-                raise bad(f"an event names finding {at!r}, which is not there")
-            made_event.finding = out[at]
+            made_event.finding = out[_index(at, len(out), "an event's finding")]
     return tuple(out)
 
 
@@ -171,9 +187,14 @@ def attempt(doc, tables: _Tables) -> Optional[Attempt]:
 def selector(doc):
     _expect(doc, dict, "a selector")
     if "in_module" in doc:
-        return InModule(*[_expect(path, str, "a module path") for path in _expect(doc["in_module"], list, "paths")])
+        try:
+            return InModule(*[_expect(path, str, "a module path") for path in _expect(doc["in_module"], list, "paths")])
+        except (TypeError, ValueError) as exc:
+            raise bad(f"a selector: {exc}") from None
     if "any" in doc or "all" in doc:
         parts = [selector(part) for part in _expect(doc.get("any", doc.get("all")), list, "selector parts")]
+        if not parts:
+            raise bad("a selector combining no selectors")
         combined = parts[0]
         for part in parts[1:]:
             combined = (combined | part) if "any" in doc else (combined & part)
@@ -195,12 +216,7 @@ def settings(doc, tables: _Tables) -> Settings:
         if narration.get("select") is not None:
             fields["select"] = selector(narration["select"])
         elif narration.get("select_saved_as_flags"):
-            unselected = tables.unselected
-
-            def saved_selection(event):  # the function's verdicts, as the run made them
-                return id(event) not in unselected
-
-            fields["select"] = Predicate(saved_selection)
+            fields["select"] = SavedSelection(tables.unselected)
         try:
             options = NarrationOptions(**fields)
         except (TypeError, ValueError) as exc:
@@ -212,6 +228,27 @@ def settings(doc, tables: _Tables) -> Settings:
     return Settings(options, value_stats, on_nonfinite, keep_values=bool(doc.get("keep_values")),
                     keep_on_cpu=bool(doc.get("keep_on_cpu")),
                     max_bytes=_optional(doc.get("max_bytes"), int, "max_bytes"), backward=bool(doc.get("backward")))
+
+
+def selection_key(event) -> tuple:
+    """What tells events apart for a selection saved as flags (their identity does not survive a copy)."""
+    return event.kind.value, event.ordinal, event.op, event.scope.key, event.label
+
+
+class SavedSelection(Selector):
+    """A selector that was a Python function, as what it selected: the events it left out, by key."""
+
+    def __init__(self, unselected):
+        self.unselected = frozenset(unselected)
+
+    def __call__(self, event) -> bool:
+        return selection_key(event) not in self.unselected
+
+    def _identity(self) -> tuple:
+        return (self.unselected,)
+
+    def __repr__(self) -> str:
+        return f"SavedSelection({len(self.unselected)} events left out)"
 
 
 def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) -> Recording:
@@ -236,15 +273,13 @@ def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) 
                   footer_extra=[_expect(line, str, "a footer part") for line in _expect(doc.get("footer_extra", []),
                                                                                         list, "the footer")],
                   values=values, findings=made_findings)
-    output = _output(doc.get("output", {"value": None}), tensors)
+    output = _output(doc.get("output", {"value": None}), tensors, how)
     if cls is PartialTrace:
         made = PartialTrace(forward, output, run_settings, attempt=attempt(doc.get("attempt"), tables),
                             error=_expect(doc.get("error", ""), str, "the error"), **kwargs)
         failed = doc.get("failed_backward")
         if failed is not None:
-            if not (isinstance(failed, int) and 0 <= failed < len(backward_runs)):
-                raise bad(f"failed backward {failed!r}")
-            made.failed_backward = backward_runs[failed]
+            made.failed_backward = backward_runs[_index(failed, len(backward_runs), "the failed backward")]
     else:
         made = cls(forward, output, run_settings, **kwargs)
     for k, run in enumerate(backward_runs):
@@ -276,39 +311,48 @@ def _values(tensors: Dict[str, torch.Tensor], how: Dict[str, str], prefix: str) 
         if not name.startswith(prefix):
             continue
         rest = name[len(prefix):].split("/")
-        if len(rest) != 2 or not all(part.isdigit() for part in rest):
+        if len(rest) != 2 or not all(part.isascii() and part.isdigit() for part in rest):
             raise bad(f"a tensor named {name!r}")
         grouped.setdefault(int(rest[0]), {})[int(rest[1])] = _restored(tensor, how.get(name))
     for name, why in how.items():  # an output left out keeps its place: its siblings keep their index
-        rest = name[len(prefix):].split("/") if name.startswith(prefix) else ()
-        if len(rest) == 2 and all(part.isdigit() for part in rest) and why.startswith("left out"):
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):].split("/")
+        if len(rest) != 2 or not all(part.isascii() and part.isdigit() for part in rest):
+            raise bad(f"a note for a tensor named {name!r}")
+        if why.startswith("left out"):
             grouped.setdefault(int(rest[0]), {})[int(rest[1])] = None
     return {ordinal: tuple(parts[i] for i in sorted(parts)) for ordinal, parts in sorted(grouped.items())}
 
 
 def _restored(tensor: torch.Tensor, how: Optional[str]) -> torch.Tensor:
+    """A stored tensor as it was kept: a complex one from its real view, another from its bytes."""
     if how and how.startswith("view_as_real:"):
         return torch.view_as_complex(tensor).to(dtype(how.split(":", 1)[1].replace("torch.", "")))
+    if how and how.startswith("bytes:"):
+        _, name, shape = how.split(":")
+        sizes = [int(size) for size in shape.split(",")] if shape else []
+        return tensor.view(dtype(name)).reshape(sizes)
     return tensor
 
 
-def _output(doc, tensors: Dict[str, torch.Tensor]):
+def _output(doc, tensors: Dict[str, torch.Tensor], how: Dict[str, str]):
     _expect(doc, dict, "the output")
     if "tensor" in doc:
-        name = doc["tensor"]
+        name = _expect(doc["tensor"], str, "an output tensor's name")
         if name not in tensors:
             raise bad(f"the output names tensor {name!r}, which is not in the file")
-        return tensors[name]
+        return _restored(tensors[name], how.get(name))
     if "value" in doc:
         return _expect(doc["value"], (int, float, bool, str, type(None)), "an output value")
     if "float" in doc:
         return _number(_expect(doc["float"], str, "a non-finite output"), "an output")
     if "tuple" in doc:
-        return tuple(_output(item, tensors) for item in _expect(doc["tuple"], list, "a tuple"))
+        return tuple(_output(item, tensors, how) for item in _expect(doc["tuple"], list, "a tuple"))
     if "list" in doc:
-        return [_output(item, tensors) for item in _expect(doc["list"], list, "a list")]
+        return [_output(item, tensors, how) for item in _expect(doc["list"], list, "a list")]
     if "dict" in doc:
-        return {key: _output(item, tensors) for key, item in _expect(doc["dict"], dict, "a dict").items()}
+        return {key: _output(item, tensors, how) for key, item in _expect(doc["dict"], dict, "a dict").items()}
     if "left_out" in doc:
         return None
     raise bad(f"an output {sorted(doc)!r}")

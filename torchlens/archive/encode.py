@@ -16,6 +16,7 @@ Reads recordings by their attributes only, so that `results` can import it witho
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -219,7 +220,7 @@ def tensors(recording) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], dict]:
         for ordinal, kept in (run.values or {}).items():
             for i, tensor in enumerate(kept):
                 _put(stored, how, f"backward/{k}/{ordinal}/{i}", tensor)
-    output = _output_doc(getattr(recording, "output", None), stored, how)
+    output = _output_doc(getattr(recording, "output", None), stored, how, itertools.count())
     return stored, how, output
 
 
@@ -240,31 +241,44 @@ def _put(stored, how, name: str, value) -> None:
     tensor = tensor.to("cpu")
     if tensor.dtype in (torch.complex128, torch.complex32):
         tensor, how[name] = torch.view_as_real(tensor.to(torch.complex128)), "view_as_real:" + str(tensor.dtype)
+    elif tensor.dtype not in STORABLE:  # a dtype the tensor file has no name for: its bytes, and how to read them
+        shape = ",".join(str(size) for size in tensor.shape)
+        how[name] = f"bytes:{str(tensor.dtype).replace('torch.', '')}:{shape}"
+        tensor = tensor.contiguous().reshape(-1).view(torch.uint8)
     stored[name] = tensor
 
 
 _PLAIN = (int, float, bool, str, type(None))
 
+# dtypes the safetensors format names (others are stored as their bytes, see `_put`)
+STORABLE = {getattr(torch, name) for name in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
+    "float32", "float64", "float8_e4m3fn", "float8_e5m2", "complex64") if hasattr(torch, name)}
 
-def _output_doc(value, stored, how):
+
+def _output_doc(value, stored, how, numbers):
     """The forward's output as data: tensors by name, plain values as themselves, containers as
-    lists and dicts ({"tuple": [...]} keeps a tuple a tuple); anything else as {"left_out": why}."""
+    lists and dicts ({"tuple": [...]} keeps a tuple a tuple; a named tuple or a dict subclass notes
+    its type and loads as the plain container); anything else as {"left_out": why}."""
     if isinstance(value, torch.Tensor):
-        name = f"output/{sum(1 for key in stored if key.startswith('output/'))}"
+        name = f"output/{next(numbers)}"
         _put(stored, how, name, value)
         return {"tensor": name} if name in stored else {"left_out": how.get(name, "not stored")}
     if isinstance(value, _PLAIN):
         if isinstance(value, float) and not math.isfinite(value):
             return {"float": number(value)}  # JSON has no such number; a string would read as a str
         return {"value": value}
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return {"tuple": [_output_doc(item, stored, how) for item in value]}
-    if isinstance(value, list):
-        return {"list": [_output_doc(item, stored, how) for item in value]}
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        doc = {"dict": {key: _output_doc(item, stored, how) for key, item in value.items()}}
-        if type(value) is not dict:
-            doc["type"] = f"{type(value).__module__}.{type(value).__qualname__}"  # (loaded as a dict)
+    if isinstance(value, tuple):
+        doc = {"tuple": [_output_doc(item, stored, how, numbers) for item in value]}
+    elif isinstance(value, list):
+        doc = {"list": [_output_doc(item, stored, how, numbers) for item in value]}
+    elif isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        doc = {"dict": {key: _output_doc(item, stored, how, numbers) for key, item in value.items()}}
+    else:
+        doc = None
+    if doc is not None:
+        if type(value) not in (tuple, list, dict):
+            doc["type"] = f"{type(value).__module__}.{type(value).__qualname__}"  # (loads as the plain container)
         return doc
     return {"left_out": f"a {type(value).__qualname__} is not tensors, numbers, strings or containers of them"}
 

@@ -6,8 +6,11 @@
     backward-K.jsonl    one per event of the K-th backward through the forward's graph
     tensors.safetensors kept values and output tensors (safetensors: a JSON header, raw bytes)
 
-Reading never unpickles, imports or calls anything named in the file; sizes are checked before
-anything is decompressed, so a crafted archive is refused instead of filling memory.
+Reading never unpickles, imports or calls anything named in the file. Sizes are checked before
+anything is decompressed: the tensor file is stored uncompressed (float data gains nothing from
+deflating, and a stored member cannot inflate), and a JSON member may grow to at most
+`_JSON_LIMIT` bytes and `_JSON_RATIO` times its compressed size, so a small crafted archive cannot
+make `tl.load` fill memory.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from .encode import document, tensors
 MANIFEST = "trace.json"
 EVENTS = "events.jsonl"
 TENSORS = "tensors.safetensors"
-_JSON_LIMIT = 1 << 30  # no document of a forward comes near a gigabyte of JSON
-_TENSOR_LIMIT = 1 << 40
+_JSON_LIMIT = 1 << 28  # 256 MiB: a forward of a million events is ~150 MiB of JSON lines
+_JSON_RATIO = 100  # JSON lines of events deflate about 10 to 30 times
+_SMALL = 1 << 24  # below 16 MiB the ratio is not checked (a tiny file of repeated rows compresses well)
 
 
 def _jsonl(rows) -> bytes:
@@ -62,22 +66,36 @@ def save(recording, path) -> str:
     forward_events = doc.pop("events")
     backward_events = [run.pop("events") for run in doc["backward"]]
     path = os.fspath(path)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        archive.writestr(MANIFEST, json.dumps(doc, allow_nan=False, indent=1))
-        archive.writestr(EVENTS, _jsonl(forward_events))
-        for k, rows in enumerate(backward_events):
-            archive.writestr(f"backward-{k}.jsonl", _jsonl(rows))
-        archive.writestr(TENSORS, safetensors_bytes(_fresh_storage(stored), metadata={"format": doc["format"]}))
+    partial = f"{path}.{os.getpid()}.partial"  # written whole, then moved: a failure leaves the old file
+    try:
+        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr(MANIFEST, json.dumps(doc, allow_nan=False, indent=1))
+            archive.writestr(EVENTS, _jsonl(forward_events))
+            for k, rows in enumerate(backward_events):
+                archive.writestr(f"backward-{k}.jsonl", _jsonl(rows))
+            archive.writestr(TENSORS, safetensors_bytes(_fresh_storage(stored), metadata={"format": doc["format"]}),
+                             compress_type=zipfile.ZIP_STORED)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     return path
 
 
-def _read(archive: zipfile.ZipFile, name: str, limit: int) -> bytes:
+def _read(archive: zipfile.ZipFile, name: str) -> bytes:
+    """A member's bytes, once its claimed size is one a saved trace can have (zipfile never
+    inflates a member past the size it claims)."""
     try:
         info = archive.getinfo(name)
     except KeyError:
         raise TraceFileError(f"the archive has no {name}: not a trace torchlens saved") from None
-    if info.file_size > limit:
-        raise TraceFileError(f"{name} claims {info.file_size} bytes, more than a saved trace holds")
+    if name == TENSORS:
+        if info.compress_type != zipfile.ZIP_STORED and info.file_size > max(_SMALL, 4 * info.compress_size):
+            raise TraceFileError(f"{name} claims {info.file_size} bytes from {info.compress_size}: tensors saved by "
+                                 f"torchlens are stored uncompressed")
+    elif info.file_size > _JSON_LIMIT or info.file_size > max(_SMALL, _JSON_RATIO * info.compress_size):
+        raise TraceFileError(f"{name} claims {info.file_size} bytes from {info.compress_size}: more than a saved "
+                             f"trace holds")
     return archive.read(info)
 
 
@@ -89,7 +107,14 @@ def _json(data: bytes, name: str):
 
 
 def _jsonl_rows(data: bytes, name: str) -> list:
-    return [_json(line, name) for line in data.splitlines() if line.strip()]
+    rows = []
+    for line in data.splitlines():
+        if line.strip():
+            row = _json(line, name)
+            if not isinstance(row, dict) or not isinstance(row.get("kind"), str):
+                raise TraceFileError(f"{name}: line {len(rows) + 1} is not an event")  # refused at once, not at the end
+            rows.append(row)
+    return rows
 
 
 def read(path) -> Tuple[dict, Dict[str, torch.Tensor], Dict[str, str]]:
@@ -105,16 +130,16 @@ def read(path) -> Tuple[dict, Dict[str, torch.Tensor], Dict[str, str]]:
         raise TraceFileError(f"{os.fspath(path)!r} is not a zip archive: not a trace torchlens saved "
                              f"(save one with trace.save(path))") from None
     with archive:
-        doc = _json(_read(archive, MANIFEST, _JSON_LIMIT), MANIFEST)
+        doc = _json(_read(archive, MANIFEST), MANIFEST)
         if not isinstance(doc, dict) or not isinstance(doc.get("backward", []), list):
             raise TraceFileError(f"{MANIFEST} is not a saved trace's document")
-        doc["events"] = _jsonl_rows(_read(archive, EVENTS, _JSON_LIMIT), EVENTS)
+        doc["events"] = _jsonl_rows(_read(archive, EVENTS), EVENTS)
         for k, run in enumerate(doc.get("backward", [])):
             if not isinstance(run, dict):
                 raise TraceFileError(f"{MANIFEST}: backward {k} is not an object")
-            run["events"] = _jsonl_rows(_read(archive, f"backward-{k}.jsonl", _JSON_LIMIT), f"backward-{k}.jsonl")
+            run["events"] = _jsonl_rows(_read(archive, f"backward-{k}.jsonl"), f"backward-{k}.jsonl")
         try:
-            stored = safetensors_load(_read(archive, TENSORS, _TENSOR_LIMIT))
+            stored = safetensors_load(_read(archive, TENSORS))
         except (SafetensorError, ValueError, RuntimeError) as exc:
             raise TraceFileError(f"{TENSORS} is not a safetensors file ({exc})") from None
     how = doc.get("tensors", {})

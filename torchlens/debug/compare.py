@@ -501,7 +501,7 @@ def _compare_matched(event_a: Event, event_b: Event, values_a: dict, values_b: d
         row.verdict, row.reason = NOT_COMPARABLE, reason
         return row
     missing = [side for side, values, event in (("a", values_a, event_a), ("b", values_b, event_b))
-               if event.ordinal not in values]
+               if event.ordinal not in values or any(value is None for value in values[event.ordinal])]
     if missing:
         row.verdict, row.reason = UNCHECKED, "no kept value in " + " and ".join(missing)
         return row
