@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import torchlens as tl
-from models import tiny_gpt, tokens
+from models import conv_net, images, tiny_gpt, tokens
 
 HIGHLIGHT = 2  # a row's flag: the first non-finite row (torchlens/view/tree.py)
 
@@ -432,3 +432,17 @@ def test_a_transformers_gpt2_page_renders_and_folds(browser, tmp_path):
 def _written(result, path):
     result.to_html(path)
     return path
+
+
+def test_a_conv_net_nan_is_highlighted_in_its_residual_block(browser, tmp_path):
+    model = conv_net()
+    with torch.no_grad():
+        model.block.conv2.weight[0, 0, 1, 1] = float("nan")
+    recording = tl.record(model, images(), on_nonfinite="track", value_stats="reuse")
+    first = recording.first_nonfinite
+    assert first.module == "block.conv2"
+    open_page(browser, _written(recording, tmp_path / "conv.html"))
+    [row] = browser.find_elements("css selector", ".op.first")
+    assert row.text.split()[:2] == [f"#{first.ordinal}", "conv2d"] and row.is_displayed()
+    assert module_row(browser, "block.conv2").is_displayed()  # its modules opened on load
+    assert not visible(browser, op_xpath("#2"))  # the stem, which held no NaN, stays folded
