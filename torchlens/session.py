@@ -59,7 +59,7 @@ class Session:
         self.raise_on_nonfinite = settings.on_nonfinite == "raise"
         # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
-        # With tracking: the inputs of the first op to produce each kind of non-finite value, for `.repro()`
+        # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
         self.kept_inputs = InputKeeper() if self.tracker is not None else None
         self._outputs = []  # (label, tensor) of the forward's outputs, for the tracker
         self.incomplete: Optional[str] = None  # why some of the forward went unrecorded, if it did
