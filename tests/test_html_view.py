@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import html.parser
+import io
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import torchlens as tl
 from models import conv_net, images, tiny_gpt, tokens
 
 HIGHLIGHT = 2  # a row's flag: the first non-finite row (torchlens/view/tree.py)
+NONFINITE = 1  # a row's flag: its statistics hold NaN or an infinity
 
 
 class _Scripts(html.parser.HTMLParser):
@@ -187,6 +189,96 @@ def test_a_tracked_run_with_unmeasured_ops_never_says_no_nan_plainly(tmp_path):
     lines = [line["text"] for line in page_data(page_of(recording, tmp_path))["sections"][0]["lines"]]
     assert "no non-finite values among those measured; 2 rows not measured (meta: 2)" in lines
     assert "no non-finite values" not in lines
+
+
+def section_lines(result, tmp_path, index=0):
+    return [line["text"] for line in page_data(page_of(result, tmp_path))["sections"][index]["lines"]]
+
+
+def test_a_run_that_failed_before_its_output_never_calls_an_infinity_harmless(tmp_path):
+    class BornThenFails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, x):
+            return (x * 100).exp() @ self.w  # +inf born at exp, then a shape error
+
+    with pytest.raises(RuntimeError) as info:
+        tl.record(BornThenFails(), torch.ones(2, 8), on_nonfinite="track", value_stats="exact")
+    lines = section_lines(info.value.partial_trace, tmp_path)
+    assert any("no finding before the failure" in line for line in lines)
+    assert not any("harmless" in line for line in lines)
+
+
+def test_sampled_statistics_alone_lead_to_no_first_nonfinite_row(tmp_path):
+    class LogOfZeros(nn.Module):
+        def forward(self, x):
+            return (x * 2).sum() + torch.log(torch.zeros(3)).sum()
+
+    x = torch.randn(100000)
+    x[12345] = float("nan")  # in a tensor too large to read whole: a sample misses it
+    data = page_data(page_of(tl.record(LogOfZeros(), x, value_stats="sampled"), tmp_path))
+    assert data["sections"][0]["first"] is None
+    assert not any(row.get("f", 0) & HIGHLIGHT for row in rows(data["sections"][0]["tree"]))
+
+
+def test_a_nonfinite_loss_gradient_is_named_as_received_not_as_a_node(tmp_path):
+    model = nn.Linear(3, 2)
+    recording = tl.record(model, torch.ones(1, 3), value_stats="exact", backward=True)
+    recording.output.backward(torch.full((1, 2), float("nan")))
+    lines = section_lines(recording, tmp_path, 1)
+    assert "first non-finite node: the gradient received at the output out" in lines
+
+
+def test_rows_marked_by_tracking_alone_say_why_and_sites_follow_normalize(tmp_path):
+    model = tiny_gpt()
+    with torch.no_grad():
+        model.blocks[1].mlp.fc.weight[0, 0] = float("nan")
+    options = tl.options.NarrationOptions(sink=io.StringIO(), sites=True, normalize=True, prefix="[eval] ")
+    recording = tl.record(model, tokens(), narrate=options, on_nonfinite="track")
+    data = page_data(page_of(recording, tmp_path))
+    marked = [row for row in rows(data["sections"][0]["tree"]) if row.get("f", 0) & NONFINITE]
+    assert marked and all(re.match(r"(nan|[+-]inf)=\d", row["v"]) for row in marked)
+    assert all("/" not in row["s"] for row in rows(data["sections"][0]["tree"]) if "s" in row)
+    assert data["sections"][0]["footer"][0].startswith("-- end: ")  # found whatever the prefix
+
+
+def test_to_html_survives_an_undecodable_file_name_and_a_failed_write_keeps_the_old_page(tmp_path, monkeypatch):
+    class Missing(nn.Module):
+        def forward(self, x):
+            raise FileNotFoundError("cannot load " + os.fsdecode(b"/data/\xff.bin"))
+
+    with pytest.raises(FileNotFoundError) as info:
+        tl.record(Missing(), torch.ones(2))
+    path = info.value.partial_trace.to_html(tmp_path / "page.html")
+    assert "cannot load" in open(path, encoding="utf-8").read()
+    from torchlens import view
+
+    monkeypatch.setattr(view, "recording_page", lambda recording: "\ud800" + 1)  # fails while building
+    with pytest.raises(TypeError):
+        info.value.partial_trace.to_html(path)
+    assert "cannot load" in open(path, encoding="utf-8").read() and os.listdir(tmp_path) == ["page.html"]
+
+
+def test_a_comparison_carries_whole_numbers_depths_and_its_own_title(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other[1][1].bias[0] += 0.40347
+    report = tl.debug.compare(tl.trace(model, torch.ones(1, 4)), tl.trace(other, torch.ones(1, 4)))
+    data = page_data(page_of(report, tmp_path))
+    [table] = data["tables"]
+    first = table["rows"][table["first"]]
+    assert first["d"] == report.first_divergence.max_abs  # rounded once, by the page, as the text is
+    assert first["dp"] == 2 and first["p"] == "1.1"  # `1` is called (a Sequential): depth 2, as narrated
+    model.train()
+    a = tl.trace(model, torch.ones(1, 4), backward=True)
+    a.output.sum().backward()
+    b = tl.trace(other.train(), torch.ones(1, 4), backward=True)
+    b.output.sum().backward()
+    gradients = tl.debug.compare(a, b).gradients
+    assert page_data(page_of(gradients, tmp_path))["tables"][0]["title"] == "backward nodes (gradients)"
 
 
 def test_a_failed_run_places_the_attempted_call_in_its_module(tmp_path):
@@ -365,6 +457,18 @@ def test_the_filter_shows_matches_with_their_modules_and_clearing_restores_the_t
     type_filter(browser, "")
     wait_until(browser, lambda: visible(browser, op_xpath("#1")))
     assert not visible(browser, inside) and module_row(browser, "blocks.0").is_displayed()
+
+
+def test_the_filter_counts_rows_as_the_total_does(browser, tmp_path):
+    class ReturnsItsInput(nn.Module):
+        def forward(self, x):
+            return torch.relu(x), x
+
+    open_page(browser, _written(tl.record(ReturnsItsInput(), torch.ones(2)), tmp_path / "run.html"))
+    type_filter(browser, "put")  # the input row, and the two output rows, which no total counts
+    count = browser.find_element("css selector", ".toolbar .count")
+    wait_until(browser, lambda: count.text != "")
+    assert count.text == "1 of 2 rows match"
 
 
 def test_a_failed_run_shows_the_attempted_call_in_its_open_module(browser, tmp_path):

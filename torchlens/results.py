@@ -112,9 +112,17 @@ def _write_page(path, page: str) -> str:
 
     if not isinstance(path, (str, os.PathLike)):
         raise OptionTypeError(f"to_html(path) takes a file path, got {type(path).__name__}")
-    with open(path, "w", encoding="utf-8") as out:
-        out.write(page)
-    return os.fspath(path)
+    path = os.fspath(path)
+    partial = f"{path}.{os.getpid()}.partial"  # written whole, then moved: a failure leaves the old page
+    try:
+        # (a file name that was not UTF-8 reaches error texts as surrogates: written as escapes)
+        with open(partial, "w", encoding="utf-8", errors="backslashreplace") as out:
+            out.write(page)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return path
 
 
 class Recording:

@@ -82,12 +82,13 @@ class CompareRow:
     - `max_abs`, `max_rel`: the largest absolute and relative difference over all outputs (None
       unless the values were compared); `inf` where a NaN or an infinity is on one side only.
     - `rtol`, `atol`: the tolerance the values were held to.
+    - `depth`: the op's module depth, as narration indents it.
     - `verdict`: "within", "diverged", "not comparable" or "unchecked" (a side kept no value);
       None for one-sided rows. `reason` says why a row is not comparable or unchecked.
     """
 
     __slots__ = ("status", "module", "op", "ordinal_a", "ordinal_b", "shapes_match", "dtypes_match",
-                 "max_abs", "max_rel", "rtol", "atol", "verdict", "reason")
+                 "max_abs", "max_rel", "rtol", "atol", "verdict", "reason", "depth")
 
     def __init__(self, status: str, module: str, op: str, ordinal_a: Optional[int], ordinal_b: Optional[int],
                  shapes_match: Optional[bool] = None, dtypes_match: Optional[bool] = None,
@@ -107,6 +108,7 @@ class CompareRow:
         self.atol = atol
         self.verdict = verdict
         self.reason = reason
+        self.depth = 0  # the module depth narration indents the op by (module calls from the root)
 
     @property
     def ordinal(self) -> int:
@@ -297,6 +299,7 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
         else:
             tolerance.observe(event_a.outputs, event_b.outputs)
             rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
+        rows[-1].depth = (event_b or event_a).scope.depth
     return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol, tolerance.floor))
 
 
@@ -332,6 +335,7 @@ def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[f
             row = _compare_matched(event_a, event_b, backward_a.values, backward_b.values, tolerance)
             row.op = _node_name(event_b)
             rows.append(row)
+        rows[-1].depth = (event_b or event_a).scope.depth
     return CompareReport(rows, tag="~")
 
 

@@ -25,38 +25,55 @@ def recording_page(recording) -> str:
     failed_backward = getattr(recording, "failed_backward", None)
     forward_failed = hasattr(recording, "error") and failed_backward is None
     sections = [_forward(recording, forward_failed)]
-    sections += [_backward(run, recording.settings) for run in getattr(recording, "backward", ())]
+    sections += [_backward(run, recording.settings, recording.narrate(last=TAIL_LINES, prefix="")
+                           if run is failed_backward else None)
+                 for run in getattr(recording, "backward", ())]
     title = f"torchlens: {kind}" + (f" ({recording.header})" if recording.header else "")
     if forward_failed or failed_backward is not None:
         title += ", failed"
     return page(title, {"title": title, "sections": sections}, ("common.js", "tree.js"))
 
 
+def _first(run, settings):
+    """The row to lead to as the first non-finite one: none when finiteness was not measured
+    (sampled statistics without tracking see only the tensors small enough to read whole)."""
+    if settings.on_nonfinite is None and settings.value_stats != "exact":
+        return None
+    return run.first_nonfinite
+
+
 def _forward(recording, failed: bool) -> dict:
     events = recording.events
-    first = recording.first_nonfinite
-    tree = Tree(events, recording.attempt if failed else None, highlight=first)
+    first = _first(recording, recording.settings)
+    normalize = _normalized(recording.settings)
+    tree = Tree(events, recording.attempt if failed else None, highlight=first, normalize=normalize)
     ran = ", ".join(plural(sum(1 for e in events if e.kind is kind), noun)
                     for kind, noun in ((INPUT, "input"), (OP, "op"), (ENTER, "module call")))
     lines = [_line(("before the failure: " if failed else "") + ran)]
     lines += _nonfinite_lines(recording.settings, tree, recording.findings, first, "values", "op", "#",
-                              [e for e in events if e.kind is OP or e.kind is INPUT])
+                              [e for e in events if e.kind is OP or e.kind is INPUT], failed)
     section = {"title": "forward", "tag": "#", "unit": "ops", "lines": lines, "tree": tree.root,
                "first": tree.path(first)}
     if failed:
         error = f"forward failed: {recording.error}"
         lines.insert(0, _line(error, "bad", tree.attempt_path))
-        section["failure"] = {"error": error, "at": tree.attempt_path, "tail": str(recording.narrate(last=TAIL_LINES))}
+        section["failure"] = {"error": error, "at": tree.attempt_path,
+                              "tail": str(recording.narrate(last=TAIL_LINES, prefix=""))}
     else:
-        section["footer"] = _footer(recording.narrate().lines)
+        section["footer"] = _footer(recording.narrate(prefix="").lines)
     return section
 
 
-def _backward(run, settings) -> dict:
+def _normalized(settings) -> bool:
+    return settings.narration is not None and settings.narration.normalize
+
+
+def _backward(run, settings, tail: Optional[str]) -> dict:
+    """A backward's section; `tail` is the failure's tail when it is the run's failed backward."""
     events = run.events
-    first = run.first_nonfinite
+    first = _first(run, settings)
     failed = run.error is not None
-    tree = Tree(events, run.attempt if failed else None, highlight=first)
+    tree = Tree(events, run.attempt if failed else None, highlight=first, normalize=_normalized(settings))
     nodes = [e for e in events if e.kind is NODE]
     ran = plural(len(nodes), "node") + ", " + plural(sum(1 for e in nodes if e.label), "gradient") + " accumulated"
     grads = sum(1 for e in events if e.kind is GRAD)
@@ -64,22 +81,23 @@ def _backward(run, settings) -> dict:
         ran += ", " + plural(grads, "output gradient") + " received"
     lines = [_line(("before the failure: " if failed else "") + ran)]
     lines += _nonfinite_lines(settings, tree, run.findings, first, "gradients", "node", "~",
-                              [e for e in events if e.kind is NODE or e.kind is GRAD])
+                              [e for e in events if e.kind is NODE or e.kind is GRAD], failed)
     section = {"title": run.header, "tag": "~", "unit": "nodes", "lines": lines, "tree": tree.root,
                "first": tree.path(first)}
-    narrated = run.narrate().lines
+    narrated = run.narrate(prefix="").lines
     if failed:
         error = f"backward failed: {run.error}"
         lines.insert(0, _line(error, "bad", tree.attempt_path))
         section["failure"] = {"error": error, "at": tree.attempt_path,
-                              "tail": "".join(line + "\n" for line in narrated[-TAIL_LINES:])}
+                              "tail": tail if tail is not None else "".join(line + "\n" for line in
+                                                                          narrated[-TAIL_LINES:])}
     else:
         section["footer"] = _footer(narrated)
     return section
 
 
 def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: str, tag: str,
-                     measurable) -> List[dict]:
+                     measurable, failed: bool) -> List[dict]:
     """What is known of NaN and infinity in this section, qualified by what was measured: rows
     whose values were not measured are counted, with why, and "no non-finite" is never said
     over them."""
@@ -101,12 +119,19 @@ def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: s
         lines.append(_line(unmeasured, "muted"))
     if tracking:
         lines += [_line("!! " + finding.text, "bad", tree.path(finding.event)) for finding in findings]
-        if not findings:
+        if not findings and failed:
+            lines.append(_line("non-finite tracking made no finding before the failure: an infinity is judged by "
+                               "what becomes of it, and this run failed before its output", "warn"))
+        elif not findings:
             lines.append(_line("non-finite tracking made no finding: it judged each one harmless (absorbed "
                                "before the output, as a causal mask's -inf is)", "muted"))
-    else:
-        where = op_ref(first.ordinal, first.op, first.scope.path).replace("#", tag, 1)
-        lines.append(_line(f"first non-finite {noun}: {where}", "bad", tree.path(first)))
+    elif first is not None:
+        if first.kind is GRAD:
+            where = f"the gradient received at the output {first.label}"
+        else:
+            where = op_ref(first.ordinal, first.op, first.scope.path).replace("#", tag, 1)
+        among = " among those measured" if unmeasured else ""
+        lines.append(_line(f"first non-finite {noun}{among}: {where}", "bad", tree.path(first)))
     return lines
 
 

@@ -7,7 +7,7 @@ absolute difference against `atol` and the largest relative one against `rtol`. 
 reconstruct; the bars show how far each measure is from its own tolerance, and the verdict is the
 report's.
 
-Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `v` verdict ("within",
+Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `dp` its depth, `v` verdict ("within",
 "diverged", "not comparable", "unchecked", or "only in a" / "only in b"), `d` max abs difference,
 `r` max rel difference, `at` atol, `rt` rtol, `why` the reason a row is not comparable or unchecked.
 """
@@ -21,7 +21,7 @@ _ONE_SIDED = {"only_a": "only in a", "only_b": "only in b"}
 
 def report_page(report) -> str:
     """The HTML page of a `CompareReport` (and of its `gradients` report, when there is one)."""
-    tables = [_table(report, "forward ops")]
+    tables = [_table(report, "forward ops" if report.tag == "#" else "backward nodes (gradients)")]
     if report.gradients is not None:
         tables.append(_table(report.gradients, "backward nodes (gradients)"))
     title = "torchlens: compare"
@@ -53,12 +53,9 @@ def _row(row) -> dict:
     for key, value in (("p", row.module), ("why", row.reason)):
         if value:
             out[key] = value
+    if getattr(row, "depth", None):
+        out["dp"] = row.depth
     for key, value in (("d", row.max_abs), ("r", row.max_rel), ("at", row.atol), ("rt", row.rtol)):
         if value is not None:
-            out[key] = json_number(_rounded(value))
+            out[key] = json_number(value)  # whole: the page rounds once, as the text report does
     return out
-
-
-def _rounded(value: float) -> float:
-    """Four significant digits: what the page shows, and a third of the bytes of a full float."""
-    return float(f"{value:.4g}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OUTPUT, Attempt, BackwardAttempt
-from ..grammar import meta_text, metas_text, render_attempt
+from ..grammar import meta_text, metas_text, render_attempt, site_text
 
 NONFINITE = 1  # its statistics hold NaN or an infinity
 HIGHLIGHT = 2  # the first non-finite row, which the page opens and leads to
@@ -52,8 +52,10 @@ class Tree:
     call it was made from. `highlight` is the first non-finite event. `path(event)` gives where a
     row sits: the child indices from the root, which the page follows to open its ancestors."""
 
-    def __init__(self, events: Sequence, attempt: Optional[Attempt] = None, highlight=None):
+    def __init__(self, events: Sequence, attempt: Optional[Attempt] = None, highlight=None,
+                 normalize: bool = False):
         self._highlight = highlight
+        self._normalize = normalize  # sites as narration showed them (`normalize=True`: base names)
         self._paths: Dict[int, List[int]] = {}
         self.attempt_path: Optional[List[int]] = None
         first = events[0].scope if events else (attempt.scope if attempt else None)
@@ -122,14 +124,15 @@ class Tree:
         if forward:
             row["b"] = forward
         if event.site:
-            row["s"] = event.site
+            row["s"] = site_text(event.site, self._normalize)
         flags = 0
         if event.stats is not None:
             stats = str(event.stats)
-            if stats:
-                row["v"] = stats
             if event.stats.nonfinite:
                 flags |= NONFINITE
+                stats = stats or _counts(event.stats)  # tracking alone prints no statistics: say why it is marked
+            if stats:
+                row["v"] = stats
         if event is self._highlight:
             flags |= HIGHLIGHT
         if event.finding is not None:
@@ -137,6 +140,16 @@ class Tree:
         if flags:
             row["f"] = flags
         return row
+
+
+def _counts(stats) -> str:
+    """`nan=8 +inf=1`: the non-finite counts tracking measured."""
+    total = {"nan": 0, "+inf": 0, "-inf": 0}
+    for part in getattr(stats, "parts", (stats,)):
+        total["nan"] += part.nan or 0
+        total["+inf"] += part.posinf or 0
+        total["-inf"] += part.neginf or 0
+    return " ".join(f"{name}={count}" for name, count in total.items() if count)
 
 
 def _attempt_row(attempt: Attempt) -> dict:

@@ -41,15 +41,16 @@ function errorCell(value, tolerance, name, toleranceName) {
   const bar = el("span", tolerance > 0 ? "bar" : "bar exact");
   bar.style.setProperty("--fill", (fraction(value, tolerance) * 100).toFixed(1) + "%");
   bar.title = name + " " + number(value) + " against " + toleranceName + " " + number(tolerance) +
-    (tolerance === 0 ? " (exact)" : "");
+    (tolerance === 0 ? " (a tolerance of 0: any difference is out of it)" : "");
   wrap.appendChild(bar);
   wrap.appendChild(el("span", "num", number(value)));
   return wrap;
 }
 
-/* Module depth as narration counts it: `blocks.1.attn` is two levels, an index is not one. */
-function depth(path) {
-  return path ? path.split(".").filter(function (part) { return !/^\d+$/.test(part); }).length : 0;
+/* Module depth as narration counts it (module calls: a ModuleList is never called, a Sequential
+   is), carried by each row. */
+function depth(row) {
+  return row.dp || 0;
 }
 
 /* The module path, with the part it shares with the row above faded: runs of one module read as a group. */
@@ -80,7 +81,7 @@ function rowElement(row, tag, previous) {
   line.appendChild(cell("n", row.a === undefined ? "-" : tag + row.a));
   line.appendChild(cell("n", row.b === undefined ? "-" : tag + row.b));
   const op = cell("op", row.o);
-  op.style.paddingLeft = (2 * depth(row.p || "")) + "ch";
+  op.style.paddingLeft = (2 * depth(row)) + "ch";
   line.appendChild(op);
   const module = moduleCell(row.p || "", previous);
   module.title = row.p || "(root)";
@@ -97,7 +98,7 @@ function rowElement(row, tag, previous) {
 function columnWidths(box, rows) {
   let op = 4, module = 8;
   for (const row of rows) {
-    op = Math.max(op, row.o.length + 2 * depth(row.p || ""));
+    op = Math.max(op, row.o.length + 2 * depth(row));
     module = Math.max(module, (row.p || "(root)").length);
   }
   box.style.setProperty("--op", Math.min(op, 40) + 1 + "ch");

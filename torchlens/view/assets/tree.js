@@ -209,7 +209,7 @@ function markMatches(call, query) {
     } else {
       kid.hit = pathHit || kid.o.toLowerCase().includes(query) ||
         (kid.l !== undefined && kid.l.toLowerCase().includes(query));
-      if (kid.hit) matches += 1;
+      if (kid.hit && kid.t !== "out" && kid.t !== "try") matches += 1;  // counted as the total counts
     }
   }
   call.hits = matches;
