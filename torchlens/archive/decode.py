@@ -137,12 +137,17 @@ def event(doc, tables: _Tables, backward: bool) -> Event:
     kind = _KINDS.get(doc.get("kind")) if isinstance(doc.get("kind"), str) else None
     if kind is None or (kind in _BACKWARD_KINDS) != backward:
         raise bad(f"an event of kind {doc.get('kind')!r} {'in a backward' if backward else 'in a forward'}")
-    args = (kind, _expect(doc.get("ordinal"), int, "an ordinal"), _expect(doc.get("op"), str, "an op name"),
-            tables.scope(doc.get("scope")), tuple(meta(m) for m in _expect(doc.get("outputs", []), list, "outputs")),
-            _optional(doc.get("site"), str, "a site"), stats(doc.get("stats")), _optional(doc.get("label"), str, "a label"))
-    if kind in _LABELLED and args[-1] is None:
+    label = _optional(doc.get("label"), str, "a label")
+    if kind in _LABELLED and label is None:
         raise bad(f"an {kind.value} event without its label")
-    made = BackwardEvent(*args, forward=_optional(doc.get("forward"), str, "a forward op")) if backward else Event(*args)
+    outputs = tuple(meta(m) for m in _expect(doc.get("outputs", []), list, "outputs"))
+    args = (kind, _expect(doc.get("ordinal"), int, "an ordinal"), _expect(doc.get("op"), str, "an op name"),
+            tables.scope(doc.get("scope")), outputs, _optional(doc.get("site"), str, "a site"),
+            stats(doc.get("stats")), label)
+    if backward:
+        made = BackwardEvent(*args, forward=_optional(doc.get("forward"), str, "a forward op"))
+    else:
+        made = Event(*args)
     if doc.get("selected", True) is False:
         tables.unselected.add(selection_key(made))
     return made

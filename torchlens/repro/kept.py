@@ -10,9 +10,10 @@ returns (later ops may write into those tensors in place; an optimizer step chan
 An op introduces a kind of non-finite value (NaN, +inf, -inf) when its output holds it and none
 of its inputs did: not carried in by a scalar argument (a mask's `masked_fill(m, -inf)`), not
 read from an earlier op's output that held it, nor an infinity read from a tensor no op produced
-(a mask buffer; a NaN in a weight is kept at the op that first reads it, where tracking reports it). So a healthy causal mask
-keeps nothing, and the first op of each kind that computed one is kept — where tracking looks for
-the birth. Each copy is bounded by `MAX_BYTES`; at most one op per kind is kept per forward.
+(a mask buffer; a NaN in a weight is kept at the op that first reads it, where tracking reports
+it). So a healthy causal mask keeps nothing, and the first op of each kind that computed one is
+kept — where tracking looks for the birth. Each copy is bounded by `MAX_BYTES`; at most one op per
+kind is kept per forward.
 """
 
 from __future__ import annotations

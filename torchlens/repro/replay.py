@@ -36,9 +36,9 @@ def _why_not_kept(recording, event, call) -> str:
     where = op_ref(event.ordinal, event.op, event.scope.path)
     if call is not None:
         return f"the inputs of {where} were not kept: " + "; ".join(call.notes)
-    return (f"the inputs of {where} were not kept: only an eager run keeps them, at the first op producing each "
-            f"kind of non-finite value, when its statistics are read as it returns (on the CPU, or with "
-            f"on_nonfinite='raise'); a loaded trace or a compiled graph keeps none")
+    return (f"the inputs of {where} were not kept: only an eager run keeps them, at the first op that introduced "
+            f"each kind of non-finite value (its inputs held none), when its statistics are read as it returns (on "
+            f"the CPU, or with on_nonfinite='raise'); a loaded trace or a compiled graph keeps none")
 
 
 def failure_repro(partial, directory):

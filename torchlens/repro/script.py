@@ -54,17 +54,17 @@ _PUBLIC_MODULES = {"_operator": "operator", "_functools": "functools"}  # (compi
 
 def _import_line(name: str) -> str:
     """What the script imports to call `name` (torch itself is always imported)."""
-    module = name.split(".")[0]
-    if module == "torch":
+    parts = name.split(".")
+    if parts[0] == "torch":
         return ""
-    for end in range(name.count("."), 0, -1):  # the longest importable prefix
-        candidate = name.rsplit(".", name.count(".") - end + 1)[0]
+    for end in range(len(parts) - 1, 0, -1):  # the longest importable prefix (`operator` of `operator.getitem`)
+        candidate = ".".join(parts[:end])
         try:
             importlib.import_module(candidate)
             return f"import {candidate}\n"
         except ImportError:
             continue
-    return f"import {module}\n"
+    return f"import {parts[0]}\n"
 
 
 def _resolves(module: str, qualname: str, func) -> bool:
@@ -268,7 +268,8 @@ T = load_inputs()
 
 
 def main():
-    print("inputs:", ", ".join(f"{{k}} {{list(v.shape)}} {{v.dtype}} {{shown(nonfinite_counts(v))}}" for k, v in T.items()))
+    described = (f"{{k}} {{list(v.shape)}} {{v.dtype}} {{shown(nonfinite_counts(v))}}" for k, v in T.items())
+    print("inputs:", ", ".join(described))
     try:
         with replay_context():
             out = {function}(*{args}, **{kwargs})
