@@ -1,4 +1,4 @@
-"""A recording as plain data: the document `save` writes and the HTML view embeds.
+"""A recording as plain data: the document `save` writes.
 
 The document is JSON all the way down (no pickles, no class names that a reader would import):
 scopes as a table, events as rows that name their scope by index, statistics as numbers (with
@@ -8,8 +8,9 @@ output), `backward/0/7/1` and `output/2`; `tensors()` gathers them.
 
 What cannot be written as data is said, never guessed: a selector that is a Python function is
 stored as what it selected (one flag per event), a forward output that is not tensors, numbers,
-strings and containers of them is left out with a note, and a kept value in a layout the tensor
-format has no slot for (sparse, nested) is left out with a note that names it.
+strings and containers of them is left out with a note, a sparse value is stored dense, and a
+kept value in a layout the tensor format has no slot for (nested) is left out with a note that
+names it.
 
 Reads recordings by their attributes only, so that `results` can import it without a cycle.
 """
