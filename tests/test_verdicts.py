@@ -788,3 +788,19 @@ def test_vmap_over_a_transformer_encoder_layer_measures_every_op_over_the_batch(
     last = rec.ops[-1].stats
     assert (last.min, last.max) == pytest.approx((mn, mx), abs=1e-6)
     assert (last.mean, last.sd) == pytest.approx((mean, sd), rel=1e-4, abs=1e-6)
+
+
+def test_tracking_works_out_what_an_op_read_only_for_ops_whose_output_is_not_finite(monkeypatch):
+    from torchlens import tracking
+
+    asked = []
+    reads_of = tracking.Tracker.reads_of
+    monkeypatch.setattr(tracking.Tracker, "reads_of", lambda self, args, kwargs: asked.append(1) or
+                        reads_of(self, args, kwargs))
+    model = tiny_gpt()
+    with torch.no_grad():
+        model.blocks[1].mlp.fc.weight[0, 0] = float("nan")
+    recording = tl.record(model, tokens(), on_nonfinite="track")
+    nonfinite = [e for e in recording.ops if e.stats is not None and e.stats.nonfinite]
+    assert 0 < len(asked) == len(nonfinite) < len(recording.ops) / 2
+    assert recording.findings[0].text.startswith("NaN in blocks.1.mlp.fc.weight")

@@ -222,6 +222,34 @@ def _label(tensor: torch.Tensor) -> str:
     return f"a [{dims}] tensor no narrated op produced"
 
 
+class LazyReads:
+    """What an op read (`Tracker.reads_of`), worked out only if a verdict needs it.
+
+    Most outputs are finite, and a finite output's verdict never asks where its values came from;
+    on the CPU the verdict is drawn as the op returns, so the capture asks for the reads only when
+    the op is still waiting for its verdict (statistics to be read later) or its output is not
+    finite (`resolve`), and drops them otherwise. They must be worked out before the op's own
+    outputs are registered (`Tracker.produced`): an op that wrote into its input would otherwise
+    be found as the origin of what it read. Unpacks as `(refs, carried)`."""
+
+    __slots__ = ("_tracker", "_args", "_kwargs", "_value")
+
+    def __init__(self, tracker: "Tracker", args, kwargs):
+        self._tracker = tracker
+        self._args = args
+        self._kwargs = kwargs
+        self._value = None
+
+    def resolve(self) -> tuple:
+        if self._value is None:
+            self._value = self._tracker.reads_of(self._args, self._kwargs)
+            self._args = self._kwargs = self._tracker = None  # keep no tensor alive by it
+        return self._value
+
+    def __iter__(self):
+        return iter(self.resolve())
+
+
 class Tracker:
     """Provenance of the tensors of one forward and the verdicts drawn from it.
 
@@ -251,6 +279,10 @@ class Tracker:
         self._born = set()  # (id(event), kind) of every infinity born, held back or not
 
     # -- provenance -----------------------------------------------------------------------------
+
+    def waiting(self, event: Event) -> bool:
+        """Whether `event` still waits for its verdict (its statistics, or an earlier op's, are read later)."""
+        return bool(self._queue) and self._queue[-1] is event
 
     def reads_of(self, args, kwargs):
         """(what each tensor argument came from, scalar kinds carried in) for an op's arguments."""

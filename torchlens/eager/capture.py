@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import NonFiniteError
 from ..events import TensorMeta
+from ..tracking import LazyReads
 from ..repro.kept import KeptCall
 from ..session import Session, error_summary, internal_error
 from ..sites import find_user_site
@@ -213,14 +214,20 @@ class OpReporter:
         if tracker is None:
             event = session.add_op(name, metas, site, None, out)
         else:
+            reads = LazyReads(tracker, args, kwargs or {})
             try:
-                event = session.add_op(name, metas, site, None, out, tracker.reads_of(args, kwargs or {}))
+                event = session.add_op(name, metas, site, None, out, reads)
             except NonFiniteError:  # `on_nonfinite="raise"` stops at this op: keep what it read first
                 session.kept_inputs.consider(session.events[-1], func, out, args, kwargs)
                 raise
-            tracker.produced(event, out, args, kwargs)
-            if event.stats is not None and event.stats.nonfinite:
+            nonfinite = event.stats is not None and event.stats.nonfinite
+            if nonfinite:
                 session.kept_inputs.consider(event, func, out, args, kwargs)
+            if nonfinite or tracker.waiting(event):
+                reads.resolve()  # before its outputs are registered below
+            else:
+                event.reads = None  # judged finite: what it read is never asked for
+            tracker.produced(event, out, args, kwargs)
         if self.keeper is not None:
             self.keeper(event, out)
         if self.roots is not None:
