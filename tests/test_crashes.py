@@ -203,6 +203,27 @@ def test_a_shape_error_found_while_dynamo_traces_gets_the_same_context():
     assert tail[-1].startswith("!! attempted #5 linear @inner.fc")
 
 
+def test_an_index_error_dynamo_passes_on_while_tracing_is_located_not_called_python_code():
+    class Gather(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, i):
+            return self.fc(x)[i]  # a Python int index: dynamo checks it on fake tensors, and raises IndexError
+
+    compiled = tl.compile(Gather().eval(), compiler="eager")
+    exc = _fail(lambda: compiled(torch.randn(3, 4), 7))
+    assert type(exc) is IndexError  # the user's exception type, as plain torch.compile raises it
+    tail = exc.partial_trace.narrate(last=2).splitlines()
+    assert tail[-2] == "-- dynamo raised while tracing; located by running the forward eagerly"
+    assert tail[-1].startswith("!! attempted #3 getitem  ")
+    training = tl.compile(Gather(), compiler="eager")  # training mode: not run again, and it says so
+    tail = _fail(lambda: training(torch.randn(3, 4), 7)).partial_trace.narrate(last=2).splitlines()
+    assert "not located: the model has modules in training mode" in tail[-2]
+    assert "no torch call was in flight" not in tail[-1]
+
+
 def test_replay_caveats_are_stated_on_the_tail():
     class Noisy(nn.Module):
         def __init__(self):

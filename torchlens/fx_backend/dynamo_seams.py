@@ -105,6 +105,13 @@ def call_outcome():
     return False, None, raised or RuntimeError("the compiled call failed")
 
 
+def raised_while_tracing(exc: BaseException) -> bool:
+    """Whether dynamo raised `exc` while it traced the forward (no graph ran): a `TorchRuntimeError`
+    (an op failed on fake tensors), or an error of the op's own type that dynamo passed on, which
+    it marks with the user's frame as it adds "from user code" to the message."""
+    return isinstance(exc, torch._dynamo.exc.TorchRuntimeError) or hasattr(exc, "innermost_user_frame_summary")
+
+
 def context_of_compiled(compiled) -> Optional[Any]:
     """The dynamo context behind what `torch.compile` returned (module or function)."""
     ctx = getattr(compiled, "dynamo_ctx", None)

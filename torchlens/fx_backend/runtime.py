@@ -360,7 +360,7 @@ class CompiledPass(ForwardPass):
                 if succeeded:
                     recording = self.finish(result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
                 else:
-                    if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+                    if dynamo_seams.raised_while_tracing(exc):
                         locate_by_running_eagerly(self, exc)
                     recording = self.fail(exc)
                 self.runtime.record(recording, self.graph_calls)
