@@ -224,6 +224,38 @@ def test_an_index_error_dynamo_passes_on_while_tracing_is_located_not_called_pyt
     assert "no torch call was in flight" not in tail[-1]
 
 
+class RaisesAfter(nn.Module):
+    """Raises in its own Python code after its submodule returned, or inside the submodule."""
+
+    def __init__(self, inside: bool):
+        super().__init__()
+        self.inside = inside
+        self.fc = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.shape[0] == 3 and not self.inside:
+            raise ValueError("three rows")
+        return self.block(h)
+
+
+def _raise_in_block(module, args, output):
+    raise ValueError("from inside block")
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_python_error_in_a_compiled_forward_is_placed_in_the_module_eager_names(inside):
+    model = RaisesAfter(inside).eval()
+    if inside:
+        model.block[0].register_forward_hook(_raise_in_block)
+    eager = _fail(lambda: tl.record(model, torch.randn(3, 4))).partial_trace.narrate(last=3)
+    compiled = tl.compile(model, compiler="eager")
+    tail = _fail(lambda: compiled(torch.randn(3, 4))).partial_trace.narrate(last=3)
+    assert tail.splitlines()[-1] == eager.splitlines()[-1]
+    assert ("in @block.0" in tail) is inside and "in @fc" not in tail
+
+
 def test_replay_caveats_are_stated_on_the_tail():
     class Noisy(nn.Module):
         def __init__(self):

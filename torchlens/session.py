@@ -318,7 +318,7 @@ class Session:
 
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call
-        if failed is not None and _in_chain(failed.exc, exc):
+        if failed is not None and in_chain(failed.exc, exc):
             # the forward ends here: what the call read is copied, so that the partial trace holds
             # neither the forward's activations nor its graph (`torchlens.repro.kept`)
             call = failed.call.copy() if failed.call is not None else None
@@ -341,7 +341,7 @@ def _on_cpu(value) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
-def _in_chain(target: BaseException, exc: BaseException) -> bool:
+def in_chain(target: BaseException, exc: BaseException) -> bool:
     """Whether `target` is `exc` or one of the exceptions it was raised from or during."""
     seen = set()
     while exc is not None and id(exc) not in seen:

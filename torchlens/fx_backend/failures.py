@@ -15,6 +15,7 @@ reported as one with no torch call in flight. Both only ever add to the session;
 
 from __future__ import annotations
 
+import traceback
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -23,8 +24,8 @@ from ..eager.runner import run_eager
 from ..events import INPUT, Scope, TensorMeta
 from ..options import make_settings
 from ..repro.kept import KeptCall
-from ..session import error_summary, internal_error
-from ..sites import site_from_stack_trace
+from ..session import error_summary, in_chain, internal_error
+from ..sites import is_internal_file, site_from_stack_trace
 from ..structure import module_of
 from .active import quiet_runs
 from .module_stack import relative_stack
@@ -174,6 +175,22 @@ def locate_by_running_eagerly(run, exc: BaseException) -> None:
             reason = ("run again eagerly, the forward failed without a partial trace" if partial is None
                       else "run again eagerly, the forward failed outside any torch call")
     _not_located_while_tracing(run, exc, reason)
+
+
+def place_python_failure(run, exc: BaseException) -> None:
+    """A failure no torch call raised (the forward's own Python code): open the module whose code
+    raised it, as eager's module hooks would have closed the ones that had returned. A compiled
+    frame has no such hooks, so without this the last op's module would be named."""
+    failed = run.session.failed_call
+    if failed is not None and in_chain(failed.exc, exc):
+        return  # a torch call raised it: its module stands
+    frame = None
+    for candidate, _ in traceback.walk_tb(exc.__traceback__):
+        if not is_internal_file(candidate.f_code.co_filename):
+            frame = candidate
+    gaps = getattr(run, "gaps", None)
+    if frame is not None and gaps is not None:
+        gaps.locate(frame)
 
 
 def _why_not_rerun(model) -> Optional[str]:

@@ -36,7 +36,7 @@ from ..structure import check_selection, named_arguments, tensor_names
 from . import dynamo_seams
 from .config import CompileConfig
 from .active import active_run, make_active, make_inactive
-from .failures import locate_by_running_eagerly
+from .failures import locate_by_running_eagerly, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan
 from .stats_pass import measure_returned, read_stats
@@ -362,6 +362,8 @@ class CompiledPass(ForwardPass):
                 else:
                     if dynamo_seams.raised_while_tracing(exc):
                         locate_by_running_eagerly(self, exc)
+                    else:
+                        place_python_failure(self, exc)
                     recording = self.fail(exc)
                 self.runtime.record(recording, self.graph_calls)
         except Exception as inner:
