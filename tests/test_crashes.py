@@ -256,6 +256,63 @@ def test_a_python_error_in_a_compiled_forward_is_placed_in_the_module_eager_name
     assert ("in @block.0" in tail) is inside and "in @fc" not in tail
 
 
+class CountsFromNames(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.names = ["a", "b"]
+
+    def forward(self, x):
+        return self.fc(x) * sum(int(name) for name in self.names)  # a ValueError inside a generator
+
+
+class Identity(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class PlacesErrors(nn.Module):
+    def __init__(self, wrong_call: bool):
+        super().__init__()
+        self.wrong_call = wrong_call
+        self.s = CountsFromNames()
+        self.b = Identity()
+
+    def forward(self, x):
+        return self.b(self.s.fc(x), 3) if self.wrong_call else self.s(x) + 1  # (b takes one argument)
+
+
+@pytest.mark.parametrize("wrong_call", [False, True])
+def test_errors_in_a_generator_or_a_module_call_are_placed_where_eager_places_them(wrong_call):
+    model = PlacesErrors(wrong_call).eval()
+    eager = _fail(lambda: tl.record(model, torch.randn(3, 4))).partial_trace.narrate(last=1)
+    compiled = tl.compile(model, compiler="eager")
+    tail = _fail(lambda: compiled(torch.randn(3, 4))).partial_trace.narrate(last=1)
+    assert tail == eager and ("in @b" if wrong_call else "in @s ") in tail
+
+
+def test_dynamo_own_errors_do_not_run_the_forward_again():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.fc(x)
+            torch._dynamo.graph_break()
+            return h
+
+    def failing_backend(gm, inputs):
+        raise RuntimeError("backend failed")
+
+    for options in ({"compiler": "eager", "fullgraph": True}, {"compiler": failing_backend}):
+        model = Counting().eval()
+        _fail(lambda: tl.compile(model, **options)(torch.randn(3, 4)))
+        assert model.calls == 0  # a graph break under fullgraph, a failed backend: no op to locate
+
+
 def test_replay_caveats_are_stated_on_the_tail():
     class Noisy(nn.Module):
         def __init__(self):

@@ -804,3 +804,34 @@ def test_tracking_works_out_what_an_op_read_only_for_ops_whose_output_is_not_fin
     nonfinite = [e for e in recording.ops if e.stats is not None and e.stats.nonfinite]
     assert 0 < len(asked) == len(nonfinite) < len(recording.ops) / 2
     assert recording.findings[0].text.startswith("NaN in blocks.1.mlp.fc.weight")
+
+
+class WritesItsBuffer(nn.Module):
+    """Ops that write NaN or -inf into a buffer no op produced, in place or through `out=`."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("b", torch.zeros(4))
+
+    def forward(self, x):
+        y = x + self.b
+        if self.how == "div_":
+            self.b.div_(self.b)  # 0/0: the NaN is born here, in the buffer
+        elif self.how == "log_":
+            self.b.log_()  # log(0): -inf
+        else:
+            torch.div(x * 0, x * 0, out=self.b)
+        return y + self.b
+
+
+@pytest.mark.parametrize("device_reads_later", [False, True])
+@pytest.mark.parametrize("how", ["div_", "log_", "out="])
+def test_an_op_that_writes_its_buffer_is_never_told_the_buffer_held_what_it_wrote(how, device_reads_later,
+                                                                                    monkeypatch):
+    if device_reads_later:
+        monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+    findings = [f.text for f in tl.record(WritesItsBuffer(how), torch.ones(4), on_nonfinite="track").findings]
+    op = "div" if how == "out=" else how
+    assert findings and findings[0].startswith(("NaN first seen at #", "-inf first seen at #")), findings
+    assert f" {op} (" in findings[0] and not any(text.startswith(("NaN in b", "-inf in b")) for text in findings)

@@ -133,6 +133,23 @@ class ScopeTable:
                 return scope.path
         return None
 
+    def scope_of_traceback(self, tb) -> Scope:
+        """The scope of the innermost module of the model whose code the traceback `tb` ran through,
+        from its outermost frame in: unlike `scope_of_stack`, it sees frames that no longer link
+        to their callers (a finished generator expression) and torch's own module-call frames."""
+        modules = []
+        while tb is not None:
+            frame = tb.tb_frame
+            if "self" in frame.f_code.co_varnames:
+                module = _module_of(frame.f_locals.get("self"))
+                if module is not None and self.knows(module) and (not modules or modules[-1] is not module):
+                    modules.append(module)
+            tb = tb.tb_next
+        scope = self.root_scope
+        for module in modules:
+            scope = self.module_scope(module, scope)
+        return scope
+
     def scope_of_stack(self, frame) -> Scope:
         """The scope of the innermost module of the model whose code runs on the Python stack
         from `frame` outwards, nested in the scopes of the modules that called it."""

@@ -246,8 +246,24 @@ class LazyReads:
             self._args = self._kwargs = self._tracker = None  # keep no tensor alive by it
         return self._value
 
+    def resolve_written(self, out) -> None:
+        """Resolve now, for an op that wrote into one of its own arguments (in place, `out=`). A
+        tensor it wrote that no earlier op produced or read is first met here, after the write:
+        what it holds now says nothing of what the op read, so its measurement is void (what the
+        op read stays unknown, never blamed on the values the op itself wrote)."""
+        tracker = self._tracker
+        known = dict(tracker._sources)
+        self.resolve()
+        for tensor in ((out,) if isinstance(out, torch.Tensor) else out):
+            source = tracker._sources.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+            if source is not None and known.get(id(tensor)) is not source:
+                source.version = _WRITTEN
+
     def __iter__(self):
         return iter(self.resolve())
+
+
+_WRITTEN = -1  # a Source's version when it was first met after the op that read it wrote into it
 
 
 class Tracker:

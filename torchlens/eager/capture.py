@@ -215,6 +215,8 @@ class OpReporter:
             event = session.add_op(name, metas, site, None, out)
         else:
             reads = LazyReads(tracker, args, kwargs or {})
+            if name.endswith("_") or (kwargs and "out" in kwargs) or (args and out is args[0]):
+                reads.resolve_written(out)  # (wrote into its argument: see `LazyReads.resolve_written`)
             try:
                 event = session.add_op(name, metas, site, None, out, reads)
             except NonFiniteError:  # `on_nonfinite="raise"` stops at this op: keep what it read first

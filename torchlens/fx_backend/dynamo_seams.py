@@ -106,10 +106,15 @@ def call_outcome():
 
 
 def raised_while_tracing(exc: BaseException) -> bool:
-    """Whether dynamo raised `exc` while it traced the forward (no graph ran): a `TorchRuntimeError`
-    (an op failed on fake tensors), or an error of the op's own type that dynamo passed on, which
-    it marks with the user's frame as it adds "from user code" to the message."""
-    return isinstance(exc, torch._dynamo.exc.TorchRuntimeError) or hasattr(exc, "innermost_user_frame_summary")
+    """Whether an op failed while dynamo traced the forward: a `TorchRuntimeError` (an op failed
+    on fake tensors), or an error of the op's own type that dynamo passed on (an `IndexError` for
+    an int index past a dimension). Dynamo marks every exception that leaves its trace or its
+    compile with the user's frame; its own kinds (a graph break under `fullgraph=True`, a backend
+    that failed, an assertion of its own) are no op's failure, and an eager re-run would not find one."""
+    if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+        return True
+    own = (torch._dynamo.exc.TorchDynamoException, AssertionError)
+    return hasattr(exc, "innermost_user_frame_summary") and not isinstance(exc, own)
 
 
 def context_of_compiled(compiled) -> Optional[Any]:

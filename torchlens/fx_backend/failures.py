@@ -15,7 +15,6 @@ reported as one with no torch call in flight. Both only ever add to the session;
 
 from __future__ import annotations
 
-import traceback
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -25,7 +24,7 @@ from ..events import INPUT, Scope, TensorMeta
 from ..options import make_settings
 from ..repro.kept import KeptCall
 from ..session import error_summary, in_chain, internal_error
-from ..sites import is_internal_file, site_from_stack_trace
+from ..sites import site_from_stack_trace
 from ..structure import module_of
 from .active import quiet_runs
 from .module_stack import relative_stack
@@ -184,13 +183,9 @@ def place_python_failure(run, exc: BaseException) -> None:
     failed = run.session.failed_call
     if failed is not None and in_chain(failed.exc, exc):
         return  # a torch call raised it: its module stands
-    frame = None
-    for candidate, _ in traceback.walk_tb(exc.__traceback__):
-        if not is_internal_file(candidate.f_code.co_filename):
-            frame = candidate
     gaps = getattr(run, "gaps", None)
-    if frame is not None and gaps is not None:
-        gaps.locate(frame)
+    if gaps is not None and exc.__traceback__ is not None:
+        run.session.move_to(gaps.scopes.scope_of_traceback(exc.__traceback__))
 
 
 def _why_not_rerun(model) -> Optional[str]:
