@@ -137,34 +137,32 @@ class ScopeTable:
         """The scope of the innermost module of the model whose code the traceback `tb` ran through,
         from its outermost frame in: unlike `scope_of_stack`, it sees frames that no longer link
         to their callers (a finished generator expression) and torch's own module-call frames."""
-        modules = []
+        frames = []
         while tb is not None:
-            frame = tb.tb_frame
-            if "self" in frame.f_code.co_varnames:
-                module = _module_of(frame.f_locals.get("self"))
-                if module is not None and self.knows(module) and (not modules or modules[-1] is not module):
-                    modules.append(module)
+            frames.append(tb.tb_frame)
             tb = tb.tb_next
-        scope = self.root_scope
-        for module in modules:
-            scope = self.module_scope(module, scope)
-        return scope
+        return self._scope_of_frames(frames)
 
     def scope_of_stack(self, frame) -> Scope:
         """The scope of the innermost module of the model whose code runs on the Python stack
         from `frame` outwards, nested in the scopes of the modules that called it."""
-        modules = []
+        frames = []
         for _ in range(_MAX_FRAMES):
             if frame is None:
                 break
+            frames.append(frame)
+            frame = frame.f_back
+        return self._scope_of_frames(reversed(frames))
+
+    def _scope_of_frames(self, frames) -> Scope:
+        """The scope nesting the model's modules whose code runs in `frames` (outermost first):
+        a frame of a method of a known module (its `self`) opens that module's call."""
+        scope, last = self.root_scope, None
+        for frame in frames:
             if "self" in frame.f_code.co_varnames:
                 module = _module_of(frame.f_locals.get("self"))
-                if module is not None and self.knows(module) and (not modules or modules[-1] is not module):
-                    modules.append(module)
-            frame = frame.f_back
-        scope = self.root_scope
-        for module in reversed(modules):
-            scope = self.module_scope(module, scope)
+                if module is not None and module is not last and self.knows(module):
+                    scope, last = self.module_scope(module, scope), module
         return scope
 
     def name_of_id(self, module_id: int) -> Optional[str]:

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..tracking import NAN, NEGINF, POSINF, Source
+from ..tracking import NEGINF, POSINF, Source, held
 
 MAX_BYTES = 256 * 1024 * 1024  # the inputs one op may keep (copies, on their device)
 
@@ -91,22 +91,13 @@ def call_context(args, kwargs) -> dict:
     return context
 
 
-def _kinds_of(stats) -> int:
-    kinds = 0
-    for part in getattr(stats, "parts", (stats,)):
-        if part is not None:
-            kinds |= (NAN if part.nan else 0) | (POSINF if part.posinf else 0) | (NEGINF if part.neginf else 0)
-    return kinds
-
-
 def _read_kinds(ref) -> int:
     """The kinds an input explains: those an earlier op's measured output held, and the infinities
     of a tensor no op produced (a mask buffer). A NaN in a weight is not explained away: the op
     that first reads it is where tracking reports it, and its repro shows the weight's NaN."""
     if isinstance(ref, Source):
         return (ref.kinds() or 0) & (POSINF | NEGINF)  # measured once per tensor, and only on a non-finite op
-    stats = getattr(ref, "stats", None)
-    return _kinds_of(stats) if stats is not None else 0
+    return held(ref) or 0
 
 
 def _detached(value):
@@ -131,7 +122,7 @@ class InputKeeper:
     def consider(self, event, func, out, args, kwargs) -> None:
         """After an op whose statistics were read and hold a non-finite value: keep its inputs if it
         introduced a kind of value no earlier op kept inputs for."""
-        kinds = _kinds_of(event.stats) & ~self._kinds
+        kinds = (held(event) or 0) & ~self._kinds
         if not kinds or func is None:
             return
         if event.reads is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import html
 import json
-import math
 from importlib import resources
 from typing import Sequence
 
@@ -27,13 +26,6 @@ def embedded_json(data) -> str:
     """`data` as JSON that is safe inside a `<script>` element."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c")
-
-
-def json_number(value):
-    """A float the page can carry: JSON has no infinity or NaN, so those travel as strings."""
-    if value is None or math.isfinite(value):
-        return value
-    return "nan" if value != value else ("inf" if value > 0 else "-inf")
 
 
 def page(title: str, data, scripts: Sequence[str]) -> str:

@@ -14,7 +14,8 @@ Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `dp` i
 
 from __future__ import annotations
 
-from .page import json_number, page
+from ..archive.encode import number
+from .page import page
 
 _ONE_SIDED = {"only_a": "only in a", "only_b": "only in b"}
 
@@ -57,5 +58,5 @@ def _row(row) -> dict:
         out["dp"] = row.depth
     for key, value in (("d", row.max_abs), ("r", row.max_rel), ("at", row.atol), ("rt", row.rtol)):
         if value is not None:
-            out[key] = json_number(value)  # whole: the page rounds once, as the text report does
+            out[key] = number(value)  # whole (the page rounds once, as the text report does); JSON has no inf
     return out
