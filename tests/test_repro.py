@@ -277,3 +277,27 @@ def test_a_failed_pass_holds_no_activation_of_the_forward(tmp_path):
     assert len(recorder.recordings) == 4 and all(ref() is None for ref in seen)
     code, out = run_script(recorder.recordings[0].repro(tmp_path))
     assert code == 0, out
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_nn_transformer_encoder_nan_saves_loads_pages_and_replays_under(mode, tmp_path):
+    real_models = pytest.importorskip("real_models")
+    model, args, padded = real_models.nn_transformer_encoder()
+    with torch.no_grad():
+        model.layers[1].linear1.weight[0, 0] = float("nan")
+    with torch.inference_mode(), pytest.raises(tl.errors.ReproError, match="nested tensor"):
+        tl.record(model, *args, **padded, on_nonfinite="track").repro(tmp_path / "nested")  # its fast path
+    kwargs = {}  # without a padding mask the encoder runs on plain tensors
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        expected = model(*args, **kwargs)
+        trace = tl.trace(model, *args, **kwargs, on_nonfinite="track", value_stats="exact")
+    assert torch.equal(trace.output.nan_to_num(), expected.nan_to_num())  # narration changes nothing
+    first = trace.first_nonfinite
+    assert first.module.startswith("layers.1")
+    loaded = tl.load(trace.save(tmp_path / "run.tl"))
+    assert loaded.narrate() == trace.narrate() and loaded.first_nonfinite.ordinal == first.ordinal
+    page = open(trace.to_html(tmp_path / "run.html"), encoding="utf-8").read()
+    assert f'"i":{first.ordinal},' in page
+    code, out = run_script(trace.repro(tmp_path / "repro"))
+    assert code == 0 and "nan=1" in out, out

@@ -121,7 +121,8 @@ def _spec(tensor: torch.Tensor, origin) -> dict:
 
 def _saved(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_nested or tensor.layout is not torch.strided:
-        raise ReproError(f"a {tensor.layout} tensor argument cannot be saved for a replay")
+        kind = "nested" if tensor.is_nested else str(tensor.layout).replace("torch.", "")
+        raise ReproError(f"the op was given a {kind} tensor, which a replay script cannot load back")
     saved = tensor.detach().to("cpu").contiguous().clone()
     return saved if type(saved) is torch.Tensor else saved.as_subclass(torch.Tensor)  # weights-only loads plain ones
 
