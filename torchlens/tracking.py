@@ -252,11 +252,12 @@ class LazyReads:
         what it holds now says nothing of what the op read, so its measurement is void (what the
         op read stays unknown, never blamed on the values the op itself wrote)."""
         tracker = self._tracker
-        known = dict(tracker._sources)
+        written = [t for t in ((out,) if isinstance(out, torch.Tensor) else out) if isinstance(t, torch.Tensor)]
+        known = [tracker._sources.get(id(tensor)) for tensor in written]
         self.resolve()
-        for tensor in ((out,) if isinstance(out, torch.Tensor) else out):
-            source = tracker._sources.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
-            if source is not None and known.get(id(tensor)) is not source:
+        for tensor, before in zip(written, known):
+            source = tracker._sources.get(id(tensor))
+            if source is not None and source is not before:
                 source.version = _WRITTEN
 
     def __iter__(self):
