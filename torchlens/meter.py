@@ -20,8 +20,8 @@ import torch
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
                       sums_of)
-from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, measures,
-                    plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
+from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, is_wrapped,
+                    measures, plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
 
 # Devices whose values are read as each op completes (no device to wait for). Everything else is
 # read once per forward. Tests empty it to check the deferred discipline without an accelerator.
@@ -56,6 +56,9 @@ class Meter:
         # A sample depends on the layout, so only exact statistics and counts are shared.
         self._known: Dict[tuple, Tuple[weakref.ref, Stats, bool]] = {}
         self._sharing = rung != "sampled"
+        # Tracking without statistics ("off", "reuse") measures nearly every op of a CPU forward the
+        # same way, one screen; `_screen_plain` takes that case in few calls (see `measure`).
+        self._screens = tracking and rung in ("off", "reuse")
 
     @property
     def active(self) -> bool:
@@ -70,6 +73,9 @@ class Meter:
     def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
         """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
         try:
+            if (self._screens and tensor.dtype in _SCREENED_AS_IS and tensor.device.type in READ_NOW
+                    and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
+                return self._screen_plain(tensor)
             identity = _same_elements(tensor) if self._sharing else None
             if identity is not None:
                 known = self._known.get(identity[1])
@@ -108,6 +114,24 @@ class Meter:
         return self._start(stats, chosen.build(f, dtype, numel, f.dim()), chosen, now)
 
     # -- read now: the tensor is at hand ------------------------------------------------------------
+
+    def _screen_plain(self, tensor: torch.Tensor) -> Stats:
+        """`measure` for the common case of a tracked forward on the CPU: a plain float32 or float64
+        tensor, screened as it is (what `_measure` decides for it, without the ladder's lookups);
+        statistics shared with a view's base as `_same_elements` shares them."""
+        identity = _identity(tensor) if not torch.is_inference(tensor) and _dense(tensor) else None
+        if identity is not None:
+            known = self._known.get(identity[1])
+            if known is not None and known[0]() is identity[0]:
+                return known[1]  # (read now: every CPU statistic is)
+        numel = tensor.numel()
+        if numel == 0:
+            stats = not_applicable("empty", self.rung).stats(0)
+        else:
+            stats = self._screened(Stats("counts", numel, self.rung == "reuse"), tensor.detach())
+        if identity is not None:
+            self._known[identity[1]] = (weakref.ref(identity[0]), stats, True)
+        return stats
 
     def _screened(self, stats: Stats, f: torch.Tensor) -> Stats:
         """Tracking: one sum proves the tensor finite; only one that is not is counted."""
@@ -248,6 +272,11 @@ def _ldexp(value: float, exponent: int) -> float:
         return math.copysign(math.inf, value)
 
 
+# Float dtypes a screen sums as they are (`torchlens.stats.as_float` keeps them; narrower ones are
+# summed in float32, whose range their values cannot overflow).
+_SCREENED_AS_IS = frozenset((torch.float32, torch.float64))
+
+
 def _same_elements(tensor: torch.Tensor):
     """(base, key) such that two tensors with equal keys, while `base` lives, hold the same elements:
     a view (`view`, `transpose`, `contiguous` of a contiguous tensor, eval-mode `dropout`, ...) of a
@@ -256,6 +285,11 @@ def _same_elements(tensor: torch.Tensor):
     instead of reduced again. None when the tensor does not cover one dense block of memory."""
     if tensor.layout != torch.strided or not shareable(tensor) or not _dense(tensor):
         return None
+    return _identity(tensor)
+
+
+def _identity(tensor: torch.Tensor):
+    """`_same_elements` for a tensor already known to qualify."""
     base = tensor._base if tensor._base is not None else tensor
     return base, (id(base), tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version)
 

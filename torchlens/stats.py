@@ -29,7 +29,7 @@ SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
 
 _inf = float("inf")
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrapped = torch._C._functorch.get_unwrapped
 
 
@@ -86,7 +86,7 @@ def plain_values(tensor: torch.Tensor) -> torch.Tensor:
 
 def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor a functorch transform's wrapper (vmap, grad, jvp) holds, or `tensor` itself."""
-    while _is_wrapped(tensor):
+    while is_wrapped(tensor):
         tensor = _unwrapped(tensor)
     return tensor
 
@@ -94,7 +94,7 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
 def shareable(tensor: torch.Tensor) -> bool:
     """Whether `tensor` has the version counter and plain layout statistics sharing relies on
     (inference tensors have no version counter; wrapped and nested tensors no plain storage)."""
-    return not (torch.is_inference(tensor) or tensor.is_nested or _is_wrapped(tensor))
+    return not (torch.is_inference(tensor) or tensor.is_nested or is_wrapped(tensor))
 
 
 def as_float(tensor, dtype: torch.dtype):

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .events import INPUT, Event, StatsGroup
+from .events import INPUT, Event, Stats, StatsGroup
 from .grammar import op_ref
 from .stats_text import counts_text
 from .stats import plain_values, unwrapped
@@ -345,10 +345,9 @@ class Tracker:
         output that is one of the op's arguments (`x.add_(y)`, `out=buf`, a `_foreach_*_` list)
         was written in place."""
         tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
-        passed = {id(t) for t in _tensor_arguments(args, kwargs)} if args or kwargs else ()
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
-            if id(tensor) in passed:
+            if (args or kwargs) and _passed(tensor, args, kwargs):
                 self._wrote(event, tensor)
 
     def _wrote(self, event: Event, tensor: torch.Tensor) -> None:
@@ -366,6 +365,11 @@ class Tracker:
     def judge(self, event: Event) -> List[Finding]:
         """Take `event` (and any events before it still waiting for statistics) into account;
         return the findings made now."""
+        stats = event.stats
+        if not self._queue and stats.__class__ is Stats and stats.nan == 0 and not stats.posinf and not stats.neginf:
+            self._kinds[id(event)] = 0  # measured finite, nothing waiting before it: `_verdicts` in short
+            self.measured += 1
+            return []
         self._queue.append(event)
         made = []
         while self._queue and settled(self._queue[0]):
@@ -550,6 +554,14 @@ def _tensor_arguments(args, kwargs):
             yield value
         elif isinstance(value, (list, tuple)):
             yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
+def _passed(tensor: torch.Tensor, args, kwargs) -> bool:
+    """Whether `tensor` is one of a call's tensor arguments (the call wrote into it)."""
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if value is tensor or (isinstance(value, (list, tuple)) and any(item is tensor for item in value)):
+            return True
+    return False
 
 
 def _where(origin, bit: int) -> str:
