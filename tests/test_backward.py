@@ -1122,3 +1122,26 @@ def test_a_real_model_under_no_grad_or_inference_mode_is_narrated_unchanged_and_
             narrated = model(*args, **kwargs).logits
     assert torch.equal(plain, narrated)
     assert rec.recordings[0].backward == [] and "-- backward" not in sink.getvalue()
+
+
+def test_an_infinity_in_the_second_gradient_of_a_two_output_node_is_born_there():
+    """`MulBackward0` sends a gradient to each factor; only the one multiplied by the large factor
+    overflows. Every other node's gradients are finite: the tracker must look at every part."""
+
+    class Product(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.tensor([3e38]))
+            self.b = nn.Parameter(torch.tensor([1.0]))
+
+        def forward(self, x):
+            return (self.a * self.b * x).sum()
+
+    model = Product()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(torch.ones(1)).backward(torch.tensor(4.0))
+    [backward] = rec.recordings[0].backward
+    first = backward.first_nonfinite
+    assert first.op == "MulBackward0" and re.fullmatch(r"#\d+ mul", first.forward)
+    assert backward.findings[0].text.startswith(f"+inf gradient born at ~{first.ordinal} MulBackward0")
+    assert model.b.grad.isinf().all() and model.a.grad.isfinite().all()

@@ -420,6 +420,33 @@ def test_an_overflow_that_becomes_a_nan_names_both(compiled):
     assert "then NaN born at #4 sub" in rec.footer_extra[-1]
 
 
+def test_an_infinity_born_in_one_output_of_a_two_output_op_is_found():
+    """`var_mean` of values whose square overflows: an infinite variance beside a finite mean."""
+
+    class Spread(nn.Module):
+        def forward(self, x):
+            var, mean = torch.var_mean(x)
+            return var + mean
+
+    rec = tl.record(Spread(), torch.tensor([3e38, -3e38]), on_nonfinite="track")
+    assert rec.first_nonfinite.op == "var_mean"
+    assert rec.findings[0].text.startswith("+inf born at #2 var_mean (+inf=1")
+
+
+def test_an_integer_op_writing_nan_bits_seen_through_a_float_view_is_born_at_the_view():
+    """Integer outputs hold no NaN, so the tracker skips what integer ops read; a float view of
+    integer memory is where the NaN first exists, and where it is named."""
+
+    class BitCast(nn.Module):
+        def forward(self, x):
+            bits = torch.zeros(4, dtype=torch.int32)
+            bits.fill_(0x7FC00000)  # a float32 NaN's bits
+            return x + bits.view(torch.float32)
+
+    rec = tl.record(BitCast(), torch.ones(4), on_nonfinite="track")
+    assert rec.findings[0].text == "NaN born at #4 view (nan=4)"
+
+
 def test_an_infinity_carried_in_that_reaches_the_output_is_a_finding():
     class Leaky(nn.Module):
         def forward(self, x):

@@ -53,8 +53,23 @@ def _bits(nan, posinf, neginf) -> int:
     return (NAN if nan else 0) | (POSINF if posinf else 0) | (NEGINF if neginf else 0)
 
 
+def can_hold_nonfinite(metas) -> bool:
+    """Whether any of these tensors (their `TensorMeta`) is of a floating or complex dtype."""
+    return any(meta.dtype.is_floating_point or meta.dtype.is_complex for meta in metas)
+
+
 def _float_outputs(event: Event) -> bool:
-    return any(meta.dtype.is_floating_point or meta.dtype.is_complex for meta in event.outputs)
+    return can_hold_nonfinite(event.outputs)
+
+
+def measured_finite(stats) -> bool:
+    """Whether `stats` (a `Stats` or `StatsGroup`) measured every output and found only finite
+    values: the common case, which the trackers judge without looking further."""
+    if stats.__class__ is Stats:
+        return stats.nan == 0 and not stats.posinf and not stats.neginf
+    if stats.__class__ is StatsGroup:
+        return all(part.nan == 0 and not part.posinf and not part.neginf for part in stats.parts)
+    return False
 
 
 def settled(event: Event) -> bool:
@@ -365,9 +380,8 @@ class Tracker:
     def judge(self, event: Event) -> List[Finding]:
         """Take `event` (and any events before it still waiting for statistics) into account;
         return the findings made now."""
-        stats = event.stats
-        if not self._queue and stats.__class__ is Stats and stats.nan == 0 and not stats.posinf and not stats.neginf:
-            self._kinds[id(event)] = 0  # measured finite, nothing waiting before it: `_verdicts` in short
+        if not self._queue and measured_finite(event.stats):
+            self._kinds[id(event)] = 0  # nothing waiting before it: `_verdicts` in short
             self.measured += 1
             return []
         self._queue.append(event)

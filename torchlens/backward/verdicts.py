@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from ..events import GRAD, NODE, StatsGroup
-from ..tracking import NAN, NEGINF, POSINF, Finding, _bits, held, kind_names, settled, unmeasured_reason
+from ..tracking import (NAN, NEGINF, POSINF, Finding, _bits, held, kind_names, measured_finite, settled,
+                        unmeasured_reason)
 from .graph import NodeRecord
 
 UNREAD = -1  # what a node received could not be read (it overwrote it in place as it ran)
@@ -40,6 +41,9 @@ class GradTracker:
         `positions`: which of the node's gradient slots the measured tensors came from; `direct`:
         the statistics of what the node received (perhaps still to be read), None when not measured,
         or `UNREAD`."""
+        if not self._queue and measured_finite(event.stats):
+            self.measured += 1  # finite, nothing waiting before it: `_judge_one` in short
+            return []
         self._queue.append((event, record, positions, direct))
         made = []
         while self._queue and settled(self._queue[0][0]) and _direct_settled(self._queue[0][3]):

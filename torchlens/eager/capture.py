@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import NonFiniteError
 from ..events import TensorMeta
-from ..tracking import LazyReads
+from ..tracking import LazyReads, can_hold_nonfinite
 from ..repro.kept import KeptCall
 from ..session import Session, error_summary, internal_error
 from ..sites import find_user_site
@@ -211,7 +211,9 @@ class OpReporter:
         its arguments) for a one-op repro: see `torchlens.repro.kept`."""
         session = self.session
         tracker = session.tracker
-        if tracker is None:
+        if tracker is None or not can_hold_nonfinite(metas):
+            # (no NaN or infinity can be in integer or bool outputs: what such an op read is never
+            # asked for, and a float op reading them later finds a tensor that holds none)
             event = session.add_op(name, metas, site, None, out)
         else:
             reads = LazyReads(tracker, args, kwargs or {})
