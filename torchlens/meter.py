@@ -56,9 +56,10 @@ class Meter:
         # A sample depends on the layout, so only exact statistics and counts are shared.
         self._known: Dict[tuple, Tuple[weakref.ref, Stats, bool]] = {}
         self._sharing = rung != "sampled"
-        # Tracking without statistics ("off", "reuse") measures nearly every op of a CPU forward the
-        # same way, one screen; `_screen_plain` takes that case in few calls (see `measure`).
-        self._screens = tracking and rung in ("off", "reuse")
+        # A CPU forward measures nearly every op the same way: one screen (tracking without
+        # statistics) or one "sums" recipe (exact statistics); `_measure_plain` takes that case in
+        # few calls (see `measure`).
+        self._plain = "screen" if tracking and rung in ("off", "reuse") else "sums" if rung == "exact" else None
 
     @property
     def active(self) -> bool:
@@ -73,9 +74,9 @@ class Meter:
     def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
         """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
         try:
-            if (self._screens and tensor.dtype in _SCREENED_AS_IS and tensor.device.type in READ_NOW
+            if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
-                return self._screen_plain(tensor)
+                return self._measure_plain(tensor)
             identity = _same_elements(tensor) if self._sharing else None
             if identity is not None:
                 known = self._known.get(identity[1])
@@ -115,10 +116,10 @@ class Meter:
 
     # -- read now: the tensor is at hand ------------------------------------------------------------
 
-    def _screen_plain(self, tensor: torch.Tensor) -> Stats:
-        """`measure` for the common case of a tracked forward on the CPU: a plain float32 or float64
-        tensor, screened as it is (what `_measure` decides for it, without the ladder's lookups);
-        statistics shared with a view's base as `_same_elements` shares them."""
+    def _measure_plain(self, tensor: torch.Tensor) -> Stats:
+        """`measure` for the common case on the CPU: a plain float32 or float64 tensor, screened or
+        summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
+        shared with a view's base as `_same_elements` shares them."""
         identity = _identity(tensor) if not torch.is_inference(tensor) and _dense(tensor) else None
         if identity is not None:
             known = self._known.get(identity[1])
@@ -127,8 +128,10 @@ class Meter:
         numel = tensor.numel()
         if numel == 0:
             stats = not_applicable("empty", self.rung).stats(0)
-        else:
+        elif self._plain == "screen":
             stats = self._screened(Stats("counts", numel, self.rung == "reuse"), tensor.detach())
+        else:
+            stats = self._summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel, False)
         if identity is not None:
             self._known[identity[1]] = (weakref.ref(identity[0]), stats, True)
         return stats
@@ -272,9 +275,9 @@ def _ldexp(value: float, exponent: int) -> float:
         return math.copysign(math.inf, value)
 
 
-# Float dtypes a screen sums as they are (`torchlens.stats.as_float` keeps them; narrower ones are
-# summed in float32, whose range their values cannot overflow).
-_SCREENED_AS_IS = frozenset((torch.float32, torch.float64))
+# Float dtypes reduced as they are (`torchlens.stats.as_float` keeps them; narrower ones are
+# reduced in float32, whose range their values cannot overflow).
+_REDUCED_AS_IS = frozenset((torch.float32, torch.float64))
 
 
 def _same_elements(tensor: torch.Tensor):
