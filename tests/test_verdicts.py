@@ -447,6 +447,32 @@ def test_an_integer_op_writing_nan_bits_seen_through_a_float_view_is_born_at_the
     assert rec.findings[0].text == "NaN born at #4 view (nan=4)"
 
 
+class MaskedMean(nn.Module):
+    def forward(self, x):
+        mask = x > 5
+        return (x * mask).sum() / mask.sum()  # 0 / 0: no element passes the mask
+
+
+class ZeroedThroughIntView(nn.Module):
+    def forward(self, x):
+        y = torch.exp(x * 1000)  # +inf everywhere
+        y.view(torch.int32).zero_()  # then cleared through an integer view of the same memory
+        return y
+
+
+def test_integer_ops_are_still_origins_and_writers_on_cpu_and_accelerator(deferred_reads):
+    """An integer op's reads are never asked for, but what it produced and wrote still is: read
+    once per forward (the tensor gone by then), `mask.sum()` is known to hold no NaN, so the NaN is
+    born at the division; an integer write that cleared an infinity leaves nothing to report."""
+    for read_now in (set(), {"cpu"}):
+        torchlens.meter.READ_NOW = read_now
+        rec = tl.record(MaskedMean(), torch.ones(4), on_nonfinite="track")
+        assert [f.text for f in rec.findings] == ["NaN born at #6 div (nan=1)"]
+        rec = tl.record(ZeroedThroughIntView(), torch.ones(4), on_nonfinite="track")
+        assert rec.findings == (), rec.findings
+        assert rec.footer_extra[-1].startswith("no non-finite findings")
+
+
 def test_an_infinity_carried_in_that_reaches_the_output_is_a_finding():
     class Leaky(nn.Module):
         def forward(self, x):

@@ -211,10 +211,14 @@ class OpReporter:
         its arguments) for a one-op repro: see `torchlens.repro.kept`."""
         session = self.session
         tracker = session.tracker
-        if tracker is None or not can_hold_nonfinite(metas):
-            # (no NaN or infinity can be in integer or bool outputs: what such an op read is never
-            # asked for, and a float op reading them later finds a tensor that holds none)
+        if tracker is None:
             event = session.add_op(name, metas, site, None, out)
+        elif not can_hold_nonfinite(metas):
+            # Integer and bool outputs hold no NaN or infinity, so what the op read is never asked
+            # for; what it produced or wrote is still registered (a later reader's origin, a float
+            # view of the memory it wrote).
+            event = session.add_op(name, metas, site, None, out)
+            tracker.produced(event, out, args, kwargs)
         else:
             reads = LazyReads(tracker, args, kwargs or {})
             if name.endswith("_") or (kwargs and "out" in kwargs) or (args and out is args[0]):
