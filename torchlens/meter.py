@@ -123,8 +123,8 @@ class Meter:
         identity = _identity(tensor) if not torch.is_inference(tensor) and _dense(tensor) else None
         if identity is not None:
             known = self._known.get(identity[1])
-            if known is not None and known[0]() is identity[0]:
-                return known[1]  # (read now: every CPU statistic is)
+            if known is not None and known[0]() is identity[0] and known[2]:
+                return known[1]
         numel = tensor.numel()
         if numel == 0:
             stats = not_applicable("empty", self.rung).stats(0)
