@@ -3,7 +3,9 @@
     python -m pytest benchmarks/test_micro.py --benchmark-only
 
 Each one times a single unit of per-op work: rendering one line, writing one line to each kind of
-sink, the eager capture of one op (with and without narration), and the statistics of one tensor.
+sink, the eager capture of one op (with and without narration), the statistics of one tensor, and
+a GPT-2 skeleton's forward under each statistics mode (its per-op cost, where the real model's
+compute and this machine's noise hide it).
 They are not part of the test suite (`tests/`), and carry no thresholds: compare runs over time.
 """
 
@@ -21,7 +23,7 @@ from torchlens import grammar
 from torchlens.events import OP, Event, Scope, TensorMeta
 from torchlens.narrator import Narrator
 from torchlens.sinks import open_sink
-from torchlens.stats import Meter
+from torchlens.meter import Meter
 
 ROOT = Scope("", "Model", None)
 BLOCK = Scope("blocks.3.mlp.fc", "Linear", Scope("blocks.3.mlp", "MLP", Scope("blocks.3", "Block", ROOT)))
@@ -79,3 +81,25 @@ def test_statistics_of_one_tensor_read_live(benchmark, rung, tracking, size):
     tensor = torch.randn(size)
     # a meter per call: one meter shares statistics it already took of the same, unchanged tensor
     benchmark(lambda: Meter(rung, tracking).measure(tensor, True))
+
+
+@pytest.fixture(scope="module")
+def gpt2_skeleton():
+    """GPT-2's structure (12 blocks, 527 ops a forward) with almost no compute (`n_embd=48`)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_embd=48, n_head=12)).eval()
+    return model, torch.randint(0, 1000, (1, 64))
+
+
+@pytest.mark.parametrize("mode", ["plain", "record", "track", "reuse", "exact"])
+def test_gpt2_skeleton_forward(benchmark, gpt2_skeleton, mode):
+    """Per op of a mode = (its time - plain's) / 527; `track` - `record` is the tracker's own."""
+    model, ids = gpt2_skeleton
+    kwargs = {"record": {}, "track": {"on_nonfinite": "track"}, "exact": {"value_stats": "exact"},
+              "reuse": {"on_nonfinite": "track", "value_stats": "reuse"}}.get(mode)
+    with torch.no_grad():
+        if kwargs is None:
+            benchmark(model, ids)
+        else:
+            benchmark(lambda: tl.record(model, ids, **kwargs))
