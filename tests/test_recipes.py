@@ -224,3 +224,67 @@ def test_the_sd_of_a_large_tensor_keeps_its_digits():
     got = exact(x)
     _, _, mean, sd = float64_stats(x)
     assert got.sd == pytest.approx(sd, rel=1e-6) and got.mean == pytest.approx(mean, rel=1e-6)
+
+
+# -- statistics shared between views of the same elements -----------------------------------------
+
+
+class FusedHeads(nn.Module):
+    """GPT-2's attention input: one projection split in three, each part viewed as heads and
+    transposed (`heads=False`: the parts as they are). The parts are not dense (each skips the
+    other two), but a part, its view and its transpose hold the same elements."""
+
+    def __init__(self, heads: bool):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.heads = heads
+
+    def forward(self, x):
+        parts = self.qkv(x).split(32, dim=2)
+        if self.heads:
+            parts = [part.view(1, 8, 4, 8).transpose(1, 2) for part in parts]
+        return torch.stack([part.sum() for part in parts])
+
+
+@pytest.mark.parametrize("rung,tracking", [("exact", False), ("off", True), ("reuse", True)])
+def test_views_of_a_split_part_share_its_statistics_instead_of_reducing_again(rung, tracking):
+    x = torch.randn(1, 8, 32)
+    counts = []
+    for heads in (False, True):
+        torch.manual_seed(0)
+        model = FusedHeads(heads)
+        with count_aten("sum", "aminmax", "dot") as reductions:
+            rec = tl.record(model, x, value_stats=rung, on_nonfinite="track" if tracking else None)
+        counts.append(len(reductions))
+    split = next(e for e in rec.ops if e.op == "split")
+    views = [e for e in rec.ops if e.op in ("view", "transpose")]
+    assert len(views) == 6 and all(v.stats is split.stats.parts[i // 2] for i, v in enumerate(views))
+    assert counts[0] == counts[1], "the views were reduced again"
+    if rung == "exact":
+        part = model.qkv(x).detach()[..., 32:64]
+        assert views[2].stats.mean == pytest.approx(part.double().mean().item(), rel=1e-6)
+        assert views[2].stats.max == part.max().item()
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       strides=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+       other_order=st.permutations([0, 1, 2]), offset=st.integers(0, 5))
+def test_tensors_with_one_elements_key_hold_the_same_elements_as_often(sizes, strides, other_order, offset):
+    """`_elements` may call two views the same only if they address the same storage elements,
+    each as many times: random strided views (repeats, gaps, overlaps) against a reordering of
+    their dimensions, and against every other view drawn."""
+    from torchlens.meter import _elements
+
+    storage = torch.arange(200, dtype=torch.float64)
+    strides = strides[:len(sizes)]
+    view = storage.as_strided(sizes, strides, offset)
+    order = [i for i in other_order if i < len(sizes)]
+    reordered = storage.as_strided([sizes[i] for i in order], [strides[i] for i in order], offset)
+    assert _elements(view) == _elements(reordered)
+    flat = storage.as_strided((view.numel(),), (1,), offset)
+    if _elements(view) == _elements(flat):
+        assert sorted(view.reshape(-1).tolist()) == flat.tolist()
+    for other in (storage.as_strided(sizes, [s + 1 for s in strides], offset), view[..., :1], view.flip(-1)):
+        if _elements(other) == _elements(view):
+            assert sorted(other.reshape(-1).tolist()) == sorted(view.reshape(-1).tolist())

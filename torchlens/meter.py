@@ -120,7 +120,7 @@ class Meter:
         """`measure` for the common case on the CPU: a plain float32 or float64 tensor, screened or
         summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
         shared with a view's base as `_same_elements` shares them."""
-        identity = _identity(tensor) if not torch.is_inference(tensor) and _dense(tensor) else None
+        identity = None if torch.is_inference(tensor) else _identity(tensor)
         if identity is not None:
             known = self._known.get(identity[1])
             if known is not None and known[0]() is identity[0] and known[2]:
@@ -282,11 +282,12 @@ _REDUCED_AS_IS = frozenset((torch.float32, torch.float64))
 
 def _same_elements(tensor: torch.Tensor):
     """(base, key) such that two tensors with equal keys, while `base` lives, hold the same elements:
-    a view (`view`, `transpose`, `contiguous` of a contiguous tensor, eval-mode `dropout`, ...) of a
-    tensor measured earlier in the forward, unchanged since (the version counter is shared with the
-    base and bumped by in-place ops). Statistics depend only on the elements, so they are shared
-    instead of reduced again. None when the tensor does not cover one dense block of memory."""
-    if tensor.layout != torch.strided or not shareable(tensor) or not _dense(tensor):
+    a view (`view`, `transpose`, `contiguous` of a contiguous tensor, eval-mode `dropout`, the
+    `split` of a fused projection and the `view` and `transpose` of each part, ...) of a tensor
+    measured earlier in the forward, unchanged since (the version counter is shared with the base
+    and bumped by in-place ops). Statistics depend only on the elements, so they are shared instead
+    of reduced again. None for a tensor without plain strided storage."""
+    if tensor.layout != torch.strided or not shareable(tensor):
         return None
     return _identity(tensor)
 
@@ -294,13 +295,26 @@ def _same_elements(tensor: torch.Tensor):
 def _identity(tensor: torch.Tensor):
     """`_same_elements` for a tensor already known to qualify."""
     base = tensor._base if tensor._base is not None else tensor
-    return base, (id(base), tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version)
+    return base, (id(base), tensor.storage_offset(), _elements(tensor), tensor.dtype, tensor._version)
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether the elements fill one block of memory, in any order of dimensions."""
+def _elements(tensor: torch.Tensor):
+    """Which elements of its storage a tensor holds, from its storage offset on, as a key: the
+    element count when they fill one block of memory (in any order of dimensions); otherwise its
+    dimensions as (stride, size) pairs in stride order, with size-1 dimensions dropped and a
+    dimension that continues the one below it merged into it. Two tensors of one storage at one
+    offset with equal keys address the same elements, each as many times (a stride of 0 repeats)."""
     if tensor.is_contiguous():
-        return True
+        return tensor.numel()
+    merged: list = []
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
+        if merged and stride == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (merged[-1][0], merged[-1][1] * size)
+        else:
+            merged.append((stride, size))
+    if len(merged) == 1 and merged[0][0] == 1:
+        return merged[0][1]  # one dense block after all: the key a contiguous tensor has
+    return tuple(merged)
     expected = 1
     for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
         if size != 1:
