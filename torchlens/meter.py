@@ -78,10 +78,9 @@ class Meter:
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
                 return self._measure_plain(tensor)
             identity = _same_elements(tensor) if self._sharing else None
-            if identity is not None:
-                known = self._known.get(identity[1])
-                if known is not None and known[0]() is identity[0] and (known[2] or not live):
-                    return known[1]
+            known = self._shared(identity, live) if identity is not None else None
+            if known is not None:
+                return known
             values = plain_values(tensor)
             now = live or values.device.type in READ_NOW
             stats = self._measure(values, now)
@@ -121,10 +120,9 @@ class Meter:
         summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
         shared with a view's base as `_same_elements` shares them."""
         identity = None if torch.is_inference(tensor) else _identity(tensor)
-        if identity is not None:
-            known = self._known.get(identity[1])
-            if known is not None and known[0]() is identity[0] and known[2]:
-                return known[1]
+        known = self._shared(identity, True) if identity is not None else None
+        if known is not None:
+            return known
         numel = tensor.numel()
         if numel == 0:
             stats = not_applicable("empty", self.rung).stats(0)
@@ -135,6 +133,14 @@ class Meter:
         if identity is not None:
             self._known[identity[1]] = (weakref.ref(identity[0]), stats, True)
         return stats
+
+    def _shared(self, identity, live: bool):
+        """The statistics already taken of the same elements (`_same_elements`), if they still
+        stand for them (the same base alive) and were read at once when this one must be (`live`)."""
+        known = self._known.get(identity[1])
+        if known is not None and known[0]() is identity[0] and (known[2] or not live):
+            return known[1]
+        return None
 
     def _screened(self, stats: Stats, f: torch.Tensor) -> Stats:
         """Tracking: one sum proves the tensor finite; only one that is not is counted."""

@@ -55,7 +55,10 @@ def _bits(nan, posinf, neginf) -> int:
 
 def can_hold_nonfinite(metas) -> bool:
     """Whether any of these tensors (their `TensorMeta`) is of a floating or complex dtype."""
-    return any(meta.dtype.is_floating_point or meta.dtype.is_complex for meta in metas)
+    for meta in metas:  # (once per op when tracking: a loop, not a generator)
+        if meta.dtype.is_floating_point or meta.dtype.is_complex:
+            return True
+    return False
 
 
 def _float_outputs(event: Event) -> bool:

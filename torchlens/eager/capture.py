@@ -211,14 +211,13 @@ class OpReporter:
         its arguments) for a one-op repro: see `torchlens.repro.kept`."""
         session = self.session
         tracker = session.tracker
-        if tracker is None:
+        if tracker is None or not can_hold_nonfinite(metas):
+            # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
+            # for; what it produced or wrote is still registered: a later reader's origin, a float
+            # view of the memory it wrote)
             event = session.add_op(name, metas, site, None, out)
-        elif not can_hold_nonfinite(metas):
-            # Integer and bool outputs hold no NaN or infinity, so what the op read is never asked
-            # for; what it produced or wrote is still registered (a later reader's origin, a float
-            # view of the memory it wrote).
-            event = session.add_op(name, metas, site, None, out)
-            tracker.produced(event, out, args, kwargs)
+            if tracker is not None:
+                tracker.produced(event, out, args, kwargs)
         else:
             reads = LazyReads(tracker, args, kwargs or {})
             if name.endswith("_") or (kwargs and "out" in kwargs) or (args and out is args[0]):
