@@ -288,3 +288,31 @@ def test_tensors_with_one_elements_key_hold_the_same_elements_as_often(sizes, st
     for other in (storage.as_strided(sizes, [s + 1 for s in strides], offset), view[..., :1], view.flip(-1)):
         if _elements(other) == _elements(view):
             assert sorted(other.reshape(-1).tolist()) == sorted(view.reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_transformers_gpt2_head_views_have_their_own_elements_statistics(mode):
+    """transformers' GPT-2 splits one `c_attn` projection in three and views each part as heads:
+    whether shared (no_grad) or measured again (inference tensors have no version counter to
+    share by), every head view's exact statistics are those of its own elements."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, 256, (1, 16))
+    with mode():
+        trace = tl.trace(model, ids, value_stats="exact")
+    splits = [e for e in trace.ops if e.op == "split"]
+    assert len(splits) == 2
+    by_ordinal = {e.ordinal: e for e in trace.ops}
+    shared = 0
+    for split in splits:
+        heads = [by_ordinal[split.ordinal + k] for k in range(1, 7)]  # view, transpose of each part
+        assert [e.op for e in heads] == ["view", "transpose"] * 3
+        for event in heads:
+            v = trace.value(event.ordinal).double()
+            assert event.stats.min == v.min().item() and event.stats.max == v.max().item()
+            assert event.stats.mean == pytest.approx(v.mean().item(), abs=1e-6)
+            assert event.stats.sd == pytest.approx(v.std().item(), rel=1e-5)
+            shared += any(event.stats is part for part in split.stats.parts)  # (key and value come first)
+    assert shared == (12 if mode is torch.no_grad else 0)
