@@ -8,7 +8,9 @@ work). The narrated modes run inside one `tl.recording.Recorder(model, backward=
 entered once, as a training loop would. All modes of a model run in one process: after a warm-up,
 each mode runs a block of steps in turn, round after round (the order turning from round to round),
 and each multiplier is the median over rounds of the mode's block time over plain's block time in
-the same round. The full run needs
+the same round. Beside it: the fastest block of each mode over plain's fastest (what noise from
+the rest of the machine only ever adds to), each half of the step (forward and loss, backward) in
+its fastest block, and in how many rounds a mode's block was cheaper than anomaly mode's. The full run needs
 torchvision and transformers (docs/performance.md says which torch pairs with torchvision).
 """
 
@@ -78,15 +80,21 @@ def build(quick: bool):
 
 def make_step(model: nn.Module, args, kwargs, loss_of) -> Callable[[], None]:
     def step():
+        """One step; (seconds of its forward and loss, seconds of its backward)."""
         model.zero_grad(set_to_none=True)
-        loss_of(model(*args, **kwargs)).backward()
+        start = time.perf_counter()
+        loss = loss_of(model(*args, **kwargs))
+        middle = time.perf_counter()
+        loss.backward()
+        return middle - start, time.perf_counter() - middle
     return step
 
 
 def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, warmup: int) -> Dict:
     step = make_step(model, args, kwargs, loss_of)
     log_dir = tempfile.mkdtemp(prefix="torchlens-backward-bench-")
-    times: Dict[str, List[float]] = {mode: [] for mode, *_ in MODES}
+    times: Dict[str, List[float]] = {mode: [] for mode, *_ in MODES}  # per round: seconds a step
+    halves: Dict[str, List[tuple]] = {mode: [] for mode, *_ in MODES}  # per round: (forward, backward)
     lines: Dict[str, int] = {}
     recorders, logs = {}, {}
     for mode, _, recorder, _ in MODES:
@@ -96,17 +104,21 @@ def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, war
                 recorder["narrate"] = logs[mode] = os.path.join(log_dir, f"{name}-{mode}.log")
             recorders[mode] = tl.recording.Recorder(model, backward=True, keep=0, **recorder)
 
-    def run(mode: str, anomaly: bool, n: int) -> float:
-        """`n` steps of `mode`, in seconds (its Recorder's block holds all of them)."""
+    def run(mode: str, anomaly: bool, n: int) -> tuple:
+        """`n` steps of `mode` (its Recorder's block holds all of them): seconds in all, and the
+        seconds of their forwards and of their backwards."""
         with contextlib.ExitStack() as block_context:
             if mode in recorders:
                 block_context.enter_context(recorders[mode])
             if anomaly:
                 block_context.enter_context(torch.autograd.detect_anomaly())
+            forward = backward = 0.0
             start = time.perf_counter()
             for _ in range(n):
-                step()
-            return time.perf_counter() - start
+                f, b = step()
+                forward += f
+                backward += b
+            return time.perf_counter() - start, forward, backward
 
     for mode, _, _, anomaly in MODES:
         run(mode, anomaly, warmup)
@@ -118,13 +130,23 @@ def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, war
         # the order turns each round: a mode that allocates a lot (anomaly mode keeps a traceback
         # per node) slows whichever runs after it, and that must not always be the same one
         for mode, _, _, anomaly in MODES[turn % len(MODES):] + MODES[:turn % len(MODES)]:
-            times[mode].append(run(mode, anomaly, block) / block)
+            total, forward, backward = run(mode, anomaly, block)
+            times[mode].append(total / block)
+            halves[mode].append((forward / block, backward / block))
     plain = times["plain"]
     rows = []
     for mode, description, _, _ in MODES:
         ratio = statistics.median(a / b for a, b in zip(times[mode], plain))
+        forward = [f for f, _ in halves[mode]]
+        backward = [b for _, b in halves[mode]]
         rows.append({"mode": mode, "description": description, "median_ms": statistics.median(times[mode]) * 1e3,
-                     "multiplier": ratio, "lines_per_step": lines.get(mode)})
+                     "multiplier": ratio, "min_ms": min(times[mode]) * 1e3,
+                     "min_multiplier": min(times[mode]) / min(plain),
+                     "forward_ms": statistics.median(forward) * 1e3, "forward_min_ms": min(forward) * 1e3,
+                     "backward_ms": statistics.median(backward) * 1e3, "backward_min_ms": min(backward) * 1e3,
+                     # rounds in which this mode's block was cheaper than anomaly mode's
+                     "cheaper_than_anomaly": sum(a < b for a, b in zip(times[mode], times["anomaly"])),
+                     "lines_per_step": lines.get(mode)})
     return {"model": name, "rounds": rounds, "block": block, "threads": torch.get_num_threads(), "modes": rows}
 
 
@@ -133,10 +155,13 @@ def table(results: List[Dict]) -> str:
     for result in results:
         out.append(f"\n{result['model']}  batch 1  forward+backward  ({result['rounds']} rounds of "
                    f"{result['block']} steps, {result['threads']} threads)")
-        out.append(f"  {'mode':14s} {'median ms':>10s} {'x plain':>8s} {'lines':>6s}")
+        out.append(f"  {'mode':14s} {'median ms':>10s} {'x plain':>8s} {'min ms':>8s} {'x plain':>8s} "
+                   f"{'fwd min':>8s} {'bwd min':>8s} {'< anomaly':>10s} {'lines':>6s}")
         for row in result["modes"]:
-            out.append(f"  {row['mode']:14s} {row['median_ms']:10.2f} {row['multiplier']:8.3f} "
-                       f"{row['lines_per_step'] or '':>6}")
+            versus = "" if row["mode"] in ("plain", "anomaly") else f"{row['cheaper_than_anomaly']}/{result['rounds']}"
+            out.append(f"  {row['mode']:14s} {row['median_ms']:10.2f} {row['multiplier']:8.3f} {row['min_ms']:8.2f} "
+                       f"{row['min_multiplier']:8.3f} {row['forward_min_ms']:8.2f} {row['backward_min_ms']:8.2f} "
+                       f"{versus:>10s} {row['lines_per_step'] or '':>6}")
     return "\n".join(out)
 
 

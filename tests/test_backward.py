@@ -524,6 +524,7 @@ def test_record_takes_backward_and_narrates_the_later_backward_to_its_sink_appen
 # -- compiled -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compiled_backward_inductor_one_line_per_graph_call_with_parameter_gradients_bitwise():
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each runs a benchmark script in a fresh process
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -56,5 +60,11 @@ def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_bac
         rows = {row["mode"]: row for row in result["modes"]}
         assert set(rows) == {"plain", "anomaly", "narrate", "track", "narrate_track"}
         assert all(row["median_ms"] > 0 and row["multiplier"] > 0 for row in rows.values())
+        for row in rows.values():
+            # the halves are parts of the step: each fastest half fits in the fastest step
+            assert 0 < row["forward_min_ms"] < row["min_ms"] and 0 < row["backward_min_ms"] < row["min_ms"]
+            assert row["min_ms"] <= row["median_ms"]
+            assert 0 <= row["cheaper_than_anomaly"] <= result["rounds"]
+        assert rows["anomaly"]["cheaper_than_anomaly"] == 0
         # one step's lines: its forward and its backward (a node line per autograd node)
         assert rows["narrate"]["lines_per_step"] == rows["narrate_track"]["lines_per_step"] > 40

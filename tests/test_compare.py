@@ -321,6 +321,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
 # -- eager against compiled ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_eager_and_inductor_traces_align_op_for_op_within_float32_tolerance():
     model, x = tiny_gpt(), tokens(2, 8)
     with torch.no_grad():

@@ -58,6 +58,7 @@ def gpt_inductor():
     return model, x, compiled, lines, out, plain
 
 
+@pytest.mark.slow
 def test_fused_outputs_equal_plain_torch_compile_bitwise(gpt_inductor):
     model, x, compiled, lines, out, plain = gpt_inductor
     assert torch.equal(out, plain)
@@ -84,6 +85,7 @@ def test_every_call_is_one_pass_with_its_own_ordinals(gpt_inductor):
     assert recording.narrate() == text and torch.equal(recording.output, out)
 
 
+@pytest.mark.slow
 def test_conv_net_compiled_by_inductor_matches_eager_and_plain_compile():
     model, x = conv_net(), images(2)
     lines = Lines()
@@ -131,6 +133,7 @@ def test_a_frame_dynamo_skips_is_narrated_by_the_eager_capture():
     assert len(muls) == 2 and all("@" not in line for line in muls), "the loop body's op runs in the root"
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_show_each_calls_concrete_sizes_and_optionally_symbols():
     lines, symbolic = Lines(), Lines()
     model = tiny_gpt()
@@ -224,6 +227,7 @@ def _run(code, env=None):
     return result
 
 
+@pytest.mark.slow
 def test_installed_backend_works_without_importing_torchlens():
     result = _run("""
         import sys
@@ -239,6 +243,7 @@ def test_installed_backend_works_without_importing_torchlens():
     assert "modules imported lazily: True" in result.stdout
 
 
+@pytest.mark.slow
 def test_source_checkout_registers_on_import():
     """Without an installed distribution (no entry point), importing torchlens registers the backend."""
     result = _run("""
@@ -256,6 +261,7 @@ def test_source_checkout_registers_on_import():
 
 
 
+@pytest.mark.slow
 def test_transformers_gpt2_compiles_narrates_and_matches_eager():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

@@ -284,6 +284,7 @@ def test_a_graph_that_only_writes_its_inputs_shows_what_it_wrote():
     assert [tuple(meta.shape) for meta in graph_call.outputs] == [()]  # the buffer it wrote
 
 
+@pytest.mark.slow
 def test_a_model_compiled_lazily_inside_its_forward_is_one_op(tmp_path):
     """Dynamo loaded for the first time during a narrated forward: the rules are installed as it
     loads, before its first trace (a fresh process, where dynamo is not loaded yet)."""

@@ -46,6 +46,7 @@ def strategy(monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, inputs", [(conv_net, lambda: images(2)), (tiny_gpt, tokens)])
 def test_inductor_outputs_stay_at_float_rounding_of_plain_with_exact_stats_and_tracking(make, inputs, strategy):
     """The graph computes no statistic, but returning its intermediates makes inductor store them,
@@ -103,6 +104,7 @@ def test_an_output_changed_in_place_later_in_the_graph_is_measured_as_its_op_lef
     assert mul.op == "mul" and (mul.stats.min, mul.stats.max, mul.stats.mean) == (0, 6, 3)
 
 
+@pytest.mark.slow
 def test_past_the_memory_budget_a_graph_fuses_its_statistics(monkeypatch, strategy):
     monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 100)  # less than the model's outputs hold
     x = torch.arange(10.0)

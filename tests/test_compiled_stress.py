@@ -371,6 +371,7 @@ def test_a_repeated_compiled_trace_checks_its_selector_like_the_first():
              compiled={"compiler": "eager"})
 
 
+@pytest.mark.slow
 def test_in_a_fresh_process_ops_between_graphs_run_eagerly_and_dynamo_never_traces_the_capture():
     """`import torchlens` does not load dynamo; the capture must still be kept out of it once a
     compiled run starts, or dynamo compiles the capture mode itself: the op between graphs becomes

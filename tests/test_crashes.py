@@ -178,6 +178,7 @@ def test_cuda_inputs_add_the_asynchronous_error_caveat():
 # -- compiled ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compiled_embedding_index_out_of_range_names_the_embedding():
     model = tiny_gpt()
     compiled = torch.compile(model, backend="torchlens")

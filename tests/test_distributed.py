@@ -119,6 +119,7 @@ def job(tmp_path_factory):
 # -- a file per rank -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_file_from_a_rank_template(job):
     workdir, results = job
     for rank in range(WORLD_SIZE):

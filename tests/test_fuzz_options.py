@@ -547,6 +547,7 @@ BACKEND_OPTIONS = Arg(
 )
 
 
+@pytest.mark.slow
 @COMPILED_FUZZ
 @given(kwargs=half_valid(options=BACKEND_OPTIONS))
 def test_string_backend_checks_its_options_at_the_first_call(kwargs):

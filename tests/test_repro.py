@@ -33,6 +33,7 @@ def test_a_failed_forward_replays_its_attempted_op_alone(tmp_path):
     assert "Failure of #3 embedding @tok" in script.read_text()
 
 
+@pytest.mark.slow
 def test_a_copied_or_pickled_partial_trace_still_replays(tmp_path):
     model = tiny_gpt()
     with pytest.raises(RuntimeError) as info:
@@ -101,6 +102,7 @@ def test_raise_stops_at_the_op_and_its_partial_trace_replays_it(tmp_path):
     assert code == 0, out and "output: nan=" in out
 
 
+@pytest.mark.slow
 def test_a_real_transformer_failure_and_nan_replay(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -175,6 +177,7 @@ def test_repro_says_why_when_there_is_nothing_to_replay(tmp_path):
         tl.load(saved).repro(tmp_path)
 
 
+@pytest.mark.slow
 def test_the_replay_must_raise_the_same_message_not_just_the_same_type(tmp_path):
     class WrongWidthInPlace(nn.Module):
         def __init__(self):
@@ -208,6 +211,7 @@ def test_a_real_infinity_after_a_healthy_mask_keeps_its_own_inputs(tmp_path):
     assert code == 0 and "-inf=1" in out, out
 
 
+@pytest.mark.slow
 def test_power_and_autocast_and_grad_mode_are_replayed(tmp_path):
     class Root(nn.Module):
         def forward(self, x):

@@ -165,6 +165,7 @@ SAVE_IN_A_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_traces_saved_by_two_processes_compare_like_the_live_ones(tmp_path):
     script = tmp_path / "save.py"
     script.write_text(SAVE_IN_A_PROCESS.format(tests=HERE))

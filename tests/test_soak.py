@@ -19,6 +19,8 @@ from torch import nn
 import torchlens as tl
 from models import Tiny, tiny_gpt, tokens
 
+pytestmark = pytest.mark.slow  # hundreds of forwards, in a fresh process
+
 SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 

@@ -715,6 +715,7 @@ def test_the_alarm_line_is_the_same_live_and_after_the_fact():
     assert alarms[0] == alarms[1] == ["!! NaN born at #4 sub (nan=3) (out of +inf born at #3 exp)"]
 
 
+@pytest.mark.slow
 def test_a_recorder_tail_with_tracking_keeps_no_whole_pass_alive():
     import gc
 
