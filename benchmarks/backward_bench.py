@@ -2,6 +2,7 @@
 
     python benchmarks/backward_bench.py            # resnet18 and GPT-2 (124M), batch 1
     python benchmarks/backward_bench.py --quick    # small models, few rounds: proves the script works
+    python benchmarks/backward_bench.py --stack-depth 40   # each step 40 frames deep, as in a trainer
 
 One step is `zero_grad`, forward, loss, backward (no optimizer update, so every step does the same
 work). The narrated modes run inside one `tl.recording.Recorder(model, backward=True, keep=0)`
@@ -10,8 +11,9 @@ each mode runs a block of steps in turn, round after round (the order turning fr
 and each multiplier is the median over rounds of the mode's block time over plain's block time in
 the same round. Beside it: the fastest block of each mode over plain's fastest (what noise from
 the rest of the machine only ever adds to), each half of the step (forward and loss, backward) in
-its fastest block, and in how many rounds a mode's block was cheaper than anomaly mode's. The full run needs
-torchvision and transformers (docs/performance.md says which torch pairs with torchvision).
+its fastest block, and in how many rounds a mode's block was cheaper than anomaly mode's. The full
+run needs torchvision and transformers (docs/performance.md says which torch pairs with
+torchvision).
 """
 
 from __future__ import annotations
@@ -90,8 +92,18 @@ def make_step(model: nn.Module, args, kwargs, loss_of) -> Callable[[], None]:
     return step
 
 
-def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, warmup: int) -> Dict:
-    step = make_step(model, args, kwargs, loss_of)
+def called_from_depth(function: Callable, depth: int) -> Callable:
+    """`function`, called `depth` Python frames below where it is called: a training step inside a
+    framework's loop (a trainer, callbacks, a launcher) runs that deep, and anomaly mode records the
+    stack at every op."""
+    def nested(remaining: int):
+        return function() if remaining <= 0 else nested(remaining - 1)
+    return lambda: nested(depth)
+
+
+def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, warmup: int,
+                stack_depth: int = 0) -> Dict:
+    step = called_from_depth(make_step(model, args, kwargs, loss_of), stack_depth)
     log_dir = tempfile.mkdtemp(prefix="torchlens-backward-bench-")
     times: Dict[str, List[float]] = {mode: [] for mode, *_ in MODES}  # per round: seconds a step
     halves: Dict[str, List[tuple]] = {mode: [] for mode, *_ in MODES}  # per round: (forward, backward)
@@ -147,14 +159,16 @@ def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, war
                      # rounds in which this mode's block was cheaper than anomaly mode's
                      "cheaper_than_anomaly": sum(a < b for a, b in zip(times[mode], times["anomaly"])),
                      "lines_per_step": lines.get(mode)})
-    return {"model": name, "rounds": rounds, "block": block, "threads": torch.get_num_threads(), "modes": rows}
+    return {"model": name, "rounds": rounds, "block": block, "threads": torch.get_num_threads(),
+            "stack_depth": stack_depth, "modes": rows}
 
 
 def table(results: List[Dict]) -> str:
     out = []
     for result in results:
+        depth = f", {result['stack_depth']} frames deeper" if result["stack_depth"] else ""
         out.append(f"\n{result['model']}  batch 1  forward+backward  ({result['rounds']} rounds of "
-                   f"{result['block']} steps, {result['threads']} threads)")
+                   f"{result['block']} steps, {result['threads']} threads{depth})")
         out.append(f"  {'mode':14s} {'median ms':>10s} {'x plain':>8s} {'min ms':>8s} {'x plain':>8s} "
                    f"{'fwd min':>8s} {'bwd min':>8s} {'< anomaly':>10s} {'lines':>6s}")
         for row in result["modes"]:
@@ -172,14 +186,20 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=None, help="steps per mode per round")
     parser.add_argument("--models", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
+    parser.add_argument("--stack-depth", type=int, default=0,
+                        help="run each step this many Python frames deeper, as inside a training framework")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 7)
     block = args.block or (2 if args.quick else 5)
     results = []
     for name, model, inputs, kwargs, loss_of in build(args.quick):
         if args.models and name not in args.models.split(","):
             continue
-        results.append(bench_model(name, model, inputs, kwargs, loss_of, rounds, block, warmup=2))
+        results.append(bench_model(name, model, inputs, kwargs, loss_of, rounds, block, warmup=2,
+                                   stack_depth=args.stack_depth))
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -5,7 +5,8 @@
 Each one times a single unit of per-op work: rendering one line, writing one line to each kind of
 sink, the eager capture of one op (with and without narration), the statistics of one tensor, and
 a GPT-2 skeleton's forward under each statistics mode (its per-op cost, where the real model's
-compute and this machine's noise hide it).
+compute and this machine's noise hide it); a training step of a chain of small ops under each
+backward mode and anomaly mode (the cost per forward op and backward node).
 They are not part of the test suite (`tests/`), and carry no thresholds: compare runs over time.
 """
 
@@ -103,3 +104,55 @@ def test_gpt2_skeleton_forward(benchmark, gpt2_skeleton, mode):
             benchmark(model, ids)
         else:
             benchmark(lambda: tl.record(model, ids, **kwargs))
+
+
+class SmallOpChain(nn.Module):
+    """150 rounds of `sin(x * w) + x` on 16 elements: 450 forward ops and 451 backward nodes whose
+    compute and reads cost next to nothing, so a mode's time over plain is its cost per op/node."""
+
+    def __init__(self, rounds: int = 150):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16))
+        self.rounds = rounds
+
+    def forward(self, x):
+        for _ in range(self.rounds):
+            x = torch.sin(x * self.w) + x
+        return x.sum()
+
+
+CHAIN_MODES = {  # Recorder keywords per mode (None: no Recorder)
+    "plain": None, "anomaly": None, "record": {}, "record_backward": {"backward": True},
+    "track": {"on_nonfinite": "track"}, "track_backward": {"backward": True, "on_nonfinite": "track"},
+}
+
+
+@pytest.mark.parametrize("mode", list(CHAIN_MODES))
+def test_small_op_chain_training_step(benchmark, mode):
+    """A forward and backward of `SmallOpChain` (one thread): per forward op and backward node, a
+    mode's cost against plain and against `torch.autograd.detect_anomaly()`."""
+    import contextlib
+    import warnings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, x = SmallOpChain(), torch.randn(16)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+
+    keywords = CHAIN_MODES[mode]
+    if keywords is not None:
+        context = tl.recording.Recorder(model, keep=0, **keywords)
+    elif mode == "anomaly":
+        context = torch.autograd.detect_anomaly()
+    else:
+        context = contextlib.nullcontext()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anomaly mode warns that it is on
+            with context:
+                benchmark(step)
+    finally:
+        torch.set_num_threads(threads)
