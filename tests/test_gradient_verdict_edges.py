@@ -1,0 +1,125 @@
+"""Backward verdicts at their edges: one finding per origin however many ways a non-finite gradient
+arrives, counts of the right kind, a footer that names every leaf and counts what it measured."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import torchlens as tl
+
+
+def backward_of(model, run):
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        run()
+    [backward] = rec.recordings[0].backward
+    return backward
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(3, 3)
+        self.fc2 = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc1(x), self.fc2(x)
+
+
+OUTSIDE = ("NaN in the gradient reaching the output out[1] (nan=6): no node of the narrated forward sent it; "
+           "it came from outside, such as the loss")
+
+
+def test_nan_loss_terms_on_two_outputs_are_one_finding():
+    model = TwoHeads()
+
+    def step():
+        a, b = model(torch.randn(2, 3))
+        (a.sum() * float("nan") + b.sum() * float("nan")).backward()
+
+    backward = backward_of(model, step)
+    assert [f.text for f in backward.findings] == [OUTSIDE]
+
+
+def test_the_footer_names_three_leaves_and_counts_the_fourth():
+    model = TwoHeads()
+
+    def step():
+        a, b = model(torch.randn(2, 3))
+        (a.sum() * float("nan") + b.sum() * float("nan")).backward()
+
+    footer = backward_of(model, step).footer_extra[-1]
+    assert footer.endswith("; non-finite gradients reached 4 leaves (fc2.bias, fc2.weight, fc1.bias and 1 more)")
+
+
+def test_a_later_nan_from_outside_the_forward_is_taken_as_part_of_the_first_finding():
+    model = TwoHeads()
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = 0.0
+
+    def step():  # a NaN loss on the second head, and an L1 penalty whose sqrt(0) makes fc1.weight's gradient NaN
+        a, b = model(torch.randn(2, 3))
+        (a.sum() + b.sum() * float("nan") + 1e-4 * model.fc1.weight.pow(2).sqrt().sum()).backward()
+
+    backward = backward_of(model, step)
+    assert [f.text for f in backward.findings] == [OUTSIDE]
+    assert backward.footer_extra[-1].endswith("non-finite gradients reached 3 leaves (fc2.bias, fc2.weight, fc1.weight)")
+
+
+class SignFlip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        b = -self.fc(x)
+        return (b - b.detach()).sqrt().sum()  # sqrt(0): an infinite gradient
+
+
+def test_a_positive_infinite_gradient_born_at_a_node_is_counted_as_such():
+    model = SignFlip()
+    backward = backward_of(model, lambda: model(torch.randn(1, 3)).backward())
+    [finding] = backward.findings
+    assert finding.text == "+inf gradient born at ~2 SqrtBackward0, the backward of #6 sqrt (+inf=3)"
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 3, sparse=True)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, ids):
+        return torch.tanh(self.fc(self.emb(ids))).sum()
+
+
+def test_sparse_gradients_are_counted_as_not_measured_and_the_rest_as_measured():
+    model = SparseEmbedding()
+    backward = backward_of(model, lambda: model(torch.tensor([1, 2])).backward())
+    assert backward.findings == ()
+    # 8 nodes and 1 output gradient; the embedding's backward and its leaf hold sparse gradients
+    assert backward.footer_extra[-1] == "no non-finite gradients in the 7 measured; 2 not measured (2 sparse_coo)"
+
+
+class Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)).sum()
+
+
+def test_a_backward_over_released_graphs_counts_every_node_it_measured():
+    model = Tanh()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        loss = sum(model(torch.randn(2, 3)) for _ in range(10))
+        loss.backward()
+    [backward] = rec.recordings[-1].backward
+    assert len(backward.nodes) == 34  # eight passes' nodes and the two leaves; and 8 output gradients
+    assert backward.footer_extra[-1].startswith("no non-finite gradients in the 42 measured; the graphs of 2 "
+                                                "earlier passes were released")
