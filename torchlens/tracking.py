@@ -143,6 +143,8 @@ class Source:
             values = plain_values(tensor).detach()
             if not (values.dtype.is_floating_point or values.dtype.is_complex):
                 return 0
+            if values.dtype.is_complex:  # by magnitude, as the meter measures complex tensors
+                values = values.abs()
             counts = torch.stack([torch.isnan(values).sum(), torch.isposinf(values).sum(),
                                   torch.isneginf(values).sum()]).tolist()
         except Exception:
@@ -180,10 +182,12 @@ def _ref(event: Event) -> str:
 
 def carried_kinds(args, kwargs) -> int:
     """Non-finite kinds a call's scalar arguments carry in (`float("-inf")` in `masked_fill`;
-    NumPy floats are floats too)."""
+    NumPy floats are floats too; a complex scalar by its magnitude, as complex tensors are measured)."""
     kinds = 0
     for value in (*args, *kwargs.values()):
         for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(item, complex):
+                item = abs(item)
             if isinstance(item, float) and not math.isfinite(item):
                 kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
     return kinds

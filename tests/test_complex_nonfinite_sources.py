@@ -3,7 +3,6 @@ named by where they came from, as float ones are."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -19,11 +18,33 @@ class ComplexBuffer(nn.Module):
         return (x * self.phase).abs()
 
 
-@pytest.mark.xfail(strict=True, reason="a complex buffer is never measured (isposinf rejects complex), "
-                                        "so its NaN is reported as first seen at the reading op")
 def test_a_nan_in_a_complex_buffer_is_named_by_the_buffer():
     rec = tl.record(ComplexBuffer(), torch.ones(3), on_nonfinite="track")
     assert [f.text for f in rec.findings] == ["NaN in phase (nan=1), first read by #2 mul"]
+
+
+class ComplexParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([1 + 0j, complex(0.0, float("inf"))]))
+
+    def forward(self, x):
+        return (x * self.weight).abs()
+
+
+class FloatParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([1.0, float("inf")]))
+
+    def forward(self, x):
+        return (x * self.weight).abs()
+
+
+def test_an_infinity_in_a_complex_parameter_is_named_by_the_parameter_as_a_float_one_is():
+    complex_texts = [f.text for f in tl.record(ComplexParameter(), torch.ones(2), on_nonfinite="track").findings]
+    float_texts = [f.text for f in tl.record(FloatParameter(), torch.ones(2), on_nonfinite="track").findings]
+    assert complex_texts == float_texts == ["+inf reaches the output out (from weight)"]
 
 
 class ComplexNanScalar(nn.Module):
@@ -31,11 +52,20 @@ class ComplexNanScalar(nn.Module):
         return x * complex(float("nan"), 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="only float scalars are taken as carrying a NaN in, "
-                                        "so a complex NaN scalar's NaN is called born at the op")
+class ComplexInfinityScalar(nn.Module):
+    def forward(self, x):
+        return x * complex(0.0, float("-inf"))
+
+
 def test_a_nan_carried_in_by_a_complex_scalar_is_written_by_it_not_born():
     rec = tl.record(ComplexNanScalar(), torch.ones(2, dtype=torch.complex64), on_nonfinite="track")
     assert [f.text for f in rec.findings] == ["NaN written by a scalar argument of #2 mul"]
+
+
+def test_an_infinity_carried_in_by_a_complex_scalar_is_judged_by_its_fate_not_born():
+    # an infinite magnitude (an infinite imaginary part), as complex tensors are measured
+    rec = tl.record(ComplexInfinityScalar(), torch.ones(2, dtype=torch.complex64), on_nonfinite="track")
+    assert [f.text for f in rec.findings] == ["+inf reaches the output out (from #2 mul)"]
 
 
 class FloatNanScalar(nn.Module):
