@@ -80,7 +80,7 @@ def build(quick: bool):
     ]
 
 
-def make_step(model: nn.Module, args, kwargs, loss_of) -> Callable[[], None]:
+def make_step(model: nn.Module, args, kwargs, loss_of) -> Callable[[], tuple]:
     def step():
         """One step; (seconds of its forward and loss, seconds of its backward)."""
         model.zero_grad(set_to_none=True)
