@@ -316,3 +316,36 @@ def test_transformers_gpt2_head_views_have_their_own_elements_statistics(mode):
             assert event.stats.sd == pytest.approx(v.std().item(), rel=1e-5)
             shared += any(event.stats is part for part in split.stats.parts)  # (key and value come first)
     assert shared == (12 if mode is torch.no_grad else 0)
+
+
+class TransposedOutput(nn.Module):
+    """A linear layer's output, then its transpose (a view of the same elements) in a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.show = Transposer()
+
+    def forward(self, x):
+        return self.show(self.fc(x))
+
+
+class Transposer(nn.Module):
+    def forward(self, y):
+        return y.t()
+
+
+@pytest.mark.parametrize("select_all", [True, False])
+def test_a_printed_view_of_an_unprinted_output_shows_statistics_read_for_its_line(deferred_reads, select_all):
+    """On an accelerator an output that is not printed is measured into the forward's one deferred
+    read; a printed view of the same elements must not take those unread statistics for its line."""
+    torch.manual_seed(0)
+    model, x = TransposedOutput(), torch.randn(3, 4)
+    lines = []
+    select = None if select_all else tl.in_module("show")
+    tl.record(model, x, value_stats="exact", narrate=tl.options.NarrationOptions(sink=lines.append, select=select))
+    [line] = [line for line in lines if " t " in line and line.lstrip().startswith("#")]
+    y = model.fc(x).detach().double()
+    low, high = line.split("min=")[1].split()[0], line.split("max=")[1].split()[0]
+    assert math.isclose(float(low), y.min().item(), rel_tol=1e-3, abs_tol=1e-4), line
+    assert math.isclose(float(high), y.max().item(), rel_tol=1e-3, abs_tol=1e-4), line
