@@ -21,6 +21,7 @@ class ComplexBuffer(nn.Module):
 def test_a_nan_in_a_complex_buffer_is_named_by_the_buffer():
     rec = tl.record(ComplexBuffer(), torch.ones(3), on_nonfinite="track")
     assert [f.text for f in rec.findings] == ["NaN in phase (nan=1), first read by #2 mul"]
+    assert not rec.findings[0].birth and rec.findings[0].event.op == "mul"
 
 
 class ComplexParameter(nn.Module):

@@ -46,22 +46,6 @@ def test_raise_lets_a_complex_infinity_run_but_tracking_reports_it_reaching_the_
     assert texts(rec)[-1] == "+inf reaches the output out (born at #3 div)"
 
 
-class ComplexBuffer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("phase", torch.tensor([1 + 1j, complex(float("nan"), 0.0), 1j]))
-
-    def forward(self, x):
-        return (x * self.phase).abs()
-
-
-def test_a_nan_in_a_complex_buffer_is_never_called_born_at_the_op_that_reads_it():
-    _, rec = narrated(ComplexBuffer(), torch.ones(3), on_nonfinite="track")
-    [finding] = rec.findings
-    assert finding.event.op == "mul" and not finding.birth
-    assert "born" not in finding.text
-
-
 # -- empty outputs -----------------------------------------------------------------------------------
 
 
