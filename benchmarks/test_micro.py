@@ -130,7 +130,8 @@ CHAIN_MODES = {  # Recorder keywords per mode (None: no Recorder)
 @pytest.mark.parametrize("mode", list(CHAIN_MODES))
 def test_small_op_chain_training_step(benchmark, mode):
     """A forward and backward of `SmallOpChain` (one thread): per forward op and backward node, a
-    mode's cost against plain and against `torch.autograd.detect_anomaly()`."""
+    mode's cost against plain and against `torch.autograd.detect_anomaly()` (which records the
+    stack at every node: pytest's own frames make it dearer here than from a script)."""
     import contextlib
     import warnings
 
