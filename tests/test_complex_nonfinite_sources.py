@@ -77,3 +77,18 @@ class FloatNanScalar(nn.Module):
 def test_a_nan_carried_in_by_a_float_scalar_is_written_by_it():
     rec = tl.record(FloatNanScalar(), torch.ones(2), on_nonfinite="track")
     assert [f.text for f in rec.findings] == ["NaN written by a scalar argument of #2 mul"]
+
+
+class HugeComplexScalar(nn.Module):
+    def forward(self, x):
+        return x * complex(1.7e308, 1.7e308) + 1  # finite parts whose magnitude overflows
+
+
+def test_a_complex_scalar_with_finite_parts_carries_nothing_in_even_when_its_magnitude_overflows(recwarn):
+    rec = tl.record(HugeComplexScalar(), torch.ones(2, dtype=torch.complex128), on_nonfinite="track")
+    # the capture goes on to the end (no internal error), and the infinite magnitude is the op's own
+    assert [e.op for e in rec.ops] == ["input", "mul", "add"]
+    assert [f.text for f in rec.findings] == [
+        "+inf born at #2 mul (+inf=2: an overflow, a division by zero or a log of zero)",
+        "+inf reaches the output out (born at #2 mul)"]
+    assert not [w for w in recwarn if "torchlens" in str(w.message)]

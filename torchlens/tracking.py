@@ -187,10 +187,18 @@ def carried_kinds(args, kwargs) -> int:
     for value in (*args, *kwargs.values()):
         for item in (value if isinstance(value, (list, tuple)) else (value,)):
             if isinstance(item, complex):
-                item = abs(item)
+                item = _magnitude(item)
             if isinstance(item, float) and not math.isfinite(item):
                 kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
     return kinds
+
+
+def _magnitude(value: complex) -> float:
+    """|value| as far as finiteness goes: infinite if a part is, NaN if a part is and none is
+    infinite (`abs` raises where the magnitude of finite parts overflows; torch would give inf)."""
+    if math.isinf(value.real) or math.isinf(value.imag):
+        return math.inf
+    return math.nan if math.isnan(value.real) or math.isnan(value.imag) else 0.0
 
 
 def _storage_key(tensor: torch.Tensor):
