@@ -3,6 +3,7 @@ named by where they came from, as float ones are."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -92,3 +93,18 @@ def test_a_complex_scalar_with_finite_parts_carries_nothing_in_even_when_its_mag
         "+inf born at #2 mul (+inf=2: an overflow, a division by zero or a log of zero)",
         "+inf reaches the output out (born at #2 mul)"]
     assert not [w for w in recwarn if "torchlens" in str(w.message)]
+
+
+@pytest.mark.parametrize("model, x", [
+    (ComplexBuffer, torch.ones(3)),
+    (ComplexParameter, torch.ones(2)),
+    (ComplexNanScalar, torch.ones(2, dtype=torch.complex64)),
+], ids=["buffer", "parameter", "nan-scalar"])
+def test_a_compiled_graph_names_complex_sources_as_eager_does(model, x):
+    # (not a complex infinity scalar: dynamo itself fails on one, `NameError: name 'infj' is not
+    # defined`, with or without torchlens)
+    compiled = tl.compile(model(), on_nonfinite="track", narrate=None, compiler="eager")
+    compiled(x)
+    eager = tl.record(model(), x, on_nonfinite="track")
+    assert eager.findings
+    assert [f.text for f in compiled.torchlens.last_recording.findings] == [f.text for f in eager.findings]
