@@ -12,8 +12,10 @@ They are not part of the test suite (`tests/`), and carry no thresholds: compare
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import warnings
 
 import pytest
 import torch
@@ -132,9 +134,6 @@ def test_small_op_chain_training_step(benchmark, mode):
     """A forward and backward of `SmallOpChain` (one thread): per forward op and backward node, a
     mode's cost against plain and against `torch.autograd.detect_anomaly()` (which records the
     stack at every node: pytest's own frames make it dearer here than from a script)."""
-    import contextlib
-    import warnings
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, x = SmallOpChain(), torch.randn(16)

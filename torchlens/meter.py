@@ -321,10 +321,3 @@ def _elements(tensor: torch.Tensor):
     if len(merged) == 1 and merged[0][0] == 1:
         return merged[0][1]  # one dense block after all: the key a contiguous tensor has
     return tuple(merged)
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True

@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .events import INPUT, Event, Stats, StatsGroup
 from .grammar import op_ref
 from .stats_text import counts_text
-from .stats import plain_values, unwrapped
+from .stats import as_float, plain_values, unwrapped
 
 NAN, POSINF, NEGINF = 1, 2, 4
 _NAMES = ((NAN, "NaN"), (POSINF, "+inf"), (NEGINF, "-inf"))
@@ -143,8 +143,7 @@ class Source:
             values = plain_values(tensor).detach()
             if not (values.dtype.is_floating_point or values.dtype.is_complex):
                 return 0
-            if values.dtype.is_complex:  # by magnitude, as the meter measures complex tensors
-                values = values.abs()
+            values = as_float(values, values.dtype)  # complex by magnitude, as the meter measures it
             counts = torch.stack([torch.isnan(values).sum(), torch.isposinf(values).sum(),
                                   torch.isneginf(values).sum()]).tolist()
         except Exception:
