@@ -108,3 +108,12 @@ def test_a_compiled_graph_names_complex_sources_as_eager_does(model, x):
     eager = tl.record(model(), x, on_nonfinite="track")
     assert eager.findings
     assert [f.text for f in compiled.torchlens.last_recording.findings] == [f.text for f in eager.findings]
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_complex_sources_are_named_under_no_grad_and_inference_mode(grad_mode):
+    with grad_mode():
+        buffer = tl.record(ComplexBuffer(), torch.ones(3), on_nonfinite="track")
+        scalar = tl.record(ComplexNanScalar(), torch.ones(2, dtype=torch.complex64), on_nonfinite="track")
+    assert [f.text for f in buffer.findings] == ["NaN in phase (nan=1), first read by #2 mul"]
+    assert [f.text for f in scalar.findings] == ["NaN written by a scalar argument of #2 mul"]
