@@ -417,3 +417,36 @@ def test_generate_is_narrated_when_the_forward_itself_is_compiled():
     model.forward = tl.compile(model.forward, narrate=lines.append, compiler="eager")  # as docs/compiled.md says
     assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), plain)
     assert sum(line.startswith("-- pass") for line in lines) == 3  # one narrated pass per decoding step
+
+
+class _BrokenBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.fc(x))
+        torch._dynamo.graph_break()
+        return y * 2
+
+
+class _BlockTwice(nn.Module):
+    """The same graphs called twice in one pass, at the same module: the second call's events are
+    not the first's (a replayed segment must be keyed by the pass's running ordinal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _BrokenBlock()
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+def test_a_graph_called_twice_in_one_pass_numbers_each_call_on():
+    model, lines = _BlockTwice(), Lines()
+    compiled = torch.compile(model, backend="torchlens", options={"narrate": lines, "compiler": "eager"})
+    for _ in range(2):  # the second pass replays the segments the first remembered
+        compiled(torch.randn(2, 4))
+        text = lines.last_pass()
+        assert ordinals(text) == list(range(1, 8)), text
+        assert op_lines(text) == op_lines(eager_text(model, torch.randn(2, 4)))

@@ -123,3 +123,35 @@ def test_a_backward_over_released_graphs_counts_every_node_it_measured():
     assert len(backward.nodes) == 34  # eight passes' nodes and the two leaves; and 8 output gradients
     assert backward.footer_extra[-1].startswith("no non-finite gradients in the 42 measured; the graphs of 2 "
                                                 "earlier passes were released")
+
+
+class _OverwritesItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(float("nan"))  # writes NaN into the very gradient it received
+
+
+class OverwritingNode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return (_OverwritesItsGradient.apply(self.fc(x)) ** 2).sum()
+
+
+def test_a_node_that_overwrites_what_it_received_is_said_to_have_done_so():
+    """What the node received was finite when it arrived; measured after the node ran, it would
+    read the node's own NaN and blame a gradient hook or a node outside the forward."""
+    model = OverwritingNode()
+    backward = backward_of(model, lambda: model(torch.randn(2, 3)).backward())
+    [finding] = backward.findings
+    assert finding.text.startswith("NaN gradient first seen at ~3 _OverwritesItsGradientBackward"), finding.text
+    assert finding.text.endswith("no watched node sent it: it may have received it: it overwrote what it "
+                                 "received in place before that could be measured"), finding.text
+    assert "gradient hook" not in finding.text

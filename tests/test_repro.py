@@ -305,3 +305,24 @@ def test_an_nn_transformer_encoder_nan_saves_loads_pages_and_replays_under(mode,
     assert f'"i":{first.ordinal},' in page
     code, out = run_script(trace.repro(tmp_path / "repro"))
     assert code == 0 and "nan=1" in out, out
+
+
+class OverflowThenNaN(nn.Module):
+    """Two ops keep their inputs: `exp` (where +inf is born, absorbed by the `where`) and `sqrt`
+    (where the NaN is born, the run's one finding)."""
+
+    def forward(self, x):
+        e = torch.exp(x * 1000)
+        y = torch.where(torch.isinf(e), torch.zeros_like(e), e)
+        return torch.sqrt(y - 2)
+
+
+def test_the_repro_replays_the_op_of_the_first_finding_not_the_first_op_that_kept_its_inputs(tmp_path):
+    recording = tl.record(OverflowThenNaN(), torch.tensor([[0.5, -1.0, 0.0001]]), on_nonfinite="track")
+    assert [f.text for f in recording.findings] == ["NaN born at #8 sqrt (nan=3)"]
+    assert len(recording.kept_calls) == 2  # the exp's inputs were kept too
+    script = recording.repro(tmp_path)
+    assert '"""Non-finite output of #8 sqrt' in script.read_text()
+    code, out = run_script(script)
+    assert code == 0, out
+    assert "output: nan=3" in out and "reproduced" in out
