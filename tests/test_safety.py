@@ -231,3 +231,72 @@ def test_a_failure_reading_how_a_compiled_call_ended_leaves_the_call_and_torch_a
     with pytest.raises(RuntimeError, match="size|shape|match"), pytest.warns(tl.errors.NarrationWarning):
         compiled(torch.randn(1, 3))  # the user's own error comes through unchanged
     assert leftover_state() == state_before
+
+
+@torch.compiler.disable
+def _run_eagerly(y):
+    return y.sin() + 1
+
+
+class _TwoGaps(torch.nn.Module):
+    """Ops dynamo runs eagerly (`_run_eagerly`), a compiled graph (`b`), then eager ops again."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _run_eagerly(self.b(_run_eagerly(self.a(x)))).cos()
+
+
+def _fail_once(monkeypatch, owner, name):
+    """Make `owner.name` raise a bug of torchlens's the first time it is called."""
+    original, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("torchlens bug")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+def test_a_gap_capture_a_failure_turned_off_stays_off_after_the_next_graph(monkeypatch):
+    """Off means off for the rest of the forward: the next compiled graph does not turn the capture
+    of the code between graphs back on, and the footer says not everything was recorded."""
+    from torchlens.fx_backend.gaps import GapCapture
+
+    _fail_once(monkeypatch, GapCapture, "locate")  # at the first op run between graphs: `sin`
+    model, x, lines = _TwoGaps(), torch.randn(2, 4), []
+    compiled = torch.compile(model, backend="torchlens", options={"narrate": lines.append, "compiler": "eager"})
+    with pytest.warns(tl.errors.NarrationWarning, match="torchlens bug"):
+        out = compiled(x)
+    assert torch.equal(out, model(x))
+    ops = [line.split()[1] for line in lines if line.lstrip().startswith("#")]
+    assert ops == ["input", "linear", "linear", "cos"], lines  # the graphs' ops only, no later `sin`
+    assert lines[-1].endswith("; not everything after an internal error recording an op was recorded"), lines[-1]
+
+
+def test_an_eager_capture_a_failure_turned_off_stays_off_after_a_compiled_graph_call(monkeypatch):
+    """The same in an eager capture: a compiled submodule's graph call does not turn it back on."""
+    from torchlens.eager.capture import OpReporter
+
+    class CompiledInside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.compile(torch.nn.Linear(4, 4), backend="eager")
+
+        def forward(self, x):
+            return self.b(self.a(x).relu()).tanh()
+
+    model, x, lines = CompiledInside(), torch.randn(2, 4), []
+    model(x)  # compiled before the capture
+    _fail_once(monkeypatch, OpReporter, "record_op")  # at the first op: `linear`
+    with pytest.warns(tl.errors.NarrationWarning, match="torchlens bug"):
+        recording = tl.record(model, x, narrate=lines.append, on_nonfinite="track")
+    assert torch.equal(recording.output, model(x))
+    assert [e.op for e in recording.events if e.kind is tl.EventKind.OP] == [], lines
+    assert "not everything after an internal error recording an op was recorded, so nothing is claimed" in lines[-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from torch import nn
 
@@ -232,3 +233,26 @@ def test_a_nan_written_by_a_foreach_call_with_keyword_arguments_is_named_at_the_
     _, rec = narrated(ForeachByKeyword(), torch.ones(3), on_nonfinite="track")
     assert texts(rec) == ["NaN written by a scalar argument of #3 _foreach_mul_"]
     assert rec.first_nonfinite.op == "_foreach_mul_"
+
+
+class ReadsWeightThrough(nn.Module):
+    """`contiguous()` and `to()` of a tensor that already is so return the tensor itself: the
+    call read the weight, it did not write it."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.ones(3, 3))
+
+    def forward(self, x):
+        return x @ self.how(self.w)
+
+
+@pytest.mark.parametrize("how, op", [(lambda w: w.contiguous(), "contiguous"), (lambda w: w.to(torch.float32), "to"),
+                                     (lambda w: w.type_as(w), "type_as")])
+def test_a_nan_weight_read_through_a_call_that_returns_it_unchanged_is_named(how, op):
+    model = ReadsWeightThrough(how)
+    with torch.no_grad():
+        model.w[1, 1] = float("nan")
+    rec = tl.record(model, torch.ones(2, 3), on_nonfinite="track")
+    assert texts(rec) == [f"NaN in w (nan=1), first read by #2 {op}"]

@@ -747,7 +747,8 @@ def test_an_internal_failure_mid_forward_withdraws_the_claim(monkeypatch):
     monkeypatch.setattr(capture, "op_name", failing)
     with pytest.warns(tl.errors.NarrationWarning):
         rec = tl.record(TwoLayers(), torch.randn(2, 4), on_nonfinite="track")
-    assert rec.footer_extra[-1].startswith("no non-finite values in the 2 measured ops; ops after an internal error")
+    assert rec.footer_extra[-1].startswith("no non-finite values in the 2 measured ops; not everything after an "
+                                           "internal error recording an op was recorded, so nothing is claimed")
 
 
 # -- compiled: gaps and stops ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ See the README and docs/ for the guide.
 from . import debug, errors, options, recording
 from .api import compile, load, record, trace
 from .events import Attempt, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
+from .findings import Finding, FindingKind
 from .fx_backend.registration import register_without_entry_point as _register
 from .recording import PartialTrace, Recording, Trace
 from .selectors import in_module
@@ -28,6 +29,8 @@ __all__ = [
     "PartialTrace",
     "Event",
     "EventKind",
+    "Finding",
+    "FindingKind",
     "TensorMeta",
     "Scope",
     "Attempt",

@@ -165,23 +165,23 @@ def reporting_graph_calls(compiled):
 
     def graph_call(*args, **kwargs):
         captures = [mode.capture for mode in capture_modes()
-                    if _reports_graph_calls(mode) and not mode.capture.paused]
+                    if _reports_graph_calls(mode) and not (mode.capture.suspended or mode.capture.off)]
         if not captures:
             return compiled(*args, **kwargs)
         caller = sys._getframe(1)
         versions = _versions(args)  # a graph that only writes its inputs reports them as its outputs
         for capture in captures:
-            capture.paused = True  # the graph's own torch calls are the compiler's, not the user's ops
+            capture.suspended += 1  # the graph's own torch calls are the compiler's, not the user's ops
         try:
             out = compiled(*args, **kwargs)
         except BaseException as exc:
             for capture in captures:
-                capture.paused = False
+                capture.suspended -= 1
                 capture.graph_failed(args, exc, caller)
             raise
         written = tuple(tensor for tensor, version in versions if _version(tensor) != version)
         for capture in captures:
-            capture.paused = False
+            capture.suspended -= 1
             capture.graph_called(args, out, caller, written)
         return out
 

@@ -27,7 +27,8 @@ from .mode_stack import own_work, under_a_capture
 from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording
-from .session import Session, internal_error
+from .guard import guarded, internal_error
+from .session import Session
 from .meter import Meter
 from .structure import named_outputs
 from .values import ValueKeeper
@@ -79,19 +80,14 @@ class ForwardPass:
         input, a trace budget the inputs exceed) propagates; any other failure here is torchlens's
         own, reported, and the forward goes on with its recording marked incomplete."""
         session, keeper = self.session, self.keeper
-        with self.own_work():
-            try:
-                for label, tensor in inputs():
-                    event = session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
-                    if keeper is not None:
-                        keeper(event, tensor)
-                    if self.roots is not None:
-                        self.roots.note_input(label, tensor)
-            except Exception as exc:
-                if getattr(exc, "torchlens_stop", False):
-                    raise
-                session.mark_incomplete("an internal error recording the inputs")
-                internal_error("recording the forward's inputs", exc)
+        with self.own_work(), guarded("recording the forward's inputs", session.mark_incomplete,
+                                      "an internal error recording the inputs"):
+            for label, tensor in inputs():
+                event = session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
+                if keeper is not None:
+                    keeper(event, tensor)
+                if self.roots is not None:
+                    self.roots.note_input(label, tensor)
 
     def finish(self, output, notes: Callable[[], Sequence[str]] = tuple) -> Recording:
         """The recording of the forward that returned `output`, with `notes()` on how it ran (footer).
@@ -119,10 +115,8 @@ class ForwardPass:
         if roots is None or not (roots.items or any(t.requires_grad for _, t in outputs)):
             return
         self.roots = None
-        try:
+        with guarded("hooking the backward"):
             self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root)
-        except Exception as exc:
-            internal_error("hooking the backward", exc)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
         """The partial trace of a forward that raised `exc`, attached to it. Never raises."""

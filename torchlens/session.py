@@ -13,7 +13,8 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from .errors import NonFiniteError, warn_safely
+from .errors import NonFiniteError
+from .guard import internal_error
 from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope, Stats
 from .narrator import Narrator
 from .options import Settings
@@ -297,6 +298,8 @@ class Session:
         if settings.value_stats != "off":
             self.footer_extra.append(f"value_stats={settings.value_stats}")
         tracker = self.tracker
+        if tracker is None and self.incomplete:  # (tracking's verdict says it in its own words)
+            self.footer_extra.append(f"not everything after {self.incomplete} was recorded")
         if tracker is not None:
             try:
                 for finding in tracker.judge_rest():
@@ -394,14 +397,3 @@ def nonfinite_message(finding) -> str:
     site = f" ({event.site})" if event is not None and event.site else ""
     return (f"on_nonfinite='raise': {finding.text}{site}. The partial trace is attached as exc.partial_trace; "
             f"on_nonfinite='track' records the run without stopping.")
-
-
-def internal_error(what: str, exc: BaseException) -> None:
-    """Report a failure inside torchlens without disturbing the user's run: a warning, which must
-    not itself become an exception (under `-W error` it would replace the user's own)."""
-    warn_safely(
-        f"torchlens: {what} failed ({type(exc).__name__}: {exc}); narration is incomplete for this run",
-        stacklevel=4,
-    )
-
-

@@ -36,6 +36,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import INPUT, Event, Stats, StatsGroup
+from .findings import Finding, FindingKind
 from .grammar import op_ref
 from .stats_text import counts_text
 from .stats import as_float, plain_values, unwrapped
@@ -157,22 +158,6 @@ def _version(tensor) -> Optional[int]:
         return None if tensor is None or torch.is_inference(tensor) else tensor._version
     except Exception:  # a wrapped or nested tensor
         return None
-
-
-class Finding:
-    """One verdict of the tracker. `event` is the op it is shown at; `live` is True when it was
-    known as that op's line was narrated (the `!!` line then follows it)."""
-
-    __slots__ = ("text", "event", "live", "birth")
-
-    def __init__(self, text: str, event: Optional[Event], birth: bool = False):
-        self.text = text
-        self.event = event
-        self.live = False
-        self.birth = birth
-
-    def __repr__(self) -> str:
-        return f"Finding({self.text!r})"
 
 
 def _ref(event: Event) -> str:
@@ -370,9 +355,10 @@ class Tracker:
         return source
 
     def produced(self, event: Event, out, args=(), kwargs=None) -> None:
-        """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list); an
-        output that is one of the op's arguments (`x.add_(y)`, `out=buf`, a `_foreach_*_` list)
-        was written in place."""
+        """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list).
+        `args` and `kwargs` are given for a call that writes into its arguments (`writes.call_writes`):
+        an output that is one of them (`x.add_(y)`, `out=buf`, a `_foreach_*_` list) was written
+        in place."""
         tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
@@ -432,7 +418,8 @@ class Tracker:
                 if kinds & bit:
                     self._origin[(id(event), bit)] = event
             if kinds & NAN:  # an infinity in an input may be a mask (`attn_mask`): judged by its fate
-                return self._note([Finding(f"NaN in the input {event.label} ({_counts(event)})", event)])
+                return self._note([Finding(f"NaN in the input {event.label} ({_counts(event)})", event,
+                                             FindingKind.NONFINITE_INPUT)])
             if kinds and self.absorbed is None:
                 self.absorbed = event
             return []
@@ -452,7 +439,7 @@ class Tracker:
         if carried & bit:
             self._origin[key] = event
             if bit == NAN:  # writing NaN on purpose is still where the NaN came from
-                return [Finding(f"NaN written by a scalar argument of {_ref(event)}", event, birth=True)]
+                return [Finding(f"NaN written by a scalar argument of {_ref(event)}", event, FindingKind.NAN_WRITTEN)]
             return []
         unknown = False
         for ref in refs:
@@ -479,12 +466,13 @@ class Tracker:
                     f"so it may have come from earlier")
         elif bit == NAN:
             cause, origin = self._nan_cause(refs)
-            return self._held_back(origin) + [Finding(f"NaN born at {_ref(event)} ({count}){cause}", event, True)]
+            return self._held_back(origin) + [Finding(f"NaN born at {_ref(event)} ({count}){cause}", event,
+                                                                FindingKind.NAN_BORN)]
         else:
             text = f"{name} born at {_ref(event)} ({count}: an overflow, a division by zero or a log of zero)"
         if bit == NAN:
-            return [Finding(text, event)]
-        self._infinities[key] = Finding(text, event, birth=not unknown)
+            return [Finding(text, event, FindingKind.FIRST_SEEN)]
+        self._infinities[key] = Finding(text, event, FindingKind.FIRST_SEEN if unknown else FindingKind.INF_BORN)
         if not unknown:
             self._born.add(key)
         return []
@@ -501,7 +489,8 @@ class Tracker:
         if source.reported:
             return []
         source.reported = True
-        return [Finding(f"NaN in {source.label} ({source.counts}), first read by {_ref(event)}", event)]
+        return [Finding(f"NaN in {source.label} ({source.counts}), first read by {_ref(event)}", event,
+                        FindingKind.NONFINITE_SOURCE)]
 
     def _nan_cause(self, refs):
         """(` (out of +inf born at #4 exp @m)`, its origin): the infinity a NaN was made of, if any."""
@@ -527,7 +516,8 @@ class Tracker:
                 if kinds and kinds & bit:
                     origin = self._origin.get((id(ref), bit), ref)
                     shown = ref if isinstance(ref, Event) else None
-                    reach = Finding(f"{name} reaches the output {label} ({self._where(origin, bit)})", shown)
+                    reach = Finding(f"{name} reaches the output {label} ({self._where(origin, bit)})", shown,
+                                    FindingKind.REACHES_OUTPUT)
                     self._note(self._held_back(origin) + [reach])
                     return
 
@@ -547,10 +537,10 @@ class Tracker:
         why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
         gap = f"; {missing} op{'s' if missing != 1 else ''} not measured ({why})" if missing else ""
         if incomplete:
-            gap += f"; ops after {incomplete} were not recorded, so nothing is claimed of them"
+            gap += f"; not everything after {incomplete} was recorded, so nothing is claimed of what followed"
         if self.findings:
             first = self.findings[0]
-            nan = next((f for f in self.findings if f.text.startswith("NaN born")), None)
+            nan = next((f for f in self.findings if f.kind is FindingKind.NAN_BORN), None)
             then = f"; then {nan.text}" if nan is not None and nan is not first else ""
             more = len(self.findings) - (2 if then else 1)
             extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""

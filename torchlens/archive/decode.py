@@ -17,7 +17,7 @@ from ..events import Attempt, BackwardAttempt, BackwardEvent, Event, EventKind, 
 from ..options import NarrationOptions, Settings
 from ..results import Backward, PartialTrace, Recording, Trace
 from ..selectors import InModule, Selector
-from ..tracking import Finding
+from ..findings import Finding, FindingKind
 from .encode import FORMAT, VERSION
 
 _CLASSES = {"Recording": Recording, "Trace": Trace, "PartialTrace": PartialTrace}
@@ -153,6 +153,16 @@ def event(doc, tables: _Tables, backward: bool) -> Event:
     return made
 
 
+def _kind(name) -> Optional[FindingKind]:
+    """A finding's kind by its name; None in a trace saved before kinds were recorded."""
+    if name is None:
+        return None
+    try:
+        return FindingKind[_expect(name, str, "a finding's kind")]
+    except KeyError:
+        raise bad(f"a finding's kind should be one of {', '.join(k.name for k in FindingKind)}, found {name!r}") from None
+
+
 def events(rows, tables: _Tables, backward: bool) -> List[Event]:
     return [event(row, tables, backward) for row in _expect(rows, list, "the events")]
 
@@ -165,7 +175,7 @@ def findings(rows, made: List[Event], docs: list) -> tuple:
         if index is not None:
             _index(index, len(made), "a finding's event")
         finding = Finding(_expect(row.get("text"), str, "a finding's text"), None if index is None else made[index],
-                          bool(row.get("birth", False)))
+                          _kind(row.get("kind")), bool(row.get("birth", False)))
         finding.live = bool(row.get("live", False))
         out.append(finding)
     for event_doc, made_event in zip(docs, made):

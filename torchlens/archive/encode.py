@@ -148,7 +148,7 @@ def findings_doc(findings, events) -> Tuple[list, Dict[int, int]]:
     for finding in findings:
         index[id(finding)] = len(rows)
         rows.append({"text": finding.text, "event": position.get(id(finding.event)), "live": bool(finding.live),
-                     "birth": bool(finding.birth)})
+                     "birth": bool(finding.birth), "kind": finding.kind.name if finding.kind is not None else None})
     return rows, index
 
 

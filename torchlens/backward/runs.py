@@ -17,8 +17,10 @@ from ..meter import Meter
 from ..narrator import Narrator
 from ..sinks import ListSink
 from ..results import Backward, PartialTrace, Recording
-from ..session import attach, attach_finding, error_summary, internal_error, nonfinite_message
-from ..tracking import Finding, held, settled
+from ..guard import contain, internal_error, is_stop
+from ..session import attach, attach_finding, error_summary, nonfinite_message
+from ..findings import Finding
+from ..tracking import held, settled
 from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import UNREAD, GradTracker
@@ -158,6 +160,10 @@ class BackwardRun:
             self.narration.deliver(owned.sink.lines)
         owned.close()
 
+    def mark_incomplete(self, why: str) -> None:
+        """Some of the backward went unnarrated (`why`): the footer says so. The first reason is kept."""
+        self.incomplete = self.incomplete or why
+
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
         record = self.record
@@ -290,7 +296,7 @@ class BackwardNarration:
                 if run is not None:
                     run.starting(record, grad_outputs)
         except Exception as exc:
-            internal_error("narrating a backward node", exc)
+            self._hook_failed(exc)
 
     def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
         try:
@@ -335,13 +341,10 @@ class BackwardNarration:
         incomplete, the backward untouched."""
         with self._lock:
             run = self.runs.get(_graph_task_id())
-            if getattr(exc, "torchlens_stop", False):
-                if run is not None:
-                    self._end_failed(run, exc)
-                raise exc
-            if run is not None:
-                run.incomplete = run.incomplete or "nodes after an internal error were not all narrated"
-        internal_error("narrating a backward node", exc)
+            if is_stop(exc) and run is not None:
+                self._end_failed(run, exc)
+        contain(exc, "narrating a backward node", run.mark_incomplete if run is not None else None,
+                "nodes after an internal error were not all narrated")
 
     def _run_for(self, watch: BackwardWatch, record: Optional[NodeRecord] = None) -> Optional[BackwardRun]:
         """The run the engine's current execution belongs to, begun now if need be. A leaf's node
@@ -367,8 +370,8 @@ class BackwardNarration:
                 if self.released:  # said by the next backward to end, the one that would reach them
                     graphs = "the graph of 1 earlier pass was" if self.released == 1 else \
                         f"the graphs of {self.released} earlier passes were"
-                    run.incomplete = run.incomplete or (f"{graphs} released before a backward reached them (more than "
-                                                        f"{self.MAX_WATCHES} waited)")
+                    run.mark_incomplete(f"{graphs} released before a backward reached them (more than "
+                                        f"{self.MAX_WATCHES} waited)")
                     self.released = 0
                 run.finish()
                 self._ended(run)

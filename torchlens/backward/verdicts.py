@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from ..events import GRAD, NODE, StatsGroup
-from ..tracking import (NAN, NEGINF, POSINF, Finding, _bits, held, kind_names, measured_finite, settled,
+from ..findings import Finding, FindingKind
+from ..tracking import (NAN, NEGINF, POSINF, _bits, held, kind_names, measured_finite, settled,
                         unmeasured_reason)
 from .graph import NodeRecord
 
@@ -98,14 +99,14 @@ class GradTracker:
             return self._unexplained(event, kinds, where, "not everything it received was measured, so it may have "
                                                           "come from earlier")
         return self._note(Finding(f"{kind_names(kinds)} gradient born {where} ({_counts(event, kinds)})", event,
-                                  birth=True))
+                                  FindingKind.GRADIENT_BORN))
 
     def _unexplained(self, event, kinds: int, where: str, why: str) -> List[Finding]:
         """A non-finite gradient no watched node sent: a finding only when it is the run's first."""
         if self.findings:
             return []
         return self._note(Finding(f"{kind_names(kinds)} gradient first seen {where} ({_counts(event, kinds)}); "
-                                  f"no watched node sent it: {why}", event))
+                                  f"no watched node sent it: {why}", event, FindingKind.GRADIENT_FIRST_SEEN))
 
     def _arrived(self, event, node: Optional[NodeRecord], kinds) -> List[Finding]:
         """The gradient of a forward output (`node`: the record of the node it feeds, or of the
@@ -119,7 +120,7 @@ class GradTracker:
             return []
         return self._note(Finding(f"{kind_names(kinds)} in the gradient reaching the output {event.label} "
                                   f"({_counts(event, kinds)}): no node of the narrated forward sent it; it came "
-                                  f"from outside, such as the loss", event, birth=True))
+                                  f"from outside, such as the loss", event, FindingKind.GRADIENT_FROM_OUTSIDE))
 
     def _send(self, record: NodeRecord, event, positions) -> None:
         """Mark the nodes this one sent a non-finite gradient to (by gradient slot)."""

@@ -33,11 +33,12 @@ from ..errors import NonFiniteError
 from ..events import TensorMeta
 from ..tracking import LazyReads, can_hold_nonfinite
 from ..repro.kept import KeptCall
-from ..session import Session, error_summary, internal_error
+from ..guard import contain, guarded, internal_error, is_stop
+from ..session import Session, error_summary
 from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
-from ..writes import written_tensor
+from ..writes import call_writes, written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
 from ..mode_stack import own_work, remove_mode
@@ -78,7 +79,7 @@ class CaptureMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = _NO_KWARGS
         capture = self.capture
-        if capture.paused or _is_compiling():
+        if capture.suspended or capture.off or _is_compiling():
             return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
@@ -152,7 +153,10 @@ class OpReporter:
         self.session = session
         self.sites = session.settings.sites
         self.keeper = keeper  # `tl.trace`'s ValueKeeper, called as keeper(event, output) after each op
-        self.paused = False
+        # Two reasons to stay silent: `suspended` (a count) while torchlens's own work or a compiled
+        # graph runs, resumed after it; `off` for the rest of the forward, after a failure of our own.
+        self.suspended = 0
+        self.off = False
         self.ops = 0  # ops recorded through `record_op` (what the gap capture counts for the footer)
         self.nested = False  # another capture's mode is below ours in this thread
         self.lean = False  # whether ops may take `plain_op_done` (set by a capture that allows it)
@@ -183,11 +187,13 @@ class OpReporter:
         """An op could not be recorded: a deliberate stop (`on_nonfinite="raise"`, a trace budget)
         ends the run; a failure of torchlens turns the capture off for the rest of the forward,
         with a warning and a footer that says the recording is incomplete."""
-        if getattr(exc, "torchlens_stop", False):
-            raise exc
-        self.paused = True
-        self.session.mark_incomplete("an internal error recording an op")
-        internal_error("recording an op", exc)
+        self.turn_off(exc, "recording an op")
+
+    def turn_off(self, exc: Exception, what: str) -> None:
+        """`guard.contain`, and the capture stays off for the rest of the forward (a stop propagates)."""
+        if not is_stop(exc):
+            self.off = True
+        contain(exc, what, self.session.mark_incomplete)
 
     def plain_op_done(self, func, out) -> bool:
         """`op_done` for the common case, in few calls: an op that returned one tensor, in a capture
@@ -205,22 +211,25 @@ class OpReporter:
             self.recording_failed(exc)
         return True
 
-    def record_op(self, name: str, metas, site, out, args, kwargs=None, func=None) -> None:
+    def record_op(self, name: str, metas, site, out, args, kwargs=None, func=None, wrote=None) -> None:
         """Add an op to the session, with what it read when tracking, and keep its output (`tl.trace`).
         With tracking, an op whose output is measured non-finite may keep its inputs (`func` and
-        its arguments) for a one-op repro: see `torchlens.repro.kept`."""
+        its arguments) for a one-op repro: see `torchlens.repro.kept`. Whether the call wrote into
+        its arguments is `writes.call_writes`'s rule unless the caller knows (`wrote`)."""
         session = self.session
         tracker = session.tracker
-        if tracker is None or not can_hold_nonfinite(metas):
+        if tracker is None:
+            event = session.add_op(name, metas, site, None, out)
+        elif not can_hold_nonfinite(metas):
             # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
             # for; what it produced or wrote is still registered: a later reader's origin, a float
             # view of the memory it wrote)
             event = session.add_op(name, metas, site, None, out)
-            if tracker is not None:
-                tracker.produced(event, out, args, kwargs)
+            tracker.produced(event, out, *_written_into(name, args, kwargs, wrote))
         else:
             reads = LazyReads(tracker, args, kwargs or {})
-            if name.endswith("_") or (kwargs and "out" in kwargs) or (args and out is args[0]):
+            written_into = _written_into(name, args, kwargs, wrote)
+            if written_into[0] or written_into[1]:
                 reads.resolve_written(out)  # (wrote into its argument: see `LazyReads.resolve_written`)
             try:
                 event = session.add_op(name, metas, site, None, out, reads)
@@ -234,7 +243,7 @@ class OpReporter:
                 reads.resolve()  # before its outputs are registered below
             else:
                 event.reads = None  # judged finite: what it read is never asked for
-            tracker.produced(event, out, args, kwargs)
+            tracker.produced(event, out, *written_into)
         if self.keeper is not None:
             self.keeper(event, out)
         if self.roots is not None:
@@ -306,7 +315,7 @@ class EagerCapture(OpReporter):
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
-        if _is_compiling() or self.paused or _get_ident() != self.thread:
+        if _is_compiling() or self.suspended or self.off or _get_ident() != self.thread:
             return None
         if self._wrapped and id(module) in self._wrapped:
             return None  # already entered, by the compiled wrapper that called it
@@ -337,12 +346,12 @@ class EagerCapture(OpReporter):
             handles.pop().remove()
             if not handles:
                 del self._closers[id(module)]
-        if not (_is_compiling() or self.paused):
+        if not (_is_compiling() or self.suspended or self.off):
             self._close(module, unwinding(), args, output)
         return None
 
     def _post_hook(self, module, args, output):
-        if _is_compiling() or self.paused or _get_ident() != self.thread or id(module) in self._closers:
+        if _is_compiling() or self.suspended or self.off or _get_ident() != self.thread or id(module) in self._closers:
             return None  # (a module with hooks of its own is closed by `_closing_hook`)
         if is_compile_wrapper(module):
             module = self._through_wrapper(module, -1)
@@ -371,19 +380,19 @@ class EagerCapture(OpReporter):
             self._exited(module, unwinding, args, output)
 
     def _entered(self, module) -> None:
-        self.paused = True  # a sink may call torch: that is not the model's op
+        self.suspended += 1  # a sink may call torch: that is not the model's op
         try:
             session = self.session
             scope = self.scopes.module_scope(module, session.scope)
             if scope.parent is not None:  # the root's own call is the whole pass, not a module line
                 session.enter(scope)
-            self.paused = False
         except Exception as exc:
-            self.session.mark_incomplete("an internal error recording a module enter")
-            internal_error("recording a module enter", exc)
+            self.turn_off(exc, "recording a module enter")
+        finally:
+            self.suspended -= 1
 
     def _exited(self, module, unwinding: bool, args=(), output=None) -> None:
-        self.paused = True
+        self.suspended += 1
         try:
             session = self.session
             if not unwinding and isinstance(module, _ScriptModule) and self._opaque_call("scripted", args, output):
@@ -391,22 +400,23 @@ class EagerCapture(OpReporter):
             scope = session.open_scope(self.scopes.path_of(module))
             if scope is not None:
                 session.exit(scope, unwinding)
-            self.paused = False
-        except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise  # on_nonfinite="raise" stopped at the scripted call's outputs
-            self.session.mark_incomplete("an internal error recording a module exit")
-            internal_error("recording a module exit", exc)
+        except Exception as exc:  # (a stop: on_nonfinite="raise" at the scripted call's outputs)
+            self.turn_off(exc, "recording a module exit")
+        finally:
+            self.suspended -= 1
 
     def _opaque_call(self, name: str, args, output, written=(), site=None) -> bool:
         """A call whose insides the mode cannot see (a TorchScript module: `scripted`; a compiled
         graph: `compiled`) is narrated as one op with its outputs, measured like any op's, in its
-        module; a call that returns no tensor shows the inputs it wrote, if any. Whether it had any."""
+        module; a call that returns no tensor shows the inputs it wrote, if any. Whether it had any.
+        Such a call has no schema: it wrote into its arguments if their version counters say so
+        (`written`) or it returned one of them."""
         tensors = tuple(tensor for _, tensor in named_outputs(output)) or tuple(written)
         if not tensors:
             return False
         value = tensors[0] if len(tensors) == 1 else tensors
-        self.record_op(name, tuple(TensorMeta.of(t) for t in tensors), site, value, args)
+        wrote = bool(written) or any(tensor is arg for tensor in tensors for arg in args)
+        self.record_op(name, tuple(TensorMeta.of(t) for t in tensors), site, value, args, wrote=wrote)
         return True
 
     # -- compiled graphs run inside the forward (see `compiled_regions`) --------------------------
@@ -416,32 +426,35 @@ class EagerCapture(OpReporter):
         returns nothing but writes its inputs in place shows the tensors it wrote)."""
         if _get_ident() != self.thread:
             return
-        self.paused = True
+        self.suspended += 1
         try:
             with own_work(True):  # a compiled run's gap capture may be active: keep our work from it
                 site = find_user_site(caller) if self.sites else None
                 if self._opaque_call("compiled", args, output, written, site):
                     self.graph_calls += 1
-        except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise  # on_nonfinite="raise" stopped at the graph's outputs
-            self.session.mark_incomplete("an internal error recording a compiled graph call")
-            internal_error("recording a compiled graph call", exc)
+        except Exception as exc:  # (a stop: on_nonfinite="raise" at the graph's outputs)
+            self.turn_off(exc, "recording a compiled graph call")
         finally:
-            self.paused = False
+            self.suspended -= 1
 
     def graph_failed(self, args, exc, caller) -> None:
         """A compiled graph raised: the attempted op is the graph call."""
         if _get_ident() != self.thread:
             return
-        try:
-            with own_work(True):  # a compiled run's gap capture may be active: keep our work from it
-                self.session.op_failed("compiled", input_metas(args, {}), find_user_site(caller), exc)
-        except Exception as inner:
-            internal_error("describing the failed compiled graph call", inner)
+        with guarded("describing the failed compiled graph call"), own_work(True):
+            # (a compiled run's gap capture may be active: keep our work from it)
+            self.session.op_failed("compiled", input_metas(args, {}), find_user_site(caller), exc)
 
 
 _ScriptModule = torch.jit.ScriptModule
+
+
+def _written_into(name: str, args, kwargs, wrote=None) -> tuple:
+    """(args, kwargs) of a call that wrote into its arguments, for `Tracker.produced`; ((), None)
+    for one that did not (an output that is one of its arguments is then not a write: `contiguous`
+    and `to` return their argument unchanged)."""
+    writes = call_writes(name, args, kwargs) if wrote is None else wrote
+    return (args, kwargs) if writes else ((), None)
 
 
 def exclude_from_dynamo(*functions) -> None:

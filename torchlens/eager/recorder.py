@@ -22,7 +22,7 @@ from ..narrator import Narrator, render_lines
 from ..options import NarrationOptions, Settings, check_keyword, make_settings
 from ..results import Recording, Transcript
 from ..sites import still_running
-from ..session import internal_error
+from ..guard import contain, internal_error
 from .capture import unwinding
 from .runner import EagerPass
 from ..structure import check_model, check_selection
@@ -168,9 +168,7 @@ class Recorder:
                 self._run.close()
             self._run = None
             self._pass_written()
-            if getattr(exc, "torchlens_stop", False):
-                raise
-            internal_error("starting a pass", exc)
+            contain(exc, "starting a pass")
         return None
 
     def _end(self, module, args, kwargs, output):

@@ -2,7 +2,7 @@
 
 A `print`, a `.item()` branch, or a frame dynamo skips after a graph break inside a loop all run as
 plain Python; the backend never sees them. The eager substrate's `CaptureMode` is active for the
-whole compiled forward to catch those ops, and is paused while a compiled graph runs (whose ops the
+whole compiled forward to catch those ops, and is suspended while a compiled graph runs (whose ops the
 plan narrates). Module hooks cannot be used here — registering them changes what dynamo compiles —
 so a gap op's module is read from the Python stack: the innermost frame whose `self` is a module of
 the model.

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from torch import fx
 
 from ..mode_stack import own_work
-from ..session import internal_error
+from ..guard import contain, guarded, internal_error
 from ..stats import measures
 from .config import inner_compile
 from .failures import graph_failed
@@ -67,16 +67,11 @@ class CompiledGraph:
                 with run.own_work():
                     run.end_live(self, out)
             if prepared is not None and not self.live:
-                try:
-                    with run.own_work():
-                        first = len(run.session.events)
-                        run.add_plan(self.plan, args, prepared, vector, self.stats, kept, out)
-                        run.graph_fed_autograd(first, out)
-                except Exception as exc:
-                    if getattr(exc, "torchlens_stop", False):
-                        raise  # on_nonfinite="raise" found the first non-finite op of this graph
-                    run.session.mark_incomplete("an internal error narrating a compiled graph")
-                    internal_error("narrating a compiled graph", exc)
+                # (a stop: on_nonfinite="raise" found the first non-finite op of this graph)
+                with guarded("narrating a compiled graph", run.session.mark_incomplete), run.own_work():
+                    first = len(run.session.events)
+                    run.add_plan(self.plan, args, prepared, vector, self.stats, kept, out)
+                    run.graph_fed_autograd(first, out)
         return out
 
     def _prepare(self, run: CompiledPass, args, caller):
@@ -88,7 +83,8 @@ class CompiledGraph:
                 run.start_live(self, args, scope)
             return scope
         except Exception as exc:
-            internal_error("preparing to narrate a compiled graph", exc)
+            contain(exc, "preparing to narrate a compiled graph", run.session.mark_incomplete,
+                    "an internal error narrating a compiled graph")
             return None
 
     def _split_outputs(self, out):
@@ -120,13 +116,8 @@ class CompiledGraph:
         run = active_run()
         if run is None:
             return
-        try:
-            with run.own_work():
-                run.emit_live(self, index, value)
-        except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise
-            internal_error("narrating a compiled op", exc)
+        with guarded("narrating a compiled op", run.session.mark_incomplete), run.own_work():
+            run.emit_live(self, index, value)
 
 
 def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int, object], None]) -> fx.GraphModule:

@@ -25,9 +25,8 @@ from ..scopes import ScopeTable
 from ..naming import USER_SPELLING, node_name
 from ..sites import site_from_stack_trace
 from ..tracking import carried_kinds, covers, memory_span
-from ..writes import writes_without_returning
+from ..writes import node_writes, target_name, writes_without_returning
 from .module_stack import relative_stack
-from .replay import is_in_place, target_name
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 
 
@@ -193,7 +192,7 @@ class _Sources:
     def produced(self, node: fx.Node, index: int, written: Optional[fx.Node]) -> None:
         self._producer[node] = index
         target = written
-        if target is None and is_in_place(target_name(node)) and node.args and isinstance(node.args[0], fx.Node):
+        if target is None and node_writes(node) and node.args and isinstance(node.args[0], fx.Node):
             target = node.args[0]
         if target is not None:
             memory = _storage(target)

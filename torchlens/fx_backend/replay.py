@@ -24,6 +24,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..events import TensorMeta
+from ..writes import node_writes, target_name
 
 _CALLS = ("call_function", "call_method", "call_module")
 # Arguments that switch a seeded op's drawing off: `train=False` (dropout, rnn kernels),
@@ -244,11 +245,11 @@ def why_not_replay(gm: fx.GraphModule, exc: BaseException) -> Optional[str]:
 def mutates_inputs(gm: fx.GraphModule) -> bool:
     """Whether an in-place op of the graph writes into one of its inputs (or a view of one)."""
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method") and is_in_place(target_name(node)) and node.args:
+        if node_writes(node) and node.args:
             target = node.args[0]
             while isinstance(target, fx.Node) and target.op != "placeholder" and target.args:
                 name = target_name(target)
-                if not (_is_view(name) or is_in_place(name)):  # an in-place op returns its first argument
+                if not (_is_view(name) or node_writes(target)):  # an in-place op returns its first argument
                     break
                 target = target.args[0]
             if isinstance(target, fx.Node) and target.op == "placeholder":
@@ -264,29 +265,12 @@ def _is_view(name: str) -> bool:
     return name in _VIEWS
 
 
-_IN_PLACE_OPERATORS = {"i" + name for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
-                                                 "xor", "lshift", "rshift", "matmul")}
-
-
-def is_in_place(name: str) -> bool:
-    """Whether a graph node's target (by `target_name`) writes into its first argument: `relu_`,
-    `setitem`, `operator.iadd` (how dynamo records `x += y`), `__iadd__`."""
-    return ((name.endswith("_") and not name.endswith("__")) or name == "setitem" or name.startswith("__i")
-            or name in _IN_PLACE_OPERATORS)
-
-
 def replay_caveats(gm: fx.GraphModule, drew: bool) -> List[str]:
     """What may make a replay differ from the failed call: in-place ops, read from the graph, and
     random numbers, when the replay saw an op draw them (`drew`)."""
     caveats = []
-    names = [target_name(node) for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
-    if any(is_in_place(name) for name in names):
+    if any(node_writes(node) for node in gm.graph.nodes):
         caveats.append("the graph mutates tensors in place; the replay saw them after any mutation the failed call made")
     if drew:
         caveats.append("the graph draws random numbers; the replay drew its own")
     return caveats
-
-
-def target_name(node: fx.Node) -> str:
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))

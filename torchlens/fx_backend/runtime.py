@@ -31,7 +31,7 @@ from ..grammar import UNFINISHED_NOTE, compiled_run_note
 from ..mode_stack import lifted_if_on_top, remove_mode
 from ..results import Recording
 from ..scopes import ScopeTable
-from ..session import internal_error
+from ..guard import contain, internal_error, is_stop
 from ..structure import check_selection, named_arguments, tensor_names
 from . import dynamo_seams
 from .config import CompileConfig
@@ -74,10 +74,8 @@ class CompiledRuntime:
                 return _nothing  # a compiled callable called inside a forward already being narrated
             run = self.start(call, push_mode=True)
             return run.cleanup if run is not None else _nothing
-        except Exception as exc:
-            if getattr(exc, "torchlens_stop", False):
-                raise  # on_nonfinite="raise" found a NaN in the inputs: the forward stops here
-            internal_error("starting a compiled forward", exc)
+        except Exception as exc:  # (a stop: on_nonfinite="raise" found a NaN in the inputs)
+            contain(exc, "starting a compiled forward")
             return _nothing
 
     def adopt(self, call: dynamo_seams.CompiledCall) -> None:
@@ -107,15 +105,12 @@ class CompiledRuntime:
             run.begin(push_mode)
             return run
         except Exception as exc:
-            stop = getattr(exc, "torchlens_stop", False)
             if run is not None:
-                if stop:
+                if is_stop(exc):
                     run.end(False, exc=exc)  # the partial trace of the inputs, attached to the stop
                 else:
                     run.close()
-            if stop:
-                raise
-            internal_error("starting a compiled forward", exc)
+            contain(exc, "starting a compiled forward")
             return None
 
     def renew_backward(self) -> None:
@@ -203,14 +198,18 @@ class CompiledPass(ForwardPass):
         """While a compiled graph runs, the gap capture steps aside.
 
         The mode is taken off the stack when it is on top (the compiled code's own torch calls,
-        such as inductor's extern kernels, then cost nothing extra); otherwise it is paused.
+        such as inductor's extern kernels, then cost nothing extra); otherwise it is suspended.
+        A gap capture a failure turned off stays off (`OpReporter.off`).
         """
         with lifted_if_on_top(self.mode if self.mode_pushed else None) as lifted:
-            self.gaps.paused = not lifted
+            if lifted:
+                yield
+                return
+            self.gaps.suspended += 1
             try:
                 yield
             finally:
-                self.gaps.paused = False
+                self.gaps.suspended -= 1
 
     def scope_of_call(self, plan: GraphPlan, caller) -> Scope:
         """The module the graph runs in for this call (read from the caller unless it is fixed)."""

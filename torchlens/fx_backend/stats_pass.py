@@ -35,8 +35,8 @@ from ..events import StatsGroup
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
+from ..writes import node_writes
 from .plan import GraphPlan
-from .replay import is_in_place, target_name
 from .values_pass import append_outputs
 
 
@@ -285,14 +285,12 @@ def _is_eval_dropout(node: fx.Node) -> bool:
 
 
 def _may_mutate(node: fx.Node) -> bool:
-    """Whether a node may write into an existing tensor: an in-place op (`replay.is_in_place`, or an
-    operator whose schema writes an argument), an `inplace` flag however it is passed, `out=`,
-    normalisation statistics updated in training, or an opaque module call."""
+    """Whether a node may write into an existing tensor: an op that writes an argument
+    (`writes.node_writes`: by its name or schema, `inplace=True`, `out=`), an `inplace` flag passed
+    positionally, normalisation statistics updated in training, or an opaque module call."""
     if node.op in ("placeholder", "get_attr", "output"):
         return False
-    if node.op == "call_module" or node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
-        return True
-    if is_in_place(target_name(node)) or _schema_writes(node.target):
+    if node.op == "call_module" or node_writes(node):
         return True
     bound = _bound(node)
     if bound is None:
@@ -301,14 +299,6 @@ def _may_mutate(node: fx.Node) -> bool:
         return True
     updating = bound.get("training") is True or bound.get("use_input_stats") is True
     return updating and any(bound.get(name) is not None for name in ("running_mean", "running_var"))
-
-
-def _schema_writes(target) -> bool:
-    """Whether an operator (`torch.ops...`, a custom op) writes one of its arguments, by its schema."""
-    overloads = [target] if isinstance(target, torch._ops.OpOverload) else (
-        [getattr(target, name) for name in target.overloads()] if isinstance(target, torch._ops.OpOverloadPacket) else [])
-    return any(argument.alias_info is not None and argument.alias_info.is_write
-               for overload in overloads for argument in overload._schema.arguments)
 
 
 _SIGNATURES = {}

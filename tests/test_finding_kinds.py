@@ -1,0 +1,123 @@
+"""Each finding says which verdict rule made it (`finding.kind`), so that the footer, saved traces
+and tools built on recordings never read a finding's text back to tell what it is."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+from torch import nn
+
+import torchlens as tl
+
+K = tl.FindingKind
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+CASES = {
+    "NaN born": (lambda m, x: torch.log(x - 5), [K.NAN_BORN]),
+    "NaN written by a scalar": (lambda m, x: x * float("nan"), [K.NAN_WRITTEN]),
+    "infinity born, then NaN": (lambda m, x: torch.exp(x * 1000) - torch.exp(x * 1000), [K.INF_BORN, K.NAN_BORN]),
+    "infinity reaching the output": (lambda m, x: torch.exp(x * 1000), [K.INF_BORN, K.REACHES_OUTPUT]),
+    "a NaN weight": (lambda m, x: m.fc(x), [K.NONFINITE_SOURCE]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_forward_rule_names_its_kind(name):
+    fn, kinds = CASES[name]
+    model = Lambda(fn)
+    if name == "a NaN weight":
+        with torch.no_grad():
+            model.fc.weight[0, 0] = float("nan")
+    recording = tl.record(model, torch.rand(2, 3) + 0.5, on_nonfinite="track")
+    assert [f.kind for f in recording.findings] == kinds, [f.text for f in recording.findings]
+    assert [f.birth for f in recording.findings] == [k.birth for k in kinds]
+
+
+def test_a_nan_input_and_a_nan_first_seen_after_unmeasured_ops_have_their_kinds():
+    recording = tl.record(Lambda(lambda m, x: x + 1), torch.tensor([float("nan"), 1.0, 2.0]), on_nonfinite="track")
+    assert [f.kind for f in recording.findings] == [K.NONFINITE_INPUT]
+    sparse = tl.record(Lambda(lambda m, x: (x.to_sparse() * float("nan")).to_dense()), torch.ones(3),
+                       on_nonfinite="track")  # sparse ops are not measured
+    assert [f.kind for f in sparse.findings] == [K.FIRST_SEEN], [f.text for f in sparse.findings]
+
+
+def test_the_footer_names_the_nan_birth_by_its_kind_after_an_earlier_finding():
+    """`first non-finite: <first>; then <the NaN birth>`: the birth is found by kind, whatever its
+    text begins with."""
+    def fn(m, x):
+        y = x * float("nan")  # NaN written by a scalar (a birth of another kind)
+        return y, torch.log(x - 5)  # and a NaN born, later
+
+    lines = []
+    recording = tl.record(Lambda(fn), torch.rand(2, 3), on_nonfinite="track", narrate=lines.append)
+    assert [f.kind for f in recording.findings] == [K.NAN_WRITTEN, K.NAN_BORN]
+    assert lines[-1].endswith(f"first non-finite: {recording.findings[0].text}; then {recording.findings[1].text}")
+    recording.findings[1].text = "reworded: " + recording.findings[1].text
+    from torchlens.tracking import Tracker
+
+    tracker = Tracker(dict)
+    tracker.findings = list(recording.findings)
+    assert "; then reworded: NaN born" in tracker.summary()
+
+
+def test_backward_rules_name_their_kinds():
+    model = nn.Linear(3, 3)
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        (model(torch.randn(2, 3)).sum() * float("nan")).backward()
+    [backward] = rec.recordings[0].backward
+    assert [f.kind for f in backward.findings] == [K.GRADIENT_FROM_OUTSIDE]
+
+    class SqrtOfZero(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x * 0).sum()
+
+    model = SqrtOfZero()
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(torch.randn(2, 3, requires_grad=True)).backward()
+    [backward] = rec.recordings[0].backward
+    assert [f.kind for f in backward.findings] == [K.GRADIENT_BORN], [f.text for f in backward.findings]
+
+
+def test_a_saved_trace_keeps_each_findings_kind_and_an_older_file_loads_without_one(tmp_path):
+    fn, kinds = CASES["infinity born, then NaN"]
+    trace = tl.trace(Lambda(fn), torch.rand(2, 3) + 0.5, on_nonfinite="track")
+    path = tmp_path / "run.tl"
+    trace.save(path)
+    assert [f.kind for f in tl.load(path).findings] == kinds
+    older = tmp_path / "older.tl"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(older, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename.endswith(".json"):
+                doc = json.loads(data)
+                for row in _finding_rows(doc):
+                    row.pop("kind")
+                data = json.dumps(doc).encode()
+            target.writestr(item, data)
+    loaded = tl.load(older).findings
+    assert [f.kind for f in loaded] == [None, None] and [f.birth for f in loaded] == [True, True]
+
+
+def _finding_rows(doc):
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key == "findings" and isinstance(value, list):
+                yield from value
+            else:
+                yield from _finding_rows(value)
+    elif isinstance(doc, list):
+        for value in doc:
+            yield from _finding_rows(value)

@@ -1,0 +1,69 @@
+"""What a non-finite verdict says: a `Finding`, and its `FindingKind`, so that nothing reads a
+finding's text back to tell what it is (the footer, saved traces, the cross-rank verdict).
+
+The kinds are the verdict rules, one member each (docs/statistics.md has the same table):
+
+| kind | made when | a birth? |
+|---|---|---|
+| `NAN_BORN` | an op produced NaN although nothing it read (scalars included) held NaN | yes |
+| `NAN_WRITTEN` | a scalar argument wrote the NaN (`fill_(nan)`, `x * float("nan")`) | yes |
+| `INF_BORN` | an op produced +inf/-inf nothing it read held (overflow, x/0, log 0), and the infinity later turned into a NaN or reached the output; absorbed, it is no finding | yes |
+| `FIRST_SEEN` | a non-finite value at an op not all of whose reads were measured (once per kind) | no |
+| `NONFINITE_SOURCE` | a parameter, buffer or constant holds NaN, named at the first op that reads it | no |
+| `NONFINITE_INPUT` | a forward input holds NaN | no |
+| `REACHES_OUTPUT` | an infinity reaches a forward output, wherever it came from | no |
+| `GRADIENT_BORN` | a backward node produced a non-finite gradient from finite ones | yes |
+| `GRADIENT_FIRST_SEEN` | a non-finite gradient no watched node sent (a hook, a node outside the forward, an overwrite, unmeasured inputs) | no |
+| `GRADIENT_FROM_OUTSIDE` | the gradient arriving at a forward output is non-finite (the loss) | yes |
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+__all__ = ["Finding", "FindingKind"]
+
+
+class FindingKind(enum.Enum):
+    """Which verdict rule made a finding (see the module's table); `birth` says whether it names
+    where the value was born rather than where it was first seen or where it went."""
+
+    NAN_BORN = ("NaN born", True)
+    NAN_WRITTEN = ("NaN written by a scalar", True)
+    INF_BORN = ("infinity born", True)
+    FIRST_SEEN = ("first seen", False)
+    NONFINITE_SOURCE = ("non-finite source", False)
+    NONFINITE_INPUT = ("non-finite input", False)
+    REACHES_OUTPUT = ("infinity reaches the output", False)
+    GRADIENT_BORN = ("gradient born", True)
+    GRADIENT_FIRST_SEEN = ("gradient first seen", False)
+    GRADIENT_FROM_OUTSIDE = ("gradient from outside the forward", True)
+
+    def __init__(self, label: str, birth: bool):
+        self.label = label
+        self.birth = birth
+
+
+class Finding:
+    """One verdict. `event` is the op (or backward node) it is shown at; `live` is True when it
+    was known as that op's line was narrated (the `!!` line then follows it). `kind` is None only
+    for a finding loaded from a trace saved before kinds were recorded (its `birth` is then the
+    saved flag)."""
+
+    __slots__ = ("text", "event", "live", "kind", "_birth")
+
+    def __init__(self, text: str, event, kind: Optional[FindingKind], birth: Optional[bool] = None):
+        self.text = text
+        self.event = event
+        self.live = False
+        self.kind = kind
+        self._birth = kind.birth if kind is not None else bool(birth)
+
+    @property
+    def birth(self) -> bool:
+        """Whether the finding names where the value was born (not only where it was seen)."""
+        return self._birth
+
+    def __repr__(self) -> str:
+        return f"Finding({self.text!r})"
