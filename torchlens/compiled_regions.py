@@ -44,6 +44,7 @@ import torch
 
 from .mode_stack import capture_modes, is_capture, with_captures_kept
 from .sites import is_internal_file
+from .torch_seams import degraded
 
 _lock = threading.Lock()
 _installed = False
@@ -70,12 +71,12 @@ def _install_now() -> None:
         if _installed:
             return
         modules = sys.modules
-        for install in (_install_filter, _install_graph_reports):
+        for seam, install in (("mode filter", _install_filter), ("graph reports", _install_graph_reports)):
             try:
                 install(modules["torch._dynamo.variables.torch_function"], modules["torch._dynamo.utils"],
                         modules[_DYNAMO])
-            except Exception:  # another torch's internals: this rule is not applied
-                pass
+            except Exception as exc:  # another torch's internals: this rule is not applied, and we say so
+                degraded(seam, exc)
         _installed = True  # only now: another thread checks it without the lock
 
 
@@ -238,6 +239,8 @@ def _transformed_codes():
     if _transformed is None:
         table = getattr(sys.modules.get("torch._dynamo.utils"), "orig_code_map", None)
         _transformed = getattr(table, "values", None) if isinstance(getattr(table, "values", None), dict) else None
+        if _transformed is None and "torch._dynamo.utils" in sys.modules:
+            degraded("transformed code", "torch._dynamo.utils.orig_code_map is not a table")
     return _transformed
 
 

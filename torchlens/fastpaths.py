@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .mode_stack import only_capture_modes_lifted
+from .torch_seams import degraded
 
 _original = torch.overrides.has_torch_function
 _is_compiling = torch.compiler.is_compiling
@@ -83,8 +84,8 @@ def _same_to_dynamo() -> None:
         if known is not None:
             handlers.setdefault(_original, known)
             handlers.setdefault(_has_torch_function, known)
-    except Exception:  # another torch: nothing to keep in step
-        pass
+    except Exception as exc:  # another torch: nothing to keep in step, and we say so
+        degraded("fast-path handlers", exc)
 
 
 def keep_fast_paths() -> None:

@@ -43,6 +43,7 @@ from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
 from ..mode_stack import own_work, remove_mode
 from ..structure import named_outputs
+from ..torch_seams import degraded
 
 _Tensor = torch.Tensor
 _Size = torch.Size
@@ -466,7 +467,8 @@ def exclude_from_dynamo(*functions) -> None:
     """
     try:
         from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-    except ImportError:  # a torch without per-code strategies: nothing to exclude from
+    except ImportError as exc:  # a torch without per-code strategies: nothing to exclude from
+        degraded("frame strategy", exc)
         return
     strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
     for fn in functions:

@@ -23,6 +23,7 @@ import torch
 
 from ..naming import USER_SPELLING, node_name
 from ..sites import still_running
+from ..torch_seams import degraded
 
 _WRAPPER_NAME = "compile_wrapper"
 
@@ -145,11 +146,13 @@ def adopt_mode_for_this_compile(mode) -> bool:
         expected = tx.output.torch_function_mode_stack
         restored = torch_function_mode_stack_state_mgr.stack
         if not isinstance(expected, list) or not isinstance(restored, list):
+            degraded("adopt mode", "dynamo's saved mode stacks are not lists")
             return False
         expected.append(mode)
         restored.append(mode)
         return True
-    except Exception:
+    except Exception as exc:
+        degraded("adopt mode", exc)
         return False
 
 
@@ -170,18 +173,22 @@ def record_user_spellings() -> None:
     _spellings_recorded = True
     try:
         from torch._dynamo.variables.tensor import TensorVariable
-    except Exception:
+    except Exception as exc:
+        degraded("user spellings", exc)
         return
-    _wrap(TensorVariable, "call_method", lambda name: node_name(name, (), "call_method"))
-    for attribute_hook in ("var_getattr", "tp_getattro_impl"):  # its name differs between torch versions
-        _wrap(TensorVariable, attribute_hook, lambda name: name)
+    wrapped = _wrap(TensorVariable, "call_method", lambda name: node_name(name, (), "call_method"))
+    # the attribute hook's name differs between torch versions
+    hooks = [_wrap(TensorVariable, hook, lambda name: name) for hook in ("var_getattr", "tp_getattro_impl")]
+    if not (wrapped and any(hooks)):
+        degraded("user spellings", "TensorVariable has no call_method or no attribute hook")
 
 
-def _wrap(owner, method: str, spelling) -> None:
-    """Wrap `owner.method(self, tx, name, ...)` to mark the node its result stands for."""
+def _wrap(owner, method: str, spelling) -> bool:
+    """Wrap `owner.method(self, tx, name, ...)` to mark the node its result stands for; whether
+    `owner` has such a method."""
     original = owner.__dict__.get(method)
     if not callable(original):
-        return
+        return False
 
     def marking(self, tx, name, *args, **kwargs):
         before = _last_node(tx)
@@ -191,6 +198,7 @@ def _wrap(owner, method: str, spelling) -> None:
         return result
 
     setattr(owner, method, marking)
+    return True
 
 
 def _last_node(tx):

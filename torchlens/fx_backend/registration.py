@@ -52,9 +52,15 @@ def runtime_for(call, config):
     from .runtime import CompiledRuntime
 
     runtime = CompiledRuntime(config, module_of(call.fn if call is not None else None))
-    if call is not None and dynamo_seams.hook_calls(call.context, runtime.enter):
+    if call is None:
+        return runtime  # a graph compiled outside any wrapper: each of its calls is a pass
+    if dynamo_seams.hook_calls(call.context, runtime.enter):
         setattr(call.context, _RUNTIME_ATTR, runtime)
         runtime.adopt(call)
+    else:
+        from ..torch_seams import degraded
+
+        degraded("compile wrapper", "the compile wrapper's context keeps no enter hooks")
     return runtime
 
 
@@ -77,6 +83,9 @@ def install(compiled, runtime) -> None:
     prepare_tracing()
     ctx = dynamo_seams.context_of_compiled(compiled)
     if ctx is None or not dynamo_seams.hook_calls(ctx, runtime.enter):
+        from ..torch_seams import degraded
+
+        degraded("compile wrapper", "what torch.compile returned has no dynamo context with enter hooks")
         return  # graphs still narrate, each call of a graph as a forward of its own
     setattr(ctx, _RUNTIME_ATTR, runtime)
 

@@ -1,0 +1,225 @@
+"""Every place torchlens relies on torch's private internals, as one table.
+
+torch offers no public hook for much of what narration needs: where a compiled forward begins and
+ends, the code dynamo runs between graphs, a graph traced as if no capture were running, the
+autograd task a backward hook runs in. Each such dependency is a `Seam`: what of torch it patches
+or reads, the function of ours that does it, and what a user loses where it does not apply. A torch
+upgrade that moves one of them must show up as a warning that says what is lost, never as a
+silently wrong transcript:
+
+- `check()` probes every seam on the installed torch (tests/test_torch_seams.py fails when one
+  stopped applying, so an upgrade is caught in CI, not by a user);
+- at run time, the code that uses a seam calls `degraded(name, why)` when it finds torch otherwise
+  shaped; that warns once per seam (a `NarrationWarning`) and the feature degrades as its row says.
+
+The code that patches or reads each seam stays beside the feature it serves (named in `where`);
+this module imports nothing of dynamo until `check()` runs, so `import torchlens` stays cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+
+from .errors import warn_safely
+
+__all__ = ["SEAMS", "Seam", "check", "degraded"]
+
+
+class Seam(NamedTuple):
+    name: str
+    relies_on: str  # what of torch is patched or read
+    where: str  # the torchlens code that does it
+    lost: str  # what a user loses where it does not apply
+    probe: Callable[[], Optional[str]]  # None where it applies on the installed torch, else why not
+
+
+def _missing(owner, *names) -> Optional[str]:
+    absent = [name for name in names if not hasattr(owner, name)]
+    return f"{getattr(owner, '__name__', owner)} has no {', '.join(absent)}" if absent else None
+
+
+def _probe_mode_filter():
+    from torch._dynamo import utils
+    from torch._dynamo.variables import torch_function
+
+    return (_missing(torch_function, "SymbolicTorchFunctionState")
+            or _missing(utils, "set_torch_function_mode_stack"))
+
+
+def _probe_graph_reports():
+    from torch._dynamo import output_graph
+
+    return _missing(output_graph.OutputGraph, "call_user_compiler")
+
+
+def _probe_transformed_code():
+    from torch._dynamo import utils
+
+    table = getattr(utils, "orig_code_map", None)
+    return None if isinstance(getattr(table, "values", None), dict) else "torch._dynamo.utils.orig_code_map is not a table"
+
+
+def _probe_compile_wrapper():
+    from torch._dynamo import eval_frame
+
+    context = eval_frame._TorchDynamoContext
+    wrapper = _nested_code(context.__call__.__code__, "compile_wrapper")
+    if wrapper is None:
+        return "_TorchDynamoContext.__call__ defines no compile_wrapper"
+    names = set(wrapper.co_varnames) | set(wrapper.co_freevars)
+    absent = {"self", "fn", "args", "kwargs", "cleanups", "call_succeeded", "result"} - names
+    if absent:
+        return f"compile_wrapper has no {', '.join(sorted(absent))}"
+    if "enter_exit_hooks" not in context.__init__.__code__.co_names:
+        return "_TorchDynamoContext keeps no enter_exit_hooks"
+    return None
+
+
+def _nested_code(code, name):
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found = const if const.co_name == name else _nested_code(const, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _probe_adopt_mode():
+    from torch._dynamo import output_graph, symbolic_convert
+    from torch._dynamo.variables import torch_function
+
+    manager = getattr(torch_function, "torch_function_mode_stack_state_mgr", None)
+    fields = getattr(getattr(output_graph, "OutputGraphGuardsState", None), "__dataclass_fields__", {})
+    return (_missing(symbolic_convert.InstructionTranslator, "current_tx")
+            or (None if isinstance(getattr(manager, "stack", None), list) else "no torch function mode stack manager")
+            or (None if "torch_function_mode_stack" in fields else "OutputGraph keeps no torch_function_mode_stack"))
+
+
+def _probe_spellings():
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    if "call_method" not in TensorVariable.__dict__:
+        return "TensorVariable has no call_method"
+    if not any(name in TensorVariable.__dict__ for name in ("var_getattr", "tp_getattro_impl")):
+        return "TensorVariable has no attribute hook"
+    return None
+
+
+def _probe_fast_path_handlers():
+    from torch._dynamo.variables import torch as torch_variables
+
+    return _missing(torch_variables.TorchInGraphFunctionVariable, "_get_handlers")
+
+
+def _probe_frame_strategy():
+    from torch._C._dynamo import eval_frame
+
+    return _missing(eval_frame, "_FrameAction", "_FrameExecStrategy", "set_code_exec_strategy")
+
+
+def _probe_disable_flag():
+    import inspect
+
+    from torch._dynamo.variables import functions
+
+    return None if "_torchdynamo_disable" in inspect.getsource(functions) else "dynamo no longer reads _torchdynamo_disable"
+
+
+def _probe_raised_while_tracing():
+    from torch._dynamo import exc
+
+    return _missing(exc, "TorchRuntimeError", "TorchDynamoException")
+
+
+def _probe_has_torch_function():
+    return _missing(torch.overrides, "has_torch_function")
+
+
+def _probe_schemas():
+    return _missing(torch._C, "_jit_get_all_schemas")
+
+
+def _probe_graph_task():
+    return (_missing(torch._C, "_current_graph_task_id")
+            or _missing(torch.autograd.Variable._execution_engine, "queue_callback"))
+
+
+def _probe_disable_torch_function():
+    return _missing(torch._C, "DisableTorchFunction")
+
+
+SEAMS = (
+    Seam("mode filter", "dynamo's SymbolicTorchFunctionState.__init__ and utils.set_torch_function_mode_stack",
+         "compiled_regions._install_filter",
+         "dynamo traces the capture's mode: compiled graphs under a capture record torch-level names "
+         "(floor_divide for //) and dynamo's errors point into torchlens", _probe_mode_filter),
+    Seam("graph reports", "dynamo's OutputGraph.call_user_compiler", "compiled_regions._install_graph_reports",
+         "an eager capture shows a compiled graph's kernels instead of one `compiled` op", _probe_graph_reports),
+    Seam("transformed code", "dynamo's utils.orig_code_map", "compiled_regions.run_by_dynamo",
+         "dynamo's own calls between graphs (floats wrapped into tensors) are narrated as the user's ops",
+         _probe_transformed_code),
+    Seam("compile wrapper", "the locals of _TorchDynamoContext's compile_wrapper and its enter_exit_hooks",
+         "fx_backend.dynamo_seams.current_call, hook_calls, when_call_ends, call_outcome",
+         "a compiled model's forwards are not narrated as passes: each graph call is a pass of its own, "
+         "code between graphs is not narrated", _probe_compile_wrapper),
+    Seam("adopt mode", "InstructionTranslator.current_tx and dynamo's saved torch function mode stacks",
+         "fx_backend.dynamo_seams.adopt_mode_for_this_compile",
+         "a string-backend model's first call does not narrate code between graphs, and recompiles once",
+         _probe_adopt_mode),
+    Seam("user spellings", "dynamo's TensorVariable.call_method and attribute hook (patched)",
+         "fx_backend.dynamo_seams.record_user_spellings",
+         "compiled ops keep the name of the call dynamo wrote (tensor for x.new_tensor, _get_data_attr for .data)",
+         _probe_spellings),
+    Seam("fast-path handlers", "dynamo's TorchInGraphFunctionVariable._get_handlers", "fastpaths._same_to_dynamo",
+         "a model compiled while a capture runs breaks its graph at every fast-path check", _probe_fast_path_handlers),
+    Seam("frame strategy", "torch._C._dynamo.eval_frame.set_code_exec_strategy", "eager.capture.exclude_from_dynamo",
+         "dynamo may compile the capture's hooks as frames of their own, which then go silent between graphs",
+         _probe_frame_strategy),
+    Seam("disable flag", "the _torchdynamo_disable attribute dynamo reads", "eager.capture.outside_dynamo",
+         "a tl.record inside a compiled forward is traced by dynamo instead of capturing eagerly", _probe_disable_flag),
+    Seam("dynamo errors", "torch._dynamo.exc.TorchRuntimeError and TorchDynamoException",
+         "fx_backend.dynamo_seams.raised_while_tracing",
+         "a compiled forward that failed while dynamo traced it is not located by an eager re-run",
+         _probe_raised_while_tracing),
+    Seam("has_torch_function", "torch.overrides.has_torch_function (replaced while a capture runs)", "fastpaths",
+         "nn.MultiheadAttention and nn.TransformerEncoder run their slow path under capture (other results)",
+         _probe_has_torch_function),
+    Seam("operator schemas", "torch._C._jit_get_all_schemas", "writes",
+         "which calls write their arguments cannot be told: writes are not followed", _probe_schemas),
+    Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback", "backward.runs",
+         "backward narration cannot tell one backward from another, nor when one ends", _probe_graph_task),
+    Seam("disable torch function", "torch._C.DisableTorchFunction", "eager.capture, mode_stack",
+         "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
+)
+
+_by_name: Dict[str, Seam] = {seam.name: seam for seam in SEAMS}
+_warned: set = set()
+_lock = threading.Lock()
+
+
+def check() -> Dict[str, Optional[str]]:
+    """Each seam's name -> None where it applies on the installed torch, else why not."""
+    result = {}
+    for seam in SEAMS:
+        try:
+            result[seam.name] = seam.probe()
+        except Exception as exc:  # (an import that failed is the answer)
+            result[seam.name] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def degraded(name: str, why) -> None:
+    """The code using seam `name` found torch otherwise shaped (`why`: a reason or an exception):
+    say once, in this process, what the user loses."""
+    seam = _by_name[name]
+    with _lock:
+        if name in _warned:
+            return
+        _warned.add(name)
+    reason = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else str(why)
+    warn_safely(f"torchlens: torch {torch.__version__} is not shaped as this torchlens expects at {seam.relies_on} "
+                f"({reason}); so {seam.lost}", stacklevel=3)
