@@ -271,10 +271,10 @@ def test_views_of_a_split_part_share_its_statistics_instead_of_reducing_again(ru
        strides=st.lists(st.integers(0, 6), min_size=3, max_size=3),
        other_order=st.permutations([0, 1, 2]), offset=st.integers(0, 5))
 def test_tensors_with_one_elements_key_hold_the_same_elements_as_often(sizes, strides, other_order, offset):
-    """`_elements` may call two views the same only if they address the same storage elements,
+    """`element_key` may call two views the same only if they address the same storage elements,
     each as many times: random strided views (repeats, gaps, overlaps) against a reordering of
     their dimensions, and against every other view drawn."""
-    from torchlens.meter import _elements
+    from torchlens.elements import element_key as _elements
 
     storage = torch.arange(200, dtype=torch.float64)
     strides = strides[:len(sizes)]

@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .elements import element_key
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
                       sums_of)
@@ -301,23 +302,6 @@ def _same_elements(tensor: torch.Tensor):
 def _identity(tensor: torch.Tensor):
     """`_same_elements` for a tensor already known to qualify."""
     base = tensor._base if tensor._base is not None else tensor
-    return base, (id(base), tensor.storage_offset(), _elements(tensor), tensor.dtype, tensor._version)
+    return base, (id(base), *element_key(tensor), tensor._version)
 
 
-def _elements(tensor: torch.Tensor):
-    """Which elements of its storage a tensor holds, from its storage offset on, as a key: the
-    element count when they fill one block of memory (in any order of dimensions); otherwise its
-    dimensions as (stride, size) pairs in stride order, with size-1 dimensions dropped and a
-    dimension that continues the one below it merged into it. Two tensors of one storage at one
-    offset with equal keys address the same elements, each as many times (a stride of 0 repeats)."""
-    if tensor.is_contiguous():
-        return tensor.numel()
-    merged: list = []
-    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
-        if merged and stride == merged[-1][0] * merged[-1][1]:
-            merged[-1] = (merged[-1][0], merged[-1][1] * size)
-        else:
-            merged.append((stride, size))
-    if len(merged) == 1 and merged[0][0] == 1:
-        return merged[0][1]  # one dense block after all: the key a contiguous tensor has
-    return tuple(merged)

@@ -35,6 +35,7 @@ from ..events import StatsGroup
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
+from ..elements import concrete, same_elements
 from ..writes import node_writes
 from .plan import GraphPlan
 from .values_pass import append_outputs
@@ -238,43 +239,37 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, 
     return slots
 
 
-# Ops whose output holds the same elements as their first argument, in another arrangement.
-_REARRANGING_METHODS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "flatten", "unsqueeze",
-                        "squeeze", "clone", "detach", "view_as", "reshape_as"}
-_REARRANGING_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.t, torch.flatten, torch.unsqueeze,
-                          torch.squeeze, torch.clone, torch.detach}
-
-
 def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
     """The op index whose statistics `node`'s output shares, or None.
 
-    A view, reshape, transpose, `contiguous` or eval-mode dropout of a tensor measured just before
-    holds the same elements, so the same statistics: they are read once, not reduced again (about
-    half of a transformer's ops). Only when nothing in between may have changed the tensor in place.
+    A node whose output addresses the same elements as its first argument, measured just before
+    (`elements.same_elements`, read from the fake tensors dynamo recorded: views, transposes, the
+    heads of a split projection, `contiguous` of what already is), holds the same values, so the
+    same statistics: they are read once, not reduced again (about half of a transformer's ops), as
+    the eager meter shares them. Eval-mode dropout returns its input unchanged in eager; its fake
+    output is a new tensor, so it is told by its arguments. Only when nothing in between may have
+    changed the tensor in place, the node included (the eager meter's version counter).
     """
     if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0] not in measured:
         return None
-    if not (_rearranges(node) or _is_eval_dropout(node)):
-        return None
     source = node.args[0]
     value, before = node.meta.get("example_value"), source.meta.get("example_value")
-    if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor) or value.dtype != before.dtype:
+    if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
         return None
-    numel, numel_before = value.numel(), before.numel()
-    if not isinstance(numel, int) or numel != numel_before:
+    if not (same_elements(value, before) or (_is_eval_dropout(node) and _same_layout(value, before))):
         return None
     between = source.next
-    while between is not node:
+    while between is not node.next:  # the node itself included: `relu_` addresses what it wrote
         if _may_mutate(between):
             return None
         between = between.next
     return measured[source]
 
 
-def _rearranges(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _REARRANGING_METHODS
-    return node.op == "call_function" and node.target in _REARRANGING_FUNCTIONS
+def _same_layout(value: torch.Tensor, before: torch.Tensor) -> bool:
+    """Same dtype, sizes and strides (never compared while symbolic: that would specialise the graph)."""
+    return (concrete(value) and concrete(before) and value.dtype == before.dtype
+            and tuple(value.shape) == tuple(before.shape) and tuple(value.stride()) == tuple(before.stride()))
 
 
 def _is_eval_dropout(node: fx.Node) -> bool:
