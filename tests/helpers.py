@@ -28,7 +28,7 @@ def leftover_state():
         len(_module._global_backward_hooks),
         len(torch.overrides._get_current_function_mode_stack()),
         torch._C._len_torch_dispatch_stack(),
-        active is not None and active.active_run() is not None,
+        active is not None and active.active_pass() is not None,
         torch.overrides.has_torch_function is torch._C._has_torch_function,  # fast paths given back
     )
 

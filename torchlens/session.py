@@ -72,7 +72,9 @@ class Session:
 
     # -- what substrates report -----------------------------------------------------------------
 
-    def record(self, event: Event) -> Event:
+    def append(self, event: Event) -> Event:
+        """Add an event to the pass's log (after the exits of modules an exception caught inside the
+        forward unwound through), and hand it to the live narrator."""
         if self._unwound:
             self._recover()
         return self._append(event)
@@ -113,7 +115,7 @@ class Session:
         if self.meter is not None and value is not None:
             event.stats = self._measure(event, value)
         findings = self._judge(event) if self.tracker is not None else ()
-        self.record(event)
+        self.append(event)
         if self.raise_on_nonfinite and findings:  # the NaN at this op; its message names the cause
             raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
         return event
@@ -138,10 +140,10 @@ class Session:
         if self.tracker is not None and value is not None:
             self._outputs.append((label, value))
         self.move_to(self.root)
-        return self.record(Event(OUTPUT, self.ordinal, "output", self.root, metas, None, None, label))
+        return self.append(Event(OUTPUT, self.ordinal, "output", self.root, metas, None, None, label))
 
     def enter(self, scope: Scope) -> None:
-        self.record(Event(ENTER, self.ordinal, scope.type_name, scope))
+        self.append(Event(ENTER, self.ordinal, scope.type_name, scope))
         self.scope = scope
 
     def open_scope(self, path: Optional[str]) -> Optional[Scope]:

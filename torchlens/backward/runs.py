@@ -43,14 +43,14 @@ class BackwardRun:
         self.narration = narration
         self.watch = watch
         self.task = task
-        self.record = Backward(f"backward{number} of {watch.pass_name}", settings)
-        watch.add_backward(self.record)
+        self.result = Backward(f"backward{number} of {watch.pass_name}", settings)
+        watch.add_backward(self.result)
         self.ordinal = 0
         meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
         self.meter = meter if meter.active else None
         # `tl.trace(..., backward=True)`: each node's gradients kept, within a budget of their own
-        self.keeper = (ValueKeeper(self.record.values, settings.keep_on_cpu, settings.max_bytes)
-                       if self.record.values is not None else None)
+        self.keeper = (ValueKeeper(self.result.values, settings.keep_on_cpu, settings.max_bytes)
+                       if self.result.values is not None else None)
         self.tracker = GradTracker() if settings.on_nonfinite is not None else None
         self.thread = threading.get_ident()
         # (record, metadata of what it received, their versions) of the node running now
@@ -60,7 +60,7 @@ class BackwardRun:
         self.incomplete: Optional[str] = None
         self.narrator, self._owned, self._held_back = self._narrator(narration, settings)
         if self.narrator is not None:
-            self.narrator.begin_pass(self.record.header)
+            self.narrator.begin_pass(self.result.header)
 
     def _narrator(self, narration: "BackwardNarration", settings):
         """(the narrator it writes to, the one it opened itself, whether its lines go to the shared
@@ -102,7 +102,7 @@ class BackwardRun:
             live = (narration.raising or (narrator is not None and narrator.prints(event))
                     or (tracker is not None and at_hand))
             event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
-        self.record.events.append(event)
+        self.result.events.append(event)
         if self.keeper is not None and measured and event.kind is NODE:
             self.keeper(event, measured)
         findings = ()
@@ -124,8 +124,8 @@ class BackwardRun:
 
     def finish(self) -> None:
         """The engine finished: read what is still on the device, judge, print the footer."""
-        record = self.record
-        extra = record.footer_extra
+        result = self.result
+        extra = result.footer_extra
         try:
             self._settle()
             if self.narration.settings.value_stats != "off":
@@ -134,7 +134,7 @@ class BackwardRun:
                 extra.append(self.tracker.summary(self.incomplete))
         except Exception as exc:
             internal_error("ending the backward's narration", exc)
-        record.finished = True
+        result.finished = True
         if self.narrator is not None:
             self.narrator.end_pass(extra, backward=True)
         self.close()
@@ -146,7 +146,7 @@ class BackwardRun:
         if self.tracker is not None:
             for finding in self.tracker.judge_rest():
                 attach_finding(finding, False)
-            self.record.findings = tuple(self.tracker.findings)
+            self.result.findings = tuple(self.tracker.findings)
 
     def close(self) -> None:
         """Release the sink this run opened (not a shared one), or hand its lines to the shared
@@ -166,16 +166,16 @@ class BackwardRun:
 
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
-        record = self.record
+        result = self.result
         try:
             self._settle()
         except Exception as inner:
             internal_error("judging the failed backward's gradients", inner)
-        record.error = error_summary(exc)
-        record.attempt = self._attempt(noticed_late)
-        partial = PartialTrace.of_backward(self.watch.recording(record), record)
+        result.error = error_summary(exc)
+        result.attempt = self._attempt(noticed_late)
+        partial = PartialTrace.of_backward(self.watch.recording(result), result)
         if self.narrator is not None:
-            self.narrator.fail(record.events, record.attempt, record.error, "backward")
+            self.narrator.fail(result.events, result.attempt, result.error, "backward")
         self.close()
         return partial
 

@@ -1,6 +1,6 @@
-"""Which compiled forward is running on this thread.
+"""Which compiled pass is running on this thread.
 
-A graph call finds the run it belongs to here; a compiled model called inside another's forward
+A graph call finds the pass it belongs to here; a compiled model called inside another's forward
 (or during the eager re-run that locates a tracing failure) must not narrate into it.
 """
 
@@ -12,26 +12,26 @@ import threading
 _local = threading.local()
 
 
-def active_run():
-    """The compiled run in progress on this thread, or None."""
-    return getattr(_local, "run", None)
+def active_pass():
+    """The `CompiledPass` in progress on this thread, or None."""
+    return getattr(_local, "compiled_pass", None)
 
 
-def make_active(run) -> None:
-    _local.run = run
+def make_active(compiled_pass) -> None:
+    _local.compiled_pass = compiled_pass
 
 
-def make_inactive(run) -> None:
-    """`run` ends: no run is active any more, unless another has taken its place."""
-    if getattr(_local, "run", None) is run:
-        _local.run = None
+def make_inactive(compiled_pass) -> None:
+    """`compiled_pass` ends: no pass is active any more, unless another has taken its place."""
+    if getattr(_local, "compiled_pass", None) is compiled_pass:
+        _local.compiled_pass = None
 
 
 @contextlib.contextmanager
-def quiet_runs():
-    """No run is active inside the block (its compiled calls narrate nothing into the outer run)."""
-    saved, _local.run = active_run(), None
+def no_active_pass():
+    """No pass is active inside the block (its compiled calls narrate nothing into the outer pass)."""
+    saved, _local.compiled_pass = active_pass(), None
     try:
         yield
     finally:
-        _local.run = saved
+        _local.compiled_pass = saved

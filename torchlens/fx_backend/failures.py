@@ -26,7 +26,7 @@ from ..repro.kept import KeptCall
 from ..session import error_summary, in_chain, internal_error
 from ..sites import site_from_stack_trace
 from ..structure import module_of
-from .active import quiet_runs
+from .active import no_active_pass
 from .module_stack import relative_stack
 from .plan import node_op_name
 from .replay import locate_failure, locate_live, why_not_replay
@@ -44,7 +44,7 @@ REPLAY_VALUES = ("the values of the ops before it (statistics, kept values) are 
                  "from the graph's inputs")
 
 
-class Location(NamedTuple):
+class FailedOp(NamedTuple):
     """Where a graph call failed: how many of its plan ops completed before, and the op in flight."""
 
     completed: Optional[int]
@@ -86,7 +86,7 @@ def _wants_values(run) -> bool:
     return run.keeper is not None or (meter is not None and meter.active)
 
 
-def _locate(run, graph, args, scope: Scope, exc: BaseException) -> Location:
+def _locate(run, graph, args, scope: Scope, exc: BaseException) -> FailedOp:
     arg_metas = tuple(TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor))
     if graph.live:
         return _locate_live(run, graph, scope, arg_metas, exc)
@@ -127,7 +127,7 @@ def _after_last_narrated(run, graph, scope: Scope, arg_metas):
         return _graph_call(scope, arg_metas, [LIVE_UNREAD])
     op = graph.plan.ops[following]
     op_scope = graph.plan.op_scopes(run.runtime.scopes, scope)[op.index]
-    return Location(following, op.op, op_scope, op.site, None, [LIVE_TYPES, LIVE_NEXT])
+    return FailedOp(following, op.op, op_scope, op.site, None, [LIVE_TYPES, LIVE_NEXT])
 
 
 def _at_node(run, graph, scope: Scope, node, inputs, notes):
@@ -139,15 +139,15 @@ def _at_node(run, graph, scope: Scope, node, inputs, notes):
     table = run.runtime.scopes
     plan_op = plan.by_node.get(node.name)
     if plan_op is not None:
-        return Location(completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes)
+        return FailedOp(completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes)
     modules = relative_stack(table, node.meta.get("nn_module_stack"), plan.compiled_in.path)
     site = site_from_stack_trace(node.meta.get("stack_trace"))
-    return Location(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes)
+    return FailedOp(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes)
 
 
-def _graph_call(scope, arg_metas, notes) -> Location:
+def _graph_call(scope, arg_metas, notes) -> FailedOp:
     """The graph call itself as the attempted call, when the op inside it is not known."""
-    return Location(None, _NOT_LOCATED, scope, None, arg_metas, notes)
+    return FailedOp(None, _NOT_LOCATED, scope, None, arg_metas, notes)
 
 
 def locate_by_running_eagerly(run, exc: BaseException) -> None:
@@ -164,7 +164,7 @@ def locate_by_running_eagerly(run, exc: BaseException) -> None:
     reason = _why_not_rerun(model)
     if reason is None:
         try:
-            with quiet_runs(), torch.no_grad():  # compiled calls nested in the re-run are not this run's
+            with no_active_pass(), torch.no_grad():  # compiled calls nested in the re-run are not this run's
                 run_eager(model, args, kwargs, make_settings(None))
             reason = "run again eagerly, the forward did not fail"
         except Exception as eager_exc:

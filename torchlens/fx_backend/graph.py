@@ -24,7 +24,7 @@ from .config import inner_compile
 from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
-from .active import active_run
+from .active import active_pass
 from .runtime import CompiledPass, CompiledRuntime
 from .stats_pass import add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
@@ -44,7 +44,7 @@ class CompiledGraph:
         self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
 
     def __call__(self, *args):
-        run = active_run()
+        run = active_pass()
         if run is None:
             return self._call_alone(args)
         return self._call(run, args, sys._getframe(1))
@@ -113,7 +113,7 @@ class CompiledGraph:
 
     def emit(self, index: int, value) -> None:
         """Called by the graph right after its `index`-th op completed, with its output (live mode)."""
-        run = active_run()
+        run = active_pass()
         if run is None:
             return
         with guarded("narrating a compiled op", run.session.mark_incomplete), run.own_work():
@@ -157,7 +157,7 @@ def _unnarrated(fn):
     """A graph torchlens could not plan: it runs as compiled, and the run it is part of knows that
     its ops are missing, so no verdict claims them."""
     def call(*args):
-        run = active_run()
+        run = active_pass()
         if run is not None:
             run.session.mark_incomplete("a compiled graph that ran without narration")
         return fn(*args)

@@ -86,7 +86,7 @@ def _flatten(value) -> List:
     return [value]
 
 
-class Located:
+class FailedNode:
     """Where a replay failed: the node, the metadata of its tensor inputs, the replay's caveats, and
     the outputs of the nodes asked for that completed before it (copies, by node name)."""
 
@@ -99,7 +99,7 @@ class Located:
         self.call = call  # (function, args, kwargs, exception) of the failing node, when a torch-level call
 
 
-def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = None) -> Located:
+def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = None) -> FailedNode:
     """Replay `gm` on `args`; return the node that raises (None if the replay does not fail),
     with, for each node named in `keep` that completed before it, a copy of the value of the node
     `keep` maps it to (itself, or the tensor an indexed write wrote) right after it ran."""
@@ -115,9 +115,9 @@ def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = No
             caveats = replay_caveats(gm, watch.drew)
             if locator.copies_failed:
                 caveats.append("the values of the ops before it could not be copied during the replay, and are not kept")
-            return Located(node, inputs, caveats, locator.values, _node_call(node, *locator.current_call, replayed))
+            return FailedNode(node, inputs, caveats, locator.values, _node_call(node, *locator.current_call, replayed))
     unknown = "the replay ran without error, so the failing op is unknown"
-    return Located(None, (), replay_caveats(gm, watch.drew) + [unknown])
+    return FailedNode(None, (), replay_caveats(gm, watch.drew) + [unknown])
 
 
 def _node_call(node: Optional[fx.Node], args, kwargs, raised: BaseException):
@@ -187,7 +187,7 @@ def _gate_arguments(schema, args, kwargs):
         position += not argument.kwarg_only
 
 
-def locate_live(gm: fx.GraphModule, exc: BaseException) -> Optional[Located]:
+def locate_live(gm: fx.GraphModule, exc: BaseException) -> Optional[FailedNode]:
     """The node a live (op-by-op) graph was running when it raised, with its real inputs; None
     when that cannot be read with certainty.
 
@@ -211,7 +211,7 @@ def locate_live(gm: fx.GraphModule, exc: BaseException) -> Optional[Located]:
     node = following[0]
     values = fx.node.map_arg((node.args, node.kwargs), lambda arg: bound[arg.name])
     inputs = tuple(TensorMeta.of(v) for v in _flatten(values) if isinstance(v, torch.Tensor))
-    return Located(node, inputs, [])
+    return FailedNode(node, inputs, [])
 
 
 def _frame_running(gm: fx.GraphModule, exc: BaseException):

@@ -35,7 +35,7 @@ from ..guard import contain, internal_error, is_stop
 from ..structure import check_selection, named_arguments, tensor_names
 from . import dynamo_seams
 from .config import CompileConfig
-from .active import active_run, make_active, make_inactive
+from .active import active_pass, make_active, make_inactive
 from .failures import locate_by_running_eagerly, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan
@@ -65,7 +65,7 @@ class CompiledRuntime:
     def enter(self) -> Callable[[], None]:
         """Dynamo's enter hook: begin a pass for this call; return the cleanup that ends it."""
         try:
-            current = active_run()
+            current = active_pass()
             if current is not None and not current.call_running():
                 current.abandon()  # its call ended without its cleanup (a first call, or dynamo raised)
                 current = None
@@ -84,7 +84,7 @@ class CompiledRuntime:
         Its enter hooks ran before this backend existed, so the pass begins here, the capture mode
         joins the frame being compiled, and the pass ends when the call does.
         """
-        if active_run() is not None:
+        if active_pass() is not None:
             return
         run = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
         if run is None:
@@ -124,7 +124,7 @@ class CompiledRuntime:
         None (the runtime holds the sink, weak references and dynamo's hooks, none of which copy)."""
         return (_no_runtime, ())
 
-    def record(self, recording: Recording, graph_calls: int) -> None:
+    def keep_latest(self, recording: Recording, graph_calls: int) -> None:
         self.last_recording = recording
         self.last_graph_calls = graph_calls
 
@@ -364,7 +364,7 @@ class CompiledPass(ForwardPass):
                     else:
                         place_python_failure(self, exc)
                     recording = self.fail(exc)
-                self.runtime.record(recording, self.graph_calls)
+                self.runtime.keep_latest(recording, self.graph_calls)
         except Exception as inner:
             internal_error("ending a compiled forward", inner)
         finally:
