@@ -22,7 +22,21 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-__all__ = ["Finding", "FindingKind"]
+__all__ = ["KINDS", "NAN", "NEGINF", "POSINF", "Finding", "FindingKind", "bits", "kind_names"]
+
+# The kinds of non-finite value, as bits (a tensor may hold several).
+NAN, POSINF, NEGINF = 1, 2, 4
+KINDS = ((NAN, "NaN"), (POSINF, "+inf"), (NEGINF, "-inf"))
+
+
+def kind_names(kinds: int) -> str:
+    """`NaN and +inf`: the kinds set in `kinds`."""
+    return " and ".join(name for bit, name in KINDS if kinds & bit)
+
+
+def bits(nan, posinf, neginf) -> int:
+    """The kinds held, from counts (or flags) of each."""
+    return (NAN if nan else 0) | (POSINF if posinf else 0) | (NEGINF if neginf else 0)
 
 
 class FindingKind(enum.Enum):

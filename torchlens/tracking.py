@@ -29,29 +29,19 @@ from __future__ import annotations
 
 import collections
 import math
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import INPUT, Event, Stats, StatsGroup
-from .findings import Finding, FindingKind
+from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
+from .provenance import Provenance, Source, carried_kinds, tensor_arguments as _tensor_arguments
 from .grammar import op_ref
 from .stats_text import counts_text
-from .stats import as_float, plain_values, unwrapped
 
-NAN, POSINF, NEGINF = 1, 2, 4
-_NAMES = ((NAN, "NaN"), (POSINF, "+inf"), (NEGINF, "-inf"))
+__all__ = ["UNINITIALIZED", "Tracker", "can_hold_nonfinite", "held", "measured_finite", "settled", "unmeasured_reason"]
+
 UNINITIALIZED = ("empty", "new_empty")  # op names whose outputs hold no values yet (`empty_like`, ...)
-
-
-def kind_names(kinds: int) -> str:
-    return " and ".join(name for bit, name in _NAMES if kinds & bit)
-
-
-def _bits(nan, posinf, neginf) -> int:
-    return (NAN if nan else 0) | (POSINF if posinf else 0) | (NEGINF if neginf else 0)
 
 
 def can_hold_nonfinite(metas) -> bool:
@@ -115,189 +105,26 @@ def unmeasured_reason(event: Event) -> str:
     return "not measured"
 
 
-class Source:
-    """A tensor no tracked op produced: a parameter, a buffer, a constant. Measured only when an
-    op holds a non-finite value its other inputs do not explain (a host read, then, and only then)."""
-
-    __slots__ = ("label", "ref", "_kinds", "counts", "reported", "version")
-
-    def __init__(self, label: str, tensor: Optional[torch.Tensor]):
-        self.label = label
-        self.ref = weakref.ref(tensor) if tensor is not None else None
-        self._kinds = -1
-        self.counts = ""
-        self.reported = False  # its finding is made once, at the first op that reads it
-        # Measured later than it was read (when a finding needs it): if written in place since
-        # (a buffer updated by the forward), what it held when read is unknown.
-        self.version = _version(tensor)
-
-    def kinds(self) -> Optional[int]:
-        if self._kinds == -1:
-            self._kinds = self._measure()
-        return self._kinds
-
-    def _measure(self) -> Optional[int]:
-        tensor = self.ref() if self.ref is not None else None
-        if tensor is None or _version(tensor) != self.version:
-            return None
-        try:
-            values = plain_values(tensor).detach()
-            if not (values.dtype.is_floating_point or values.dtype.is_complex):
-                return 0
-            values = as_float(values, values.dtype)  # complex by magnitude, as the meter measures it
-            counts = torch.stack([torch.isnan(values).sum(), torch.isposinf(values).sum(),
-                                  torch.isneginf(values).sum()]).tolist()
-        except Exception:
-            return None
-        self.counts = " ".join(f"{name}={count}" for name, count in zip(("nan", "+inf", "-inf"), counts) if count)
-        return _bits(*counts)
-
-
-def _version(tensor) -> Optional[int]:
-    try:
-        return None if tensor is None or torch.is_inference(tensor) else tensor._version
-    except Exception:  # a wrapped or nested tensor
-        return None
-
-
 def _ref(event: Event) -> str:
     return op_ref(event.ordinal, event.op, event.scope.path)
 
 
-def carried_kinds(args, kwargs) -> int:
-    """Non-finite kinds a call's scalar arguments carry in (`float("-inf")` in `masked_fill`;
-    NumPy floats are floats too; a complex scalar by its magnitude, as complex tensors are measured)."""
-    kinds = 0
-    for value in (*args, *kwargs.values()):
-        for item in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(item, complex):
-                item = _magnitude(item)
-            if isinstance(item, float) and not math.isfinite(item):
-                kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
-    return kinds
-
-
-def _magnitude(value: complex) -> float:
-    """|value| as far as finiteness goes: infinite if a part is, NaN if a part is and none is
-    infinite (`abs` raises where the magnitude of finite parts overflows; torch would give inf)."""
-    if math.isinf(value.real) or math.isinf(value.imag):
-        return math.inf
-    return math.nan if math.isnan(value.real) or math.isnan(value.imag) else 0.0
-
-
-def _storage_key(tensor: torch.Tensor):
-    try:
-        return unwrapped(tensor).untyped_storage()._cdata
-    except Exception:  # no storage of its own (a nested tensor)
-        return None
-
-
-def _storage_of(tensor: torch.Tensor):
-    """(storage key, weak reference, element span) of a tensor's memory; None if it has none.
-
-    The key is only trusted while the weak reference lives: freed memory can come back under the
-    same address, holding another tensor. The span tells whether a write covered all of another
-    view of the same storage (None when it cannot be told)."""
-    try:
-        tensor = unwrapped(tensor)
-        ref = StorageWeakRef(tensor.untyped_storage())
-    except Exception:
-        return None
-    return ref.cdata, ref, memory_span(tensor)
-
-
-def memory_span(tensor) -> Optional[Tuple[int, int]]:
-    """[first, last] element offsets a tensor (or a fake one in a graph) covers in its storage;
-    None when a size is symbolic (converting it to an int would specialise the graph) or the tensor
-    has no plain strides. An empty tensor covers nothing: (offset, offset - 1)."""
-    try:
-        numbers = (tensor.storage_offset(), *tensor.shape, *tensor.stride())
-    except RuntimeError:
-        return None
-    if not all(type(n) is int for n in numbers):
-        return None
-    offset = tensor.storage_offset()
-    if any(size == 0 for size in tensor.shape):
-        return offset, offset - 1
-    return offset, offset + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def covers(span, other) -> bool:
-    """Whether a write over `span` replaced everything in `other` (unknown spans never do)."""
-    return span is not None and other is not None and span[0] <= other[0] and other[1] <= span[1]
-
-
-def _label(tensor: torch.Tensor) -> str:
-    """How a tensor no narrated op produced is named when it is not a parameter or buffer."""
-    try:
-        dims = ",".join(str(size) for size in tensor.shape)
-    except RuntimeError:  # a nested tensor
-        dims = "nested"
-    return f"a [{dims}] tensor no narrated op produced"
-
-
-class LazyReads:
-    """What an op read (`Tracker.reads_of`), worked out only if a verdict needs it.
-
-    Most outputs are finite, and a finite output's verdict never asks where its values came from;
-    on the CPU the verdict is drawn as the op returns, so the capture asks for the reads only when
-    the op is still waiting for its verdict (statistics to be read later) or its output is not
-    finite (`resolve`), and drops them otherwise. They must be worked out before the op's own
-    outputs are registered (`Tracker.produced`): an op that wrote into its input would otherwise
-    be found as the origin of what it read. Unpacks as `(refs, carried)`."""
-
-    __slots__ = ("_tracker", "_args", "_kwargs", "_value")
-
-    def __init__(self, tracker: "Tracker", args, kwargs):
-        self._tracker = tracker
-        self._args = args
-        self._kwargs = kwargs
-        self._value = None
-
-    def resolve(self) -> tuple:
-        if self._value is None:
-            self._value = self._tracker.reads_of(self._args, self._kwargs)
-            self._args = self._kwargs = self._tracker = None  # keep no tensor alive by it
-        return self._value
-
-    def resolve_written(self, out) -> None:
-        """Resolve now, for an op that wrote into one of its own arguments (in place, `out=`). A
-        tensor it wrote that no earlier op produced or read is first met here, after the write:
-        what it holds now says nothing of what the op read, so its measurement is void (what the
-        op read stays unknown, never blamed on the values the op itself wrote)."""
-        tracker = self._tracker
-        written = [t for t in ((out,) if isinstance(out, torch.Tensor) else out) if isinstance(t, torch.Tensor)]
-        known = [tracker._sources.get(id(tensor)) for tensor in written]
-        self.resolve()
-        for tensor, before in zip(written, known):
-            source = tracker._sources.get(id(tensor))
-            if source is not None and source is not before:
-                source.version = _WRITTEN
-
-    def __iter__(self):
-        return iter(self.resolve())
-
-
-_WRITTEN = -1  # a Source's version when it was first met after the op that read it wrote into it
-
-
 class Tracker:
-    """Provenance of the tensors of one forward and the verdicts drawn from it.
+    """The verdicts of one forward, drawn from its ops' statistics and their provenance.
 
-    Substrates tell it what each op read (`reads_of`, or a compiled plan's static reads) and what
-    it produced (`produced`); the session hands it each op once its statistics are known
-    (`judge`), in order, and asks for the footer at the end.
+    Substrates tell its `provenance` (`provenance.Provenance`) what each op read (`reads_of`, or a
+    compiled plan's static reads) and what it produced (`produced`); the session hands it each op
+    once its statistics are known (`judge`), in order, and asks for the footer at the end. The
+    rules are `findings.FindingKind`'s table.
     """
 
     def __init__(self, names: Callable[[], Dict[int, str]]):
-        self._names = names  # id(tensor) -> dotted name, of the model's parameters and buffers
-        self._name_table: Optional[Dict[int, str]] = None
-        self._producers: Dict[int, Tuple[weakref.ref, Event]] = {}
-        # storage key -> (its weak reference, [(op that wrote into it in place, span written)])
-        self._writers: Dict[int, tuple] = {}
+        self.provenance = Provenance(names)  # what produced and wrote each tensor (`provenance`)
+        provenance = self.provenance
+        # (bound once: `produced` runs for every op a tracked forward records)
+        self.origin_of, self.source, self.produced = provenance.origin_of, provenance.source, provenance.produced
         self._kinds: Dict[int, Optional[int]] = {}  # id(event) -> what it held
         self._origin: Dict[Tuple[int, int], object] = {}  # (id(event), kind) -> Event or Source
-        self._sources: Dict[int, Source] = {}
         self._queue = collections.deque()
         self._seen_first = 0  # kinds already reported as "first seen" (not a birth)
         self.findings: List[Finding] = []
@@ -315,65 +142,11 @@ class Tracker:
         """Whether `event` still waits for its verdict (its statistics, or an earlier op's, are read later)."""
         return bool(self._queue) and self._queue[-1] is event
 
+
     def reads_of(self, args, kwargs):
         """(what each tensor argument came from, scalar kinds carried in) for an op's arguments."""
         refs = tuple(ref for tensor in _tensor_arguments(args, kwargs) for ref in self.origin_of(tensor))
         return refs, carried_kinds(args, kwargs)
-
-    def origin_of(self, tensor: torch.Tensor) -> tuple:
-        """Where `tensor`'s values come from: the op that produced it (or a Source) and the ops
-        that wrote into its memory since, from the last write that covered all of it on."""
-        known = self._producers.get(id(tensor))
-        producer = known[1] if known is not None and known[0]() is tensor else None
-        first = producer if producer is not None else self.source(tensor)
-        if not self._writers:
-            return (first,)
-        entry = self._writers.get(_storage_key(tensor))  # the cheap key first: most memory was never written
-        if entry is None or entry[0].expired():
-            return (first,)
-        after = -1 if producer is None else producer.ordinal
-        later = [(writer, span) for writer, span in entry[1] if writer.ordinal > after and writer is not producer]
-        if not later:  # written only before it was produced (or by its producer: `relu_`)
-            return (first,)
-        memory = _storage_of(tensor)
-        if memory is None:
-            return (first,)
-        refs = [first]
-        for writer, span in later:
-            if covers(span, memory[2]):
-                refs = []  # this write replaced everything the tensor holds
-            refs.append(writer)
-        return tuple(refs)
-
-    def source(self, tensor: torch.Tensor) -> Source:
-        source = self._sources.get(id(tensor))
-        if source is None or (source.ref is not None and source.ref() is not tensor):
-            if self._name_table is None:
-                self._name_table = self._names()
-            label = self._name_table.get(id(tensor)) or _label(tensor)
-            source = self._sources[id(tensor)] = Source(label, tensor)
-        return source
-
-    def produced(self, event: Event, out, args=(), kwargs=None) -> None:
-        """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list).
-        `args` and `kwargs` are given for a call that writes into its arguments (`writes.call_writes`):
-        an output that is one of them (`x.add_(y)`, `out=buf`, a `_foreach_*_` list) was written
-        in place."""
-        tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
-        for tensor in tensors:
-            self._producers[id(tensor)] = (weakref.ref(tensor), event)
-            if (args or kwargs) and _passed(tensor, args, kwargs):
-                self._wrote(event, tensor)
-
-    def _wrote(self, event: Event, tensor: torch.Tensor) -> None:
-        memory = _storage_of(tensor)
-        if memory is None:
-            return
-        key, ref, span = memory
-        entry = self._writers.get(key)
-        if entry is None or entry[0].expired():  # new memory (perhaps at a freed one's address)
-            entry = self._writers[key] = (ref, [])
-        entry[1].append((event, span))
 
     # -- verdicts -------------------------------------------------------------------------------
 
@@ -414,7 +187,7 @@ class Tracker:
             return []
         self.measured += 1
         if not kinds or event.kind is INPUT:
-            for bit, _ in _NAMES:
+            for bit, _ in KINDS:
                 if kinds & bit:
                     self._origin[(id(event), bit)] = event
             if kinds & NAN:  # an infinity in an input may be a mask (`attn_mask`): judged by its fate
@@ -425,7 +198,7 @@ class Tracker:
             return []
         refs, carried = event.reads if event.reads is not None else ((), 0)
         findings = []
-        for bit, name in _NAMES:
+        for bit, name in KINDS:
             if kinds & bit:
                 findings.extend(self._trace_kind(event, bit, name, refs, carried))
         if not findings and kinds & (POSINF | NEGINF) and self.absorbed is None:
@@ -565,21 +338,6 @@ class Tracker:
 def _position(finding: Finding) -> float:
     return finding.event.ordinal if finding.event is not None else math.inf
 
-
-def _tensor_arguments(args, kwargs):
-    for value in (*args, *(kwargs or {}).values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (item for item in value if isinstance(item, torch.Tensor))
-
-
-def _passed(tensor: torch.Tensor, args, kwargs) -> bool:
-    """Whether `tensor` is one of a call's tensor arguments (the call wrote into it)."""
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if value is tensor or (isinstance(value, (list, tuple)) and any(item is tensor for item in value)):
-            return True
-    return False
 
 
 def _where(origin, bit: int) -> str:

@@ -38,7 +38,9 @@ _INDEXED_ASSIGNMENT = ("__setitem__", "setitem")
 
 def _python_in_place() -> frozenset:
     """`iadd`, `__iadd__`, ...: Python's in-place operators, as the `operator` module names them."""
-    names = {name for name in dir(operator) if name.startswith("i") and hasattr(operator, f"__{name}__")}
+    # (`iadd` is the in-place `add`, `ior` of `or_`; `invert` and `index` begin with an i but are not in-place)
+    names = {name for name in dir(operator) if name.startswith("i") and hasattr(operator, f"__{name}__")
+             and (hasattr(operator, name[1:]) or hasattr(operator, name[1:] + "_"))}
     return frozenset(names | {f"__{name}__" for name in names} | set(_INDEXED_ASSIGNMENT))
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from ..events import GRAD, NODE, StatsGroup
-from ..findings import Finding, FindingKind
-from ..tracking import (NAN, NEGINF, POSINF, _bits, held, kind_names, measured_finite, settled,
-                        unmeasured_reason)
+from ..findings import NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
+from ..tracking import held, measured_finite, settled, unmeasured_reason
 from .graph import NodeRecord
+
+__all__ = ["UNREAD", "GradTracker"]
 
 UNREAD = -1  # what a node received could not be read (it overwrote it in place as it ran)
 

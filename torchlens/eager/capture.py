@@ -31,7 +31,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import NonFiniteError
 from ..events import TensorMeta
-from ..tracking import LazyReads, can_hold_nonfinite
+from ..provenance import LazyReads
+from ..tracking import can_hold_nonfinite
 from ..repro.kept import KeptCall
 from ..guard import contain, guarded, internal_error, is_stop
 from ..session import Session, error_summary
@@ -44,6 +45,9 @@ from ..compiled_regions import install_for_dynamo, run_by_dynamo
 from ..mode_stack import own_work, remove_mode
 from ..structure import named_outputs
 from ..torch_seams import degraded
+
+__all__ = ["CaptureMode", "EagerCapture", "OpReporter", "captures_in_thread", "exclude_from_dynamo", "input_metas",
+           "output_metas", "outside_dynamo", "unwinding"]
 
 _Tensor = torch.Tensor
 _Size = torch.Size

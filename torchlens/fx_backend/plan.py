@@ -24,10 +24,12 @@ from ..events import Scope, TensorMeta
 from ..scopes import ScopeTable
 from ..naming import USER_SPELLING, node_name
 from ..sites import site_from_stack_trace
-from ..tracking import carried_kinds, covers, memory_span
+from ..provenance import carried_kinds, memory_span, origin_chain
 from ..writes import node_writes, target_name, writes_without_returning
 from .module_stack import relative_stack
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
+
+__all__ = ["GraphPlan", "build_plan", "node_op_name"]
 
 
 class PlanOp:
@@ -74,9 +76,13 @@ class GraphPlan:
 
     MAX_SEGMENTS = 32
 
-    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], compiled_in: Scope, outputs=()):
+    def __init__(self, ops: List[PlanOp], resolver: Optional[ShapeResolver], compiled_in: Scope, outputs=(),
+                 written_inputs=()):
         self.ops = ops
         self.outputs = tuple(outputs)  # per graph output: the index of the op that produced it, or None
+        # positions of the graph inputs the graph writes into: read after the call, what they hold
+        # is not what its ops read (`provenance.Provenance.met_after_writing`)
+        self.written_inputs = frozenset(written_inputs)
         self.resolver = resolver
         self.compiled_in = compiled_in  # the module whose frame was compiled (at compile time)
         self.fixed_scope = compiled_in if compiled_in.parent is None else None
@@ -176,7 +182,7 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
         )
         sources.produced(node, len(ops) - 1, written)
     resolver = maybe_resolver([op.exprs for op in ops if op.exprs is not None], gm)
-    return GraphPlan(ops, resolver, frame_scope, sources.outputs(gm))
+    return GraphPlan(ops, resolver, frame_scope, sources.outputs(gm), sources.written_inputs)
 
 
 class _Sources:
@@ -186,8 +192,14 @@ class _Sources:
     def __init__(self, gm: fx.GraphModule):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._args = {n: position for position, n in enumerate(placeholders)}
+        self._input_memory = {}  # storage key -> positions of the graph inputs that hold it
+        for node, position in self._args.items():
+            memory = _storage(node)
+            if memory is not None:
+                self._input_memory.setdefault(memory[0], []).append(position)
         self._producer: Dict[fx.Node, int] = {}
         self._writers: Dict[object, List[int]] = {}
+        self.written_inputs = set()  # positions of the graph inputs the graph writes into
 
     def produced(self, node: fx.Node, index: int, written: Optional[fx.Node]) -> None:
         self._producer[node] = index
@@ -198,10 +210,11 @@ class _Sources:
             memory = _storage(target)
             if memory is not None:
                 self._writers.setdefault(memory[0], []).append((index, memory[1]))
+                self.written_inputs.update(self._input_memory.get(memory[0], ()))
 
     def origin(self, node: fx.Node) -> tuple:
         """What `node`'s value comes from: its producer, then the writes into its memory since,
-        from the last write that covered all of it on (as `tracking.Tracker.origin_of`)."""
+        from the last write that covered all of it on (`provenance.origin_chain`, as eager tracking)."""
         if _is_unpacking(node):
             node = node.args[0]
         if node in self._producer:
@@ -212,13 +225,10 @@ class _Sources:
             first = None
         after = first[1] if first is not None and first[0] == "op" else -1
         memory = _storage(node)
-        refs = [first]
-        for index, span in self._writers.get(memory[0], ()) if memory is not None else ():
-            if index > after:
-                if covers(span, memory[1]):
-                    refs = []  # this write replaced everything the value holds
-                refs.append(("op", index))
-        return tuple(refs)
+        if memory is None:
+            return (first,)
+        writes = [(("op", index), index, span) for index, span in self._writers.get(memory[0], ())]
+        return origin_chain(first, writes, after, memory[1])
 
     def reads(self, node: fx.Node) -> tuple:
         refs = []

@@ -41,6 +41,8 @@ from .gaps import GapCapture
 from .plan import GraphPlan
 from .stats_pass import measure_returned, read_stats
 
+__all__ = ["CompiledPass", "CompiledRuntime"]
+
 class CompiledRuntime:
     """Options, module names and forward count shared by every forward of one compiled model.
 
@@ -278,7 +280,8 @@ class CompiledPass(ForwardPass):
             if scopes[op.index] is not session.scope:
                 session.move_to(scopes[op.index])
             value = None if values is None else values[offset]
-            reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events)
+            reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events,
+                                                                          plan.written_inputs)
             event = session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index], value=value,
                                    reads=reads)
             if events is not None:
@@ -388,9 +391,10 @@ class CompiledPass(ForwardPass):
 _NO_CALL = dynamo_seams.CompiledCall(None, None, (), {})
 
 
-def _reads(tracker, static, args, events) -> tuple:
+def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
     """A plan op's reads in this call: the events of the ops it read, or what the graph inputs it
-    read came from (an op before the graph, a forward input, a parameter)."""
+    read came from (an op before the graph, a forward input, a parameter). A graph input the graph
+    writes into, first met now (after the call), is a source whose values are not what was read."""
     refs, carried = static
     resolved = []
     for ref in refs:
@@ -401,7 +405,13 @@ def _reads(tracker, static, args, events) -> tuple:
             if event is not None:
                 resolved.append(event)
         elif ref[1] < len(args) and isinstance(args[ref[1]], torch.Tensor):
-            resolved.extend(tracker.origin_of(args[ref[1]]))
+            tensor = args[ref[1]]
+            if ref[1] in written_inputs:
+                known = tracker.provenance.sources_of((tensor,))
+                resolved.extend(tracker.origin_of(tensor))
+                tracker.provenance.met_after_writing((tensor,), known)
+            else:
+                resolved.extend(tracker.origin_of(tensor))
     return tuple(resolved), carried
 
 

@@ -25,7 +25,11 @@ from typing import Dict, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..tracking import NEGINF, POSINF, Source, held
+from ..findings import NEGINF, POSINF
+from ..provenance import Source
+from ..tracking import held
+
+__all__ = ["MAX_BYTES", "InputKeeper", "KeptCall", "inputs_kept"]
 
 MAX_BYTES = 256 * 1024 * 1024  # the inputs one op may keep (copies, on their device)
 

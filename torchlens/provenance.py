@@ -1,0 +1,291 @@
+"""Provenance: where the values a tensor holds come from, for non-finite tracking's verdicts.
+
+An op's output comes from the op that produced it, then from every op that wrote into its memory
+since (an in-place op, an indexed assignment, a write through a view of the same storage), from
+the last write that covered all of it on (`origin_chain`: the rule both substrates use; the
+compiled plan applies it at compile time to the fake tensors of a graph, `fx_backend.plan`). A
+tensor no tracked op produced is a `Source` (a parameter, a buffer, a constant, an input), named
+and measured only when a verdict needs it. Whether a call wrote into its arguments is
+`writes.call_writes`'s rule, applied by the capture before it tells `Provenance.produced`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .events import Event
+from .findings import NAN, NEGINF, POSINF, bits as _bits
+from .stats import as_float, plain_values, unwrapped
+
+__all__ = ["LazyReads", "Provenance", "Source", "carried_kinds", "covers", "memory_span", "origin_chain",
+           "tensor_arguments"]
+
+
+def origin_chain(first, writes, after: int, span) -> tuple:
+    """What a value holds comes from `first` (the op that produced it, or a source), then from each
+    of `writes` — (ref, position, span written), in order — made after position `after`, from the
+    last write that covered all of the value's `span` on (an unknown span is never covered)."""
+    refs = [first]
+    for ref, position, written in writes:
+        if position > after:
+            if covers(written, span):
+                refs = []  # this write replaced everything the value holds
+            refs.append(ref)
+    return tuple(refs)
+
+
+class Provenance:
+    """What produced, and what since wrote, the tensors of one forward (by identity and storage)."""
+
+    def __init__(self, names: Callable[[], Dict[int, str]]):
+        self._names = names  # id(tensor) -> dotted name, of the model's parameters and buffers
+        self._name_table: Optional[Dict[int, str]] = None
+        self._producers: Dict[int, Tuple[weakref.ref, Event]] = {}
+        # storage key -> (its weak reference, [(op that wrote into it in place, span written)])
+        self._writers: Dict[int, tuple] = {}
+        self.sources: Dict[int, Source] = {}
+
+    def origin_of(self, tensor: torch.Tensor) -> tuple:
+        """Where `tensor`'s values come from: the op that produced it (or a Source) and the ops
+        that wrote into its memory since, from the last write that covered all of it on."""
+        known = self._producers.get(id(tensor))
+        producer = known[1] if known is not None and known[0]() is tensor else None
+        first = producer if producer is not None else self.source(tensor)
+        if not self._writers:
+            return (first,)
+        entry = self._writers.get(_storage_key(tensor))  # the cheap key first: most memory was never written
+        if entry is None or entry[0].expired():
+            return (first,)
+        after = -1 if producer is None else producer.ordinal
+        later = [(writer, span) for writer, span in entry[1] if writer.ordinal > after and writer is not producer]
+        if not later:  # written only before it was produced (or by its producer: `relu_`)
+            return (first,)
+        memory = _storage_of(tensor)
+        if memory is None:
+            return (first,)
+        return origin_chain(first, [(writer, writer.ordinal, span) for writer, span in later], after, memory[2])
+
+    def source(self, tensor: torch.Tensor) -> Source:
+        source = self.sources.get(id(tensor))
+        if source is None or (source.ref is not None and source.ref() is not tensor):
+            if self._name_table is None:
+                self._name_table = self._names()
+            label = self._name_table.get(id(tensor)) or _label(tensor)
+            source = self.sources[id(tensor)] = Source(label, tensor)
+        return source
+
+    def sources_of(self, tensors) -> list:
+        """The `Source` each tensor is known as so far (None where it is not one yet)."""
+        return [self.sources.get(id(tensor)) for tensor in tensors]
+
+    def met_after_writing(self, tensors, known) -> None:
+        """`tensors` were written by the op that read them, and those that became sources only
+        now (not in `known`, from `sources_of` before) were first met after the write: what they
+        hold says nothing of what the op read, so their measurement is void."""
+        for tensor, before in zip(tensors, known):
+            source = self.sources.get(id(tensor))
+            if source is not None and source is not before:
+                source.version = _WRITTEN
+
+    def produced(self, event: Event, out, args=(), kwargs=None) -> None:
+        """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list).
+        `args` and `kwargs` are given for a call that writes into its arguments (`writes.call_writes`):
+        an output that is one of them (`x.add_(y)`, `out=buf`, a `_foreach_*_` list) was written
+        in place."""
+        tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+        for tensor in tensors:
+            self._producers[id(tensor)] = (weakref.ref(tensor), event)
+            if (args or kwargs) and _passed(tensor, args, kwargs):
+                self._wrote(event, tensor)
+
+    def _wrote(self, event: Event, tensor: torch.Tensor) -> None:
+        memory = _storage_of(tensor)
+        if memory is None:
+            return
+        key, ref, span = memory
+        entry = self._writers.get(key)
+        if entry is None or entry[0].expired():  # new memory (perhaps at a freed one's address)
+            entry = self._writers[key] = (ref, [])
+        entry[1].append((event, span))
+
+
+class Source:
+    """A tensor no tracked op produced: a parameter, a buffer, a constant. Measured only when an
+    op holds a non-finite value its other inputs do not explain (a host read, then, and only then)."""
+
+    __slots__ = ("label", "ref", "_kinds", "counts", "reported", "version")
+
+    def __init__(self, label: str, tensor: Optional[torch.Tensor]):
+        self.label = label
+        self.ref = weakref.ref(tensor) if tensor is not None else None
+        self._kinds = -1
+        self.counts = ""
+        self.reported = False  # its finding is made once, at the first op that reads it
+        # Measured later than it was read (when a finding needs it): if written in place since
+        # (a buffer updated by the forward), what it held when read is unknown.
+        self.version = _version(tensor)
+
+    def kinds(self) -> Optional[int]:
+        if self._kinds == -1:
+            self._kinds = self._measure()
+        return self._kinds
+
+    def _measure(self) -> Optional[int]:
+        tensor = self.ref() if self.ref is not None else None
+        if tensor is None or _version(tensor) != self.version:
+            return None
+        try:
+            values = plain_values(tensor).detach()
+            if not (values.dtype.is_floating_point or values.dtype.is_complex):
+                return 0
+            values = as_float(values, values.dtype)  # complex by magnitude, as the meter measures it
+            counts = torch.stack([torch.isnan(values).sum(), torch.isposinf(values).sum(),
+                                  torch.isneginf(values).sum()]).tolist()
+        except Exception:
+            return None
+        self.counts = " ".join(f"{name}={count}" for name, count in zip(("nan", "+inf", "-inf"), counts) if count)
+        return _bits(*counts)
+
+
+def _version(tensor) -> Optional[int]:
+    try:
+        return None if tensor is None or torch.is_inference(tensor) else tensor._version
+    except Exception:  # a wrapped or nested tensor
+        return None
+
+
+
+
+def carried_kinds(args, kwargs) -> int:
+    """Non-finite kinds a call's scalar arguments carry in (`float("-inf")` in `masked_fill`;
+    NumPy floats are floats too; a complex scalar by its magnitude, as complex tensors are measured)."""
+    kinds = 0
+    for value in (*args, *kwargs.values()):
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(item, complex):
+                item = _magnitude(item)
+            if isinstance(item, float) and not math.isfinite(item):
+                kinds |= NAN if item != item else (POSINF if item > 0 else NEGINF)
+    return kinds
+
+
+def _magnitude(value: complex) -> float:
+    """|value| as far as finiteness goes: infinite if a part is, NaN if a part is and none is
+    infinite (`abs` raises where the magnitude of finite parts overflows; torch would give inf)."""
+    if math.isinf(value.real) or math.isinf(value.imag):
+        return math.inf
+    return math.nan if math.isnan(value.real) or math.isnan(value.imag) else 0.0
+
+
+def _storage_key(tensor: torch.Tensor):
+    try:
+        return unwrapped(tensor).untyped_storage()._cdata
+    except Exception:  # no storage of its own (a nested tensor)
+        return None
+
+
+def _storage_of(tensor: torch.Tensor):
+    """(storage key, weak reference, element span) of a tensor's memory; None if it has none.
+
+    The key is only trusted while the weak reference lives: freed memory can come back under the
+    same address, holding another tensor. The span tells whether a write covered all of another
+    view of the same storage (None when it cannot be told)."""
+    try:
+        tensor = unwrapped(tensor)
+        ref = StorageWeakRef(tensor.untyped_storage())
+    except Exception:
+        return None
+    return ref.cdata, ref, memory_span(tensor)
+
+
+def memory_span(tensor) -> Optional[Tuple[int, int]]:
+    """[first, last] element offsets a tensor (or a fake one in a graph) covers in its storage;
+    None when a size is symbolic (converting it to an int would specialise the graph) or the tensor
+    has no plain strides. An empty tensor covers nothing: (offset, offset - 1)."""
+    try:
+        numbers = (tensor.storage_offset(), *tensor.shape, *tensor.stride())
+    except RuntimeError:
+        return None
+    if not all(type(n) is int for n in numbers):
+        return None
+    offset = tensor.storage_offset()
+    if any(size == 0 for size in tensor.shape):
+        return offset, offset - 1
+    return offset, offset + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def covers(span, other) -> bool:
+    """Whether a write over `span` replaced everything in `other` (unknown spans never do)."""
+    return span is not None and other is not None and span[0] <= other[0] and other[1] <= span[1]
+
+
+def _label(tensor: torch.Tensor) -> str:
+    """How a tensor no narrated op produced is named when it is not a parameter or buffer."""
+    try:
+        dims = ",".join(str(size) for size in tensor.shape)
+    except RuntimeError:  # a nested tensor
+        dims = "nested"
+    return f"a [{dims}] tensor no narrated op produced"
+
+
+class LazyReads:
+    """What an op read (`Tracker.reads_of`), worked out only if a verdict needs it.
+
+    Most outputs are finite, and a finite output's verdict never asks where its values came from;
+    on the CPU the verdict is drawn as the op returns, so the capture asks for the reads only when
+    the op is still waiting for its verdict (statistics to be read later) or its output is not
+    finite (`resolve`), and drops them otherwise. They must be worked out before the op's own
+    outputs are registered (`Tracker.produced`): an op that wrote into its input would otherwise
+    be found as the origin of what it read. Unpacks as `(refs, carried)`."""
+
+    __slots__ = ("_tracker", "_args", "_kwargs", "_value")
+
+    def __init__(self, tracker, args, kwargs):  # a `tracking.Tracker`
+        self._tracker = tracker
+        self._args = args
+        self._kwargs = kwargs
+        self._value = None
+
+    def resolve(self) -> tuple:
+        if self._value is None:
+            self._value = self._tracker.reads_of(self._args, self._kwargs)
+            self._args = self._kwargs = self._tracker = None  # keep no tensor alive by it
+        return self._value
+
+    def resolve_written(self, out) -> None:
+        """Resolve now, for an op that wrote into one of its own arguments (in place, `out=`). A
+        tensor it wrote that no earlier op produced or read is first met here, after the write:
+        what it holds now says nothing of what the op read, so its measurement is void (what the
+        op read stays unknown, never blamed on the values the op itself wrote)."""
+        provenance = self._tracker.provenance
+        written = [t for t in ((out,) if isinstance(out, torch.Tensor) else out) if isinstance(t, torch.Tensor)]
+        known = provenance.sources_of(written)
+        self.resolve()
+        provenance.met_after_writing(written, known)
+
+    def __iter__(self):
+        return iter(self.resolve())
+
+
+_WRITTEN = -1  # a Source's version when it was first met after the op that read it wrote into it
+
+
+def tensor_arguments(args, kwargs):
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
+def _passed(tensor: torch.Tensor, args, kwargs) -> bool:
+    """Whether `tensor` is one of a call's tensor arguments (the call wrote into it)."""
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if value is tensor or (isinstance(value, (list, tuple)) and any(item is tensor for item in value)):
+            return True
+    return False
