@@ -1,6 +1,10 @@
 """The public API stays small and explicit: every public module says what it exports."""
 
+import ast
 import importlib
+import inspect
+import pathlib
+import pkgutil
 
 import pytest
 import torch
@@ -91,3 +95,108 @@ def test_a_shared_keyword_is_checked_alike_by_every_entry_point(keyword, bad):
             call()
         messages.add(str(info.value))
     assert len(messages) == 1, messages
+
+
+# Modules whose `__all__` is the user's `from ... import *` surface, kept free of the helpers the
+# package shares internally (`test_star_imports_bring_no_implementation_details`): other torchlens
+# modules may import names from them that their `__all__` leaves out.
+USER_API_MODULES = {"torchlens.options", "torchlens.errors"}
+
+
+def _all_modules() -> dict:
+    """Every module of the package, imported: name -> module."""
+    modules = {"torchlens": tl}
+    for info in pkgutil.walk_packages(tl.__path__, prefix="torchlens."):
+        modules[info.name] = importlib.import_module(info.name)
+    return modules
+
+
+def _defined_at_top_level(tree: ast.Module) -> set:
+    """The names a module binds itself at top level (a def, a class, an assignment, inside a
+    top-level `if` or `try` too), not the names it imports."""
+    names = set()
+
+    def bind(target):
+        for node in ast.walk(target):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    bind(target)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                bind(node.target)
+            elif isinstance(node, (ast.If, ast.For, ast.While, ast.With)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(tree.body)
+    return names
+
+
+def _imported_from_package(modules: dict) -> dict:
+    """source module -> {name: importing modules}, for every `from <torchlens module> import name`
+    (relative or absolute, at module level or inside a function) in the package's source."""
+    imported = {}
+    for importer, module in modules.items():
+        path = pathlib.Path(module.__file__)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = importer.split(".")
+                if path.name != "__init__.py":
+                    base = base[:-1]
+                if node.level > 1:
+                    base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source not in modules or source == importer:
+                continue
+            for alias in node.names:
+                imported.setdefault(source, {}).setdefault(alias.name, set()).add(importer)
+    return imported
+
+
+def test_every_module_declares_all_and_lists_what_the_package_imports_from_it():
+    """A module that defines public functions or classes declares `__all__`; every name in an
+    `__all__` exists; and a public name a module defines that another torchlens module imports
+    (`from .x import name`) is in `x.__all__` (a submodule, a private name or a name `x` itself
+    imports from elsewhere is not)."""
+    modules = _all_modules()
+    problems = []
+    for name, module in sorted(modules.items()):
+        exported = getattr(module, "__all__", None)
+        own = sorted(item for item, obj in vars(module).items()
+                     if not item.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                     and obj.__module__ == name)
+        if exported is None and own:
+            problems.append(f"{name}: no __all__ (it defines {', '.join(own)})")
+        absent = [item for item in exported or () if not hasattr(module, item)]
+        if absent:
+            problems.append(f"{name}: __all__ names what the module lacks: {', '.join(absent)}")
+    for source, names in sorted(_imported_from_package(modules).items()):
+        if source in USER_API_MODULES:
+            continue
+        defined = _defined_at_top_level(ast.parse(pathlib.Path(modules[source].__file__).read_text()))
+        exported = set(getattr(modules[source], "__all__", ()))
+        missing = {item: importers for item, importers in names.items()
+                   if not item.startswith("_") and item in defined and f"{source}.{item}" not in modules
+                   and item not in exported}
+        if missing:
+            problems.append(f"{source}: __all__ lacks names other torchlens modules import: " + "; ".join(
+                f"{item} (by {', '.join(sorted(importers))})" for item, importers in sorted(missing.items())))
+    if problems:
+        pytest.fail("modules whose __all__ is missing or incomplete:\n  " + "\n  ".join(problems), pytrace=False)

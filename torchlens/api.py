@@ -15,6 +15,8 @@ from .eager.runner import run_eager
 from .structure import check_model, forward_signature
 from .values import DEFAULT_MAX_BYTES
 
+__all__ = ["compile", "load", "record", "trace"]
+
 _RECORD_KEYWORDS = keywords_of(RECORD)
 _TRACE_KEYWORDS = keywords_of(TRACE)
 _COMPILED_ONLY = tuple(name for name in keywords_of(COMPILE) if name not in _TRACE_KEYWORDS)

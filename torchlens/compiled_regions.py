@@ -46,6 +46,8 @@ from .mode_stack import capture_modes, is_capture, with_captures_kept
 from .sites import is_internal_file
 from .torch_seams import degraded
 
+__all__ = ["install_for_dynamo", "reporting_graph_calls", "run_by_dynamo"]
+
 _lock = threading.Lock()
 _installed = False
 _DYNAMO = "torch._dynamo.output_graph"  # loaded last of what the rules patch

@@ -16,6 +16,9 @@ from typing import Optional, Sequence, Tuple
 
 from .stats_text import stats_text
 
+__all__ = ["ENTER", "EXIT", "GRAD", "INPUT", "NODE", "OP", "OUTPUT", "Attempt", "BackwardAttempt", "BackwardEvent",
+           "Event", "EventKind", "Scope", "Stats", "StatsGroup", "TensorMeta"]
+
 
 class EventKind(str, enum.Enum):
     INPUT = "input"

@@ -25,6 +25,8 @@ from torch import nn
 from .mode_stack import only_capture_modes_lifted
 from .torch_seams import degraded
 
+__all__ = ["keep_fast_paths", "release_fast_paths"]
+
 _original = torch.overrides.has_torch_function
 _is_compiling = torch.compiler.is_compiling
 _lock = threading.Lock()

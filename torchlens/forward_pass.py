@@ -33,6 +33,8 @@ from .meter import Meter
 from .structure import named_outputs
 from .values import ValueKeeper
 
+__all__ = ["ForwardPass"]
+
 
 class ForwardPass:
     """One forward's session, narrator, meter and value keeper, begun and ended in one way.

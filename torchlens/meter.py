@@ -24,6 +24,8 @@ from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable,
 from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, is_wrapped,
                     measures, plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
 
+__all__ = ["READ_NOW", "Meter", "Pending"]
+
 # Devices whose values are read as each op completes (no device to wait for). Everything else is
 # read once per forward. Tests empty it to check the deferred discipline without an accelerator.
 READ_NOW = {"cpu"}

@@ -14,6 +14,9 @@ import contextlib
 
 import torch
 
+__all__ = ["capture_modes", "is_capture", "lifted_if_on_top", "only_capture_modes_lifted", "own_work", "remove_mode",
+           "under_a_capture", "with_captures_kept"]
+
 _current = torch.overrides._get_current_function_mode_stack
 _pop = torch._C._pop_torch_function_stack
 _push = torch._C._push_on_torch_function_stack

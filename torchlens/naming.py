@@ -24,6 +24,8 @@ from typing import Dict, Optional
 
 import torch
 
+__all__ = ["USER_SPELLING", "node_name", "op_name"]
+
 _BINARY = {
     "add", "sub", "mul", "truediv", "floordiv", "div", "mod", "pow", "matmul",
     "and", "or", "xor", "lshift", "rshift",

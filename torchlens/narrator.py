@@ -22,6 +22,8 @@ from .options import NarrationOptions
 from .ranks import shared_sink_tag
 from .sinks import ListSink, Sink, open_sink
 
+__all__ = ["Narrator", "PassCounts", "failure_block", "printed_events", "render_lines"]
+
 
 class PassCounts:
     """What a narrator has counted and noted so far in a pass: besides the events and the options,

@@ -20,6 +20,8 @@ from typing import Optional, Tuple
 
 from .errors import OptionValueError
 
+__all__ = ["expand_path", "shared_sink_tag", "template_fields"]
+
 FIELDS = ("rank", "world_size")
 _FORMATTER = string.Formatter()
 

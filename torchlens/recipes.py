@@ -35,6 +35,9 @@ import torch
 from .events import Stats
 from .stats import cheap_vector, count_vector, fill, finite_vector, lean_count_vector
 
+__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "moments_from_sums", "not_applicable", "recipe",
+           "screen_finite", "screen_vector", "sums_of"]
+
 
 class Recipe(NamedTuple):
     """How one tensor is measured: the vector to build and the `Stats` it fills."""

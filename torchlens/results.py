@@ -20,6 +20,8 @@ from .narrator import failure_block, printed_events, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector
 
+__all__ = ["Backward", "PartialTrace", "Recording", "Trace", "Transcript"]
+
 
 def _detached(value):
     return value.detach() if isinstance(value, torch.Tensor) and not value.is_leaf else value

@@ -10,6 +10,8 @@ import torch
 
 from .events import Scope
 
+__all__ = ["ScopeTable", "is_compile_wrapper", "without_compile_wrappers"]
+
 
 class ScopeTable:
     """Names module calls: `Scope`s with absolute paths, parented by the module that *called* them.

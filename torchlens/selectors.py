@@ -15,6 +15,8 @@ from typing import Callable, Iterable
 from .errors import OptionTypeError, OptionValueError, UnknownModuleError, suggest
 from .events import Event
 
+__all__ = ["InModule", "Predicate", "Selector", "as_selector", "in_module"]
+
 
 class Selector:
     """Base class: subclasses implement `__call__(event) -> bool`."""

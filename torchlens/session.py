@@ -24,6 +24,8 @@ from .meter import Meter
 from .tracking import UNINITIALIZED, Tracker
 from .repro.kept import InputKeeper, KeptCall
 
+__all__ = ["Session", "attach", "attach_finding", "error_summary", "in_chain", "nonfinite_message"]
+
 
 class FailedCall(NamedTuple):
     """A torch call that raised: the attempted op, should the exception end the forward."""

@@ -22,6 +22,9 @@ import sys
 from .errors import OptionTypeError, OptionValueError
 from .ranks import expand_path, template_fields
 
+__all__ = ["CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream", "StderrSink",
+           "StreamSink", "check_writable", "checked_sink", "open_sink", "sink_kind"]
+
 
 class Sink:
     """Receives finished lines (no trailing newline)."""

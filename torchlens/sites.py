@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+__all__ = ["display_path", "find_user_site", "is_internal_file", "site_from_stack_trace", "still_running"]
+
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, sys.modules[__package__])
 )

@@ -7,6 +7,8 @@ so that the event model and the grammar can both use it without importing each o
 
 from __future__ import annotations
 
+__all__ = ["counts_text", "stats_text"]
+
 _INF = float("inf")
 
 

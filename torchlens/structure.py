@@ -11,6 +11,9 @@ from torch import nn
 
 from .errors import ModelTypeError
 
+__all__ = ["check_model", "check_selection", "forward_signature", "module_of", "named_arguments", "named_inputs",
+           "named_outputs", "tensor_names"]
+
 MAX_NESTING = 8
 
 

@@ -8,6 +8,8 @@ from .errors import TraceBudgetError
 from .events import BackwardEvent
 from .grammar import op_ref
 
+__all__ = ["DEFAULT_MAX_BYTES", "ValueKeeper"]
+
 DEFAULT_MAX_BYTES = 2 * 1024**3
 
 

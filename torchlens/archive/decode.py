@@ -20,6 +20,8 @@ from ..selectors import InModule, Selector
 from ..findings import Finding, FindingKind
 from .encode import FORMAT, VERSION
 
+__all__ = ["SavedSelection", "recording"]
+
 _CLASSES = {"Recording": Recording, "Trace": Trace, "PartialTrace": PartialTrace}
 _KINDS = {kind.value: kind for kind in EventKind}
 _BACKWARD_KINDS = (EventKind.NODE, EventKind.GRAD)

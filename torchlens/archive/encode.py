@@ -26,6 +26,8 @@ import torch
 from ..events import BackwardAttempt, Stats, StatsGroup, TensorMeta
 from ..selectors import InModule, _AllOf, _AnyOf, _Not
 
+__all__ = ["FORMAT", "VERSION", "document", "number", "tensors"]
+
 FORMAT = "torchlens-trace"
 VERSION = 1
 

@@ -25,6 +25,8 @@ import torch
 from ..errors import OptionTypeError, TraceFileError
 from .encode import document, tensors
 
+__all__ = ["EVENTS", "MANIFEST", "TENSORS", "read", "save"]
+
 MANIFEST = "trace.json"
 EVENTS = "events.jsonl"
 TENSORS = "tensors.safetensors"

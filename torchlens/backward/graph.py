@@ -19,6 +19,8 @@ from torch.autograd.graph import get_gradient_edge
 from ..grammar import op_ref
 from ..results import Recording
 
+__all__ = ["BackwardWatch", "GradientRoots", "NodeRecord", "running_backward"]
+
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _graph_task_id = torch._C._current_graph_task_id
 _Tensor = torch.Tensor

@@ -25,6 +25,8 @@ from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import UNREAD, GradTracker
 
+__all__ = ["BackwardNarration", "BackwardStopped", "settle_open_runs"]
+
 _graph_task_id = torch._C._current_graph_task_id
 _Tensor = torch.Tensor
 

@@ -40,6 +40,8 @@ from ..events import Event
 from ..grammar import dtype_name, shape_text
 from ..results import PartialTrace, Recording, Trace
 
+__all__ = ["DEFAULT_TOLERANCES", "CompareReport", "CompareRow", "align", "compare", "tolerance_for"]
+
 # (rtol, atol) per dtype, used where compare() is not given rtol= / atol=. They are looser than
 # torch.testing's single-op defaults because a trace compares values after many ops, and rounding
 # differences accumulate along the way.

@@ -27,6 +27,8 @@ from .capture import unwinding
 from .runner import EagerPass
 from ..structure import check_model, check_selection
 
+__all__ = ["PassCutShort", "Recorder"]
+
 
 class Recorder:
     """Context manager: every forward of `model` called inside is one recorded, narrated pass.

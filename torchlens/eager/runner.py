@@ -17,6 +17,8 @@ from ..scopes import ScopeTable
 from ..structure import check_selection, named_inputs, tensor_names
 from .capture import EagerCapture
 
+__all__ = ["EagerPass", "run_eager"]
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 

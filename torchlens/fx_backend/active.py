@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+__all__ = ["active_pass", "make_active", "make_inactive", "no_active_pass"]
+
 _local = threading.local()
 
 

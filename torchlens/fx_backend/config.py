@@ -16,6 +16,8 @@ import torch
 from ..errors import OptionTypeError, suggest
 from ..options import COMPILE, Settings, check_keyword, keywords_of, make_settings
 
+__all__ = ["OPTION_KEYS", "CompileConfig", "config_from_options", "inner_compile", "make_config"]
+
 OPTION_KEYS = keywords_of(COMPILE)
 
 

@@ -25,6 +25,9 @@ from ..naming import USER_SPELLING, node_name
 from ..sites import still_running
 from ..torch_seams import degraded
 
+__all__ = ["CompiledCall", "adopt_mode_for_this_compile", "call_outcome", "context_of_compiled", "current_call",
+           "hook_calls", "raised_while_tracing", "record_user_spellings", "when_call_ends"]
+
 _WRAPPER_NAME = "compile_wrapper"
 
 

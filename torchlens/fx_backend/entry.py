@@ -19,6 +19,8 @@ from .handle import CompiledNarration
 from .registration import Backend, install
 from .runtime import CompiledRuntime
 
+__all__ = ["compile_model", "trace_compiled"]
+
 
 
 def _torch_compile_keywords() -> tuple:

@@ -31,6 +31,8 @@ from .module_stack import relative_stack
 from .plan import node_op_name
 from .replay import locate_failure, locate_live, why_not_replay
 
+__all__ = ["graph_failed", "locate_by_running_eagerly", "place_python_failure"]
+
 _NOT_LOCATED = "<compiled graph>"  # the attempted call when the op inside a graph call is not known
 _TRACING = "<dynamo tracing>"  # the attempted call when the op dynamo failed to trace is not known
 REPLAYED = "located by replaying the compiled graph op by op"

@@ -14,6 +14,8 @@ from ..eager.capture import OpReporter
 from ..scopes import ScopeTable
 from ..session import Session
 
+__all__ = ["GapCapture"]
+
 
 class GapCapture(OpReporter):
     """The capture `CaptureMode` reports to during a compiled forward."""

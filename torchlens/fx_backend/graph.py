@@ -29,6 +29,8 @@ from .runtime import CompiledPass, CompiledRuntime
 from .stats_pass import add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
 
+__all__ = ["compile_graph"]
+
 
 class CompiledGraph:
     """Callable dynamo runs in place of one captured graph."""

@@ -11,6 +11,8 @@ from typing import Optional
 
 from ..results import Recording
 
+__all__ = ["CompiledNarration"]
+
 
 class CompiledNarration:
     """The narration of a model compiled with `tl.compile`, attached to it as `.torchlens`.

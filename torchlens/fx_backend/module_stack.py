@@ -13,6 +13,8 @@ from typing import Tuple
 
 from ..scopes import ScopeTable, without_compile_wrappers
 
+__all__ = ["relative_stack"]
+
 _FRAME_LOCAL = re.compile(r"^([LG]\['[^']*'\]|self)\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
 _MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")

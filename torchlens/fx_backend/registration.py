@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+__all__ = ["Backend", "install", "register_without_entry_point", "torchlens_backend"]
+
 NAME = "torchlens"
 _RUNTIME_ATTR = "_torchlens_runtime"
 

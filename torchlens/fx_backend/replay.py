@@ -26,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..events import TensorMeta
 from ..writes import node_writes, target_name
 
+__all__ = ["locate_failure", "locate_live", "mutates_inputs", "untouched_copy", "why_not_replay"]
+
 _CALLS = ("call_function", "call_method", "call_module")
 # Arguments that switch a seeded op's drawing off: `train=False` (dropout, rnn kernels),
 # `training=False` (rrelu), a zero dropout probability (attention kernels, rnn kernels).

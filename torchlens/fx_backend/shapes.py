@@ -17,6 +17,8 @@ import torch
 from torch import fx
 from torch.utils._sympy.printers import PythonPrinter
 
+__all__ = ["ShapeResolver", "maybe_resolver", "symbolic_shape"]
+
 _printer = PythonPrinter()
 
 

@@ -40,6 +40,8 @@ from ..writes import node_writes
 from .plan import GraphPlan
 from .values_pass import append_outputs
 
+__all__ = ["add_stats_output", "measure_returned", "module_outputs", "read_stats"]
+
 
 class Slot(NamedTuple):
     """How one plan op is measured: a recipe per tensor output (fused), how many of its outputs

@@ -17,6 +17,8 @@ from torch import fx
 
 from .plan import GraphPlan
 
+__all__ = ["add_value_outputs", "append_outputs", "split_values"]
+
 
 def add_value_outputs(gm: fx.GraphModule, plan: GraphPlan) -> List[int]:
     """Append every plan op's tensor outputs to the graph's outputs; return how many per op."""

@@ -10,6 +10,8 @@ from ..grammar import op_ref
 from .kept import inputs_kept
 from .script import expected_counts, write
 
+__all__ = ["failure_repro", "nonfinite_repro"]
+
 
 def _title(event_or_attempt, what: str) -> str:
     site = f" ({event_or_attempt.site})" if event_or_attempt.site else ""

@@ -22,6 +22,8 @@ from torch.nn import functional as F
 from ..errors import ReproError
 from .kept import KeptCall
 
+__all__ = ["expected_counts", "write"]
+
 # Where a torch-level function can be named from, most specific spelling first.
 _NAMESPACES = (("torch.Tensor", torch.Tensor), ("torch.nn.functional", F), ("torch.special", torch.special),
                ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("torch", torch))

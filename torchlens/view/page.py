@@ -15,6 +15,8 @@ import json
 from importlib import resources
 from typing import Sequence
 
+__all__ = ["page"]
+
 
 @functools.lru_cache(maxsize=None)
 def asset(name: str) -> str:

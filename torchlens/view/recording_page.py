@@ -16,6 +16,8 @@ from ..tracking import held, unmeasured_reason
 from .page import page
 from .tree import Tree
 
+__all__ = ["recording_page"]
+
 TAIL_LINES = 20  # a failure's tail, as `partial_trace.narrate(last=20)` prints it
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from ..archive.encode import number
 from .page import page
 
+__all__ = ["report_page"]
+
 _ONE_SIDED = {"only_a": "only in a", "only_b": "only in b"}
 
 

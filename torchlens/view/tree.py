@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Sequence
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OUTPUT, Attempt, BackwardAttempt
 from ..grammar import meta_text, metas_text, render_attempt, site_text
 
+__all__ = ["Tree"]
+
 NONFINITE = 1  # its statistics hold NaN or an infinity
 HIGHLIGHT = 2  # the first non-finite row, which the page opens and leads to
 ATTEMPT = 4  # the call in flight when the run failed, which the page opens and leads to first
