@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["concrete", "element_key", "same_elements"]
+__all__ = ["concrete", "element_key", "element_layout", "same_elements"]
 
 
 def element_key(tensor: torch.Tensor) -> tuple:
@@ -24,12 +24,13 @@ def element_key(tensor: torch.Tensor) -> tuple:
     tensors of one storage with equal keys hold the same elements, each as many times. `elements`
     is the element count when they fill one block of memory (in any order of dimensions); otherwise
     the dimensions as (stride, size) pairs in stride order, size-1 dimensions dropped and a
-    dimension that continues the one below it merged into it. (The eager meter's per-op path: kept
-    to the calls it needs.)"""
-    return tensor.storage_offset(), _elements(tensor), tensor.dtype
+    dimension that continues the one below it merged into it."""
+    return tensor.storage_offset(), element_layout(tensor), tensor.dtype
 
 
-def _elements(tensor: torch.Tensor):
+def element_layout(tensor: torch.Tensor):
+    """The `elements` part of `element_key` (the eager meter's per-op path builds its key from it
+    directly, in as few calls as it can)."""
     if tensor.is_contiguous():
         return tensor.numel()
     merged: list = []

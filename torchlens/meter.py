@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .elements import element_key
+from .elements import element_layout
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
                       sums_of)
@@ -304,6 +304,7 @@ def _same_elements(tensor: torch.Tensor):
 def _identity(tensor: torch.Tensor):
     """`_same_elements` for a tensor already known to qualify."""
     base = tensor._base if tensor._base is not None else tensor
-    return base, (id(base), *element_key(tensor), tensor._version)
+    # (`elements.element_key`, with the base and its version: unchanged since)
+    return base, (id(base), tensor.storage_offset(), element_layout(tensor), tensor.dtype, tensor._version)
 
 
