@@ -24,11 +24,20 @@ from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable,
 from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, is_wrapped,
                     measures, plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
 
-__all__ = ["READ_NOW", "Meter", "Pending"]
+__all__ = ["READ_NOW", "Meter", "Pending", "reads_now"]
 
 # Devices whose values are read as each op completes (no device to wait for). Everything else is
 # read once per forward. Tests empty it to check the deferred discipline without an accelerator.
 READ_NOW = {"cpu"}
+
+
+def reads_now(raising: bool, printed: bool, tracking: bool, tensor) -> bool:
+    """The one rule, for the forward and the backward, for when an output's statistics are read as
+    it is recorded: when `on_nonfinite="raise"` must decide at this op, when its line is printed
+    now, or when tracking can judge it now because its device is read at once (`READ_NOW`: the
+    CPU, with no device to wait for). Otherwise they are read with the rest of the pass, in one
+    read (an accelerator's way)."""
+    return raising or printed or (tracking and tensor is not None and tensor.device.type in READ_NOW)
 
 
 class Pending:

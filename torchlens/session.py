@@ -20,7 +20,7 @@ from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
-from .meter import Meter
+from .meter import Meter, reads_now
 from .tracking import UNINITIALIZED, Tracker
 from .repro.kept import InputKeeper, KeptCall
 
@@ -123,12 +123,12 @@ class Session:
         return event
 
     def _measure(self, event: Event, value):
-        """The statistics of an op's output: read now when its line is printed, when `raise` must
-        decide at once, or when tracking narrates on CPU (no device to wait for); else at the end."""
+        """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
+        (the rule the backward uses too; tracking judges live here only while it narrates)."""
         if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
             return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
-        live = (self.raise_on_nonfinite or (self.narrator is not None and self.narrator.prints(event))
-                or (self._judge_live and _on_cpu(value)))
+        live = reads_now(self.raise_on_nonfinite, self.narrator is not None and self.narrator.prints(event),
+                         self._judge_live, _first_tensor(value))
         return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot
 
     def _judge(self, event: Event) -> list:
@@ -341,11 +341,11 @@ def attach_finding(finding, live: bool) -> None:
         finding.event.finding = finding
 
 
-def _on_cpu(value) -> bool:
-    """Whether an op's output (a tensor, or the first tensor of a tuple) lives on the CPU."""
+def _first_tensor(value):
+    """An op's output, or the first tensor of a tuple of them (None if it has none)."""
     if isinstance(value, (tuple, list)):
         value = next((t for t in value if isinstance(t, torch.Tensor)), None)
-    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def in_chain(target: BaseException, exc: BaseException) -> bool:

@@ -100,9 +100,8 @@ class BackwardRun:
         narrator = self.narrator
         tracker = self.tracker
         if self.meter is not None and measured:
-            at_hand = measured[0].device.type in meter_module.READ_NOW  # no device to wait for
-            live = (narration.raising or (narrator is not None and narrator.prints(event))
-                    or (tracker is not None and at_hand))
+            live = meter_module.reads_now(narration.raising, narrator is not None and narrator.prints(event),
+                                          tracker is not None, measured[0])
             event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
         self.result.events.append(event)
         if self.keeper is not None and measured and event.kind is NODE:
