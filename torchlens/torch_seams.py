@@ -60,7 +60,9 @@ def _probe_transformed_code():
     from torch._dynamo import utils
 
     table = getattr(utils, "orig_code_map", None)
-    return None if isinstance(getattr(table, "values", None), dict) else "torch._dynamo.utils.orig_code_map is not a table"
+    if isinstance(getattr(table, "values", None), dict):
+        return None
+    return "torch._dynamo.utils.orig_code_map is not a table"
 
 
 def _probe_compile_wrapper():
@@ -126,7 +128,9 @@ def _probe_disable_flag():
 
     from torch._dynamo.variables import functions
 
-    return None if "_torchdynamo_disable" in inspect.getsource(functions) else "dynamo no longer reads _torchdynamo_disable"
+    if "_torchdynamo_disable" in inspect.getsource(functions):
+        return None
+    return "dynamo no longer reads _torchdynamo_disable"
 
 
 def _probe_raised_while_tracing():

@@ -59,7 +59,8 @@ class _Table:
                 written = [(position, argument.name) for position, argument in enumerate(schema.arguments)
                            if _writes_tensor(argument, keyword=True)]
                 if written:
-                    self.without_returning[name] = tuple(sorted(set(self.without_returning.get(name, ())) | set(written)))
+                    known = set(self.without_returning.get(name, ()))
+                    self.without_returning[name] = tuple(sorted(known | set(written)))
         for name in _INDEXED_ASSIGNMENT:
             self.without_returning[name] = ((0, "self"),)
         self.python = _python_in_place()

@@ -162,7 +162,8 @@ def _kind(name) -> Optional[FindingKind]:
     try:
         return FindingKind[_expect(name, str, "a finding's kind")]
     except KeyError:
-        raise bad(f"a finding's kind should be one of {', '.join(k.name for k in FindingKind)}, found {name!r}") from None
+        known = ", ".join(kind.name for kind in FindingKind)
+        raise bad(f"a finding's kind should be one of {known}, found {name!r}") from None
 
 
 def events(rows, tables: _Tables, backward: bool) -> List[Event]:

@@ -144,7 +144,8 @@ def _at_node(run, graph, scope: Scope, node, inputs, notes):
         return FailedOp(completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes)
     modules = relative_stack(table, node.meta.get("nn_module_stack"), plan.compiled_in.path)
     site = site_from_stack_trace(node.meta.get("stack_trace"))
-    return FailedOp(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs, notes)
+    return FailedOp(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs,
+                    notes)
 
 
 def _graph_call(scope, arg_metas, notes) -> FailedOp:

@@ -43,6 +43,7 @@ from .stats_pass import measure_returned, read_stats
 
 __all__ = ["CompiledPass", "CompiledRuntime"]
 
+
 class CompiledRuntime:
     """Options, module names and forward count shared by every forward of one compiled model.
 
