@@ -320,7 +320,7 @@ class Session:
 
     @property
     def findings(self) -> tuple:
-        """What non-finite tracking found (`torchlens.tracking.Finding`), in order."""
+        """What non-finite tracking found (`torchlens.findings.Finding`), in order."""
         return tuple(self.tracker.findings) if self.tracker is not None else ()
 
     def attempt_for(self, exc: BaseException) -> Attempt:
