@@ -31,13 +31,20 @@ __all__ = ["READ_NOW", "Meter", "Pending", "reads_now"]
 READ_NOW = {"cpu"}
 
 
-def reads_now(raising: bool, printed: bool, tracking: bool, tensor) -> bool:
+def reads_now(raising: bool, printed: bool, tracking: bool, value) -> bool:
     """The one rule, for the forward and the backward, for when an output's statistics are read as
     it is recorded: when `on_nonfinite="raise"` must decide at this op, when its line is printed
     now, or when tracking can judge it now because its device is read at once (`READ_NOW`: the
     CPU, with no device to wait for). Otherwise they are read with the rest of the pass, in one
-    read (an accelerator's way)."""
-    return raising or printed or (tracking and tensor is not None and tensor.device.type in READ_NOW)
+    read (an accelerator's way). `value`: the output, or a tuple of them (its first tensor's device
+    decides), looked at only when tracking asks."""
+    if raising or printed:
+        return True
+    if not tracking:
+        return False
+    if value.__class__ is not torch.Tensor and isinstance(value, (tuple, list)):
+        value = next((t for t in value if isinstance(t, torch.Tensor)), None)
+    return isinstance(value, torch.Tensor) and value.device.type in READ_NOW
 
 
 class Pending:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import traceback
 from typing import List, NamedTuple, Optional
 
-import torch
 
 from .errors import NonFiniteError
 from .guard import internal_error
@@ -128,7 +127,7 @@ class Session:
         if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
             return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
         live = reads_now(self.raise_on_nonfinite, self.narrator is not None and self.narrator.prints(event),
-                         self._judge_live, _first_tensor(value))
+                         self._judge_live, value)
         return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot
 
     def _judge(self, event: Event) -> list:
@@ -339,13 +338,6 @@ def attach_finding(finding, live: bool) -> None:
     finding.live = live
     if finding.event is not None and finding.event.finding is None:
         finding.event.finding = finding
-
-
-def _first_tensor(value):
-    """An op's output, or the first tensor of a tuple of them (None if it has none)."""
-    if isinstance(value, (tuple, list)):
-        value = next((t for t in value if isinstance(t, torch.Tensor)), None)
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def in_chain(target: BaseException, exc: BaseException) -> bool:

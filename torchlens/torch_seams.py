@@ -219,6 +219,8 @@ def check() -> Dict[str, Optional[str]]:
 def degraded(name: str, why) -> None:
     """The code using seam `name` found torch otherwise shaped (`why`: a reason or an exception):
     say once, in this process, what the user loses."""
+    if name in _warned:  # (the common case once said: no lock)
+        return
     seam = _by_name[name]
     with _lock:
         if name in _warned:

@@ -118,8 +118,11 @@ class CompiledGraph:
         run = active_pass()
         if run is None:
             return
-        with guarded("narrating a compiled op", run.session.mark_incomplete), run.own_work():
-            run.emit_live(self, index, value)
+        try:  # (once per op: inline, not a `guarded` block)
+            with run.own_work():
+                run.emit_live(self, index, value)
+        except Exception as exc:
+            contain(exc, "narrating a compiled op", run.session.mark_incomplete)
 
 
 def instrument_live(gm: fx.GraphModule, plan: GraphPlan, emit: Callable[[int, object], None]) -> fx.GraphModule:

@@ -406,13 +406,11 @@ def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
             if event is not None:
                 resolved.append(event)
         elif ref[1] < len(args) and isinstance(args[ref[1]], torch.Tensor):
-            tensor = args[ref[1]]
-            if ref[1] in written_inputs:
-                known = tracker.provenance.sources_of((tensor,))
-                resolved.extend(tracker.origin_of(tensor))
+            tensor, written = args[ref[1]], ref[1] in written_inputs
+            known = tracker.provenance.sources_of((tensor,)) if written else None
+            resolved.extend(tracker.origin_of(tensor))
+            if written:
                 tracker.provenance.met_after_writing((tensor,), known)
-            else:
-                resolved.extend(tracker.origin_of(tensor))
     return tuple(resolved), carried
 
 
