@@ -830,6 +830,22 @@ def test_graphs_released_unbackwarded_past_the_limit_are_said_in_the_footer():
     assert footer.startswith("no non-finite gradients in the")  # nothing claimed of them
 
 
+def test_a_backward_without_tracking_still_says_what_it_left_unnarrated():
+    """The forward's footer and the backward's say the same of a pass not wholly recorded, with or
+    without tracking: here, graphs released before the backward reached them."""
+    class Tanh(OneLinear):
+        def forward(self, x):
+            return torch.tanh(self.fc(x)).sum()
+
+    model = Tanh()
+    with tl.recording.Recorder(model, backward=True, value_stats="exact") as rec:
+        loss = sum(model(torch.randn(2, 3)) for _ in range(10))
+        loss.backward()
+    extra = rec.recordings[-1].backward[0].footer_extra
+    assert extra[0] == "value_stats=exact"
+    assert extra[-1].startswith("not everything after the graphs of 2 earlier passes were released"), extra
+
+
 # -- compare: gradients aligned too ------------------------------------------------------------------------
 
 

@@ -137,12 +137,13 @@ def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch, options)
     """Whichever path records an op (the short one of metadata-only captures, or the general one),
     a failure of torchlens there warns once, the forward's output is untouched, and the verdict
     does not claim what was not recorded."""
-    from torchlens import session
+    from torchlens import pipeline, session
 
     def broken(self, *a, **k):
         raise ZeroDivisionError("torchlens bug")
 
-    monkeypatch.setattr(session.Session, "add_op", broken)
+    monkeypatch.setattr(session.Session, "add_op", broken)  # the metadata-only path
+    monkeypatch.setattr(pipeline.Pipeline, "op", broken)  # the general one
     model, x = tiny_gpt(), tokens()
     lines = []
     with pytest.warns(tl.errors.NarrationWarning, match="torchlens bug"):

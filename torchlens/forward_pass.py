@@ -1,9 +1,10 @@
 """One forward pass, from its inputs to its `Recording`: the lifecycle both substrates share.
 
 Words used across the package: a *pass* is one forward of a model; `ForwardPass` (here) is its
-lifecycle — it owns the `Session` (the pass's event record), the `Narrator` it feeds (unless a
-`Recorder` shares one across passes), the `Meter` that measures values and the `ValueKeeper` of
-`tl.trace`; a `Recording` (or, on failure, a `PartialTrace`) is what the pass leaves the user.
+lifecycle — it owns the `Session` (the pass's event log), the `Narrator` it feeds (unless a
+`Recorder` shares one across passes) and the `Pipeline` every value the substrate sees goes
+through (measured, judged, logged, kept: `torchlens.pipeline`); a `Recording` (or, on failure, a
+`PartialTrace`) is what the pass leaves the user.
 
 A substrate adds only how ops are seen: `eager.runner.EagerPass` is a `ForwardPass` plus module
 hooks and the capture mode; `fx_backend.runtime.CompiledPass` is a `ForwardPass` plus compiled
@@ -28,6 +29,7 @@ from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording
 from .guard import guarded, internal_error
+from .pipeline import Pipeline
 from .session import Session
 from .meter import Meter
 from .structure import named_outputs
@@ -62,12 +64,11 @@ class ForwardPass:
             narrator = self._owned_narrator = Narrator(settings.narration)
         self.narrator = narrator
         try:
-            self.session = Session(settings, root, narrator, header, tensor_names=tensor_names)
-            meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
-            if meter.active:
-                self.session.meter = meter
+            self.session = Session(settings, root, narrator, header)
             self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
                            if settings.keep_values else None)
+            meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+            self.pipeline = Pipeline(self.session, meter, tensor_names, self.keeper, self.roots)
         except BaseException:
             self.close()  # the sink it opened
             raise
@@ -81,15 +82,11 @@ class ForwardPass:
         a key's `repr`, a dataclass field). A deliberate stop (`on_nonfinite="raise"` on a NaN
         input, a trace budget the inputs exceed) propagates; any other failure here is torchlens's
         own, reported, and the forward goes on with its recording marked incomplete."""
-        session, keeper = self.session, self.keeper
-        with self.own_work(), guarded("recording the forward's inputs", session.mark_incomplete,
+        pipeline = self.pipeline
+        with self.own_work(), guarded("recording the forward's inputs", self.session.mark_incomplete,
                                       "an internal error recording the inputs"):
             for label, tensor in inputs():
-                event = session.add_input(label, (TensorMeta.of(tensor),), value=tensor)
-                if keeper is not None:
-                    keeper(event, tensor)
-                if self.roots is not None:
-                    self.roots.note_input(label, tensor)
+                pipeline.input(label, (TensorMeta.of(tensor),), tensor)
 
     def finish(self, output, notes: Callable[[], Sequence[str]] = tuple) -> Recording:
         """The recording of the forward that returned `output`, with `notes()` on how it ran (footer).
@@ -102,9 +99,9 @@ class ForwardPass:
             try:
                 outputs = named_outputs(output)
                 for label, tensor in outputs:
-                    session.add_output(label, (TensorMeta.of(tensor),), tensor)
+                    self.pipeline.output(label, (TensorMeta.of(tensor),), tensor)
                 session.footer_extra.extend(notes())
-                recording = session.finish(output)
+                recording = session.finish(output, self.pipeline)
             except Exception as exc:
                 internal_error("finishing the recording", exc)
                 return Recording(session.events, output, self.settings)
@@ -116,14 +113,14 @@ class ForwardPass:
         roots = self.roots
         if roots is None or not (roots.items or any(t.requires_grad for _, t in outputs)):
             return
-        self.roots = None
+        self.roots = self.pipeline.roots = None
         with guarded("hooking the backward"):
             self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
         """The partial trace of a forward that raised `exc`, attached to it. Never raises."""
         with self.own_work():
-            return self.session.fail(exc)
+            return self.session.fail(exc, self.pipeline)
 
     def close(self) -> None:
         """Close the sink this pass opened (not a shared one). Safe to call twice."""

@@ -33,8 +33,9 @@ import torch
 from .events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, BackwardAttempt, Event, TensorMeta
 from .stats_text import stats_text
 
-__all__ = ["UNFINISHED_NOTE", "backward_footer_parts", "compiled_run_note", "device_name", "dtype_name", "footer_parts",
-           "meta_text", "metas_text", "op_ref", "opaque_calls_note", "plural", "render_attempt",
+__all__ = ["UNFINISHED_NOTE", "backward_footer_parts", "compiled_run_note", "device_name", "dtype_name",
+           "footer_parts", "measurement_notes", "meta_text", "metas_text", "op_ref", "opaque_calls_note", "plural",
+           "render_attempt",
            "render_dropped_events_note", "render_earlier_lines_note", "render_event", "render_failure",
            "render_failure_header", "render_footer", "render_limit_note", "render_note", "shape_text", "site_text"]
 
@@ -323,6 +324,18 @@ def compiled_run_note(graph_calls: int, ops_between: int) -> str:
 
 
 UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
+
+
+def measurement_notes(value_stats: str, verdict: Optional[str], incomplete: Optional[str]) -> List[str]:
+    """The footer's words on what a pass (forward or backward) measured: the statistics rung, then
+    tracking's `verdict` (which says in its own words what went unrecorded), or, without tracking,
+    that not everything after `incomplete` was recorded."""
+    notes = [f"value_stats={value_stats}"] if value_stats != "off" else []
+    if verdict is not None:
+        notes.append(verdict)
+    elif incomplete:
+        notes.append(f"not everything after {incomplete} was recorded")
+    return notes
 
 
 def footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: Iterable[str] = ()) -> List[str]:

@@ -1,9 +1,11 @@
-"""One forward pass being recorded: the seam between a substrate and everything downstream.
+"""One forward pass's event log: ops numbered, module nesting kept balanced, each event narrated live.
 
-A substrate (eager hooks, or a compiled graph's plan) reports what happens — inputs, ops, module
-enters and exits, outputs, a failure — and the session numbers the ops, keeps module nesting
-balanced, stores the events, hands each one to the live narrator, and at the end produces a
-`Recording` (or, on failure, a `PartialTrace` attached to the user's exception).
+A substrate (eager hooks, or a compiled graph's plan) reports module enters and exits and failed
+calls here directly, and the values it sees through the pass's `pipeline.Pipeline` (which
+measures and judges them before they are appended). Every event enters the log through `append`
+(a compiled graph's replayed run of events through `append_segment`); the metadata-only capture's
+`add_op` is `append`'s body inlined, the hot path. At the end the session produces a `Recording`
+(or, on failure, a `PartialTrace` attached to the user's exception).
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ from typing import List, NamedTuple, Optional
 
 from .errors import NonFiniteError
 from .guard import internal_error
-from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope, Stats
+from .events import ENTER, EXIT, OP, Attempt, Event, Scope
 from .narrator import Narrator
 from .options import Settings
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
-from .meter import Meter, reads_now
-from .tracking import UNINITIALIZED, Tracker
-from .repro.kept import InputKeeper, KeptCall
+from .repro.kept import KeptCall
 
 __all__ = ["Session", "attach", "attach_finding", "error_summary", "in_chain", "nonfinite_message"]
 
@@ -45,7 +45,7 @@ class Session:
     """
 
     def __init__(self, settings: Settings, root: Scope, narrator: Optional[Narrator] = None,
-                 header: Optional[str] = None, tensor_names=dict):
+                 header: Optional[str] = None):
         self.settings = settings
         self.root = root
         self.narrator = narrator
@@ -57,17 +57,7 @@ class Session:
         self.failed_call: Optional[FailedCall] = None  # the last torch call that raised
         self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
         self.footer_extra: List[str] = []
-        self.meter: Optional[Meter] = None  # set by a substrate that measures values itself (eager)
-        self.raise_on_nonfinite = settings.on_nonfinite == "raise"
-        # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
-        self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
-        # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
-        self.kept_inputs = InputKeeper() if self.tracker is not None else None
-        self._outputs = []  # (label, tensor) of the forward's outputs, for the tracker
         self.incomplete: Optional[str] = None  # why some of the forward went unrecorded, if it did
-        # Tracking while narrating: CPU statistics are read as each op completes (there is no
-        # device to wait for), so a finding's `!!` line follows its op whatever the selection.
-        self._judge_live = self.tracker is not None and narrator is not None
         if narrator is not None:
             narrator.begin_pass(header)
 
@@ -75,73 +65,35 @@ class Session:
 
     def append(self, event: Event) -> Event:
         """Add an event to the pass's log (after the exits of modules an exception caught inside the
-        forward unwound through), and hand it to the live narrator."""
+        forward unwound through), and hand it to the live narrator: the one way into the log."""
         if self._unwound:
             self._recover()
-        return self._append(event)
-
-    def _append(self, event: Event) -> Event:
         self.events.append(event)
         if self.narrator is not None:
             self.narrator.feed(event)
         return event
 
-    def add_input(self, label: str, metas, site=None, value=None) -> Event:
+    def op_event(self, op: str, metas, site=None, stats=None) -> Event:
+        """The next op's event, numbered and placed in the open module (not yet in the log)."""
         self.ordinal += 1
-        event = self._measured(Event(INPUT, self.ordinal, "input", self.root, metas, site, None, label), value)
-        if self.tracker is not None and value is not None:
-            self.tracker.produced(event, value)
-        return event
+        self.failed_call = None
+        return Event(OP, self.ordinal, op, self.scope, metas, site, stats, None)
 
-    def add_op(self, op: str, metas, site=None, stats=None, value=None, reads=None) -> Event:
-        """Record an op, with its `stats`, or with its output `value` for the meter to measure;
-        `reads` is what it read, when non-finite values are tracked (see `torchlens.tracking`).
+    def add_op(self, op: str, metas) -> Event:
+        """Record an op that needs no measuring, judging or keeping (the metadata-only capture).
 
-        The hot path of every capture: kept flat on purpose (the common case, no meter and no
-        unwound modules, is three attribute checks, an append and the narrator).
+        The hot path of every narrated forward: `op_event` and `append` inlined on purpose (the
+        common case is two attribute checks, an append and the narrator).
         """
         self.ordinal += 1
         self.failed_call = None
-        event = Event(OP, self.ordinal, op, self.scope, metas, site, stats, None)
-        if reads is not None:
-            event.reads = reads
-        if self.meter is not None or self._unwound:
-            return self._measured(event, value)
+        event = Event(OP, self.ordinal, op, self.scope, metas, None, None, None)
+        if self._unwound:
+            self._recover()
         self.events.append(event)
         if self.narrator is not None:
             self.narrator.feed(event)
         return event
-
-    def _measured(self, event: Event, value) -> Event:
-        if self.meter is not None and value is not None:
-            event.stats = self._measure(event, value)
-        findings = self._judge(event) if self.tracker is not None else ()
-        self.append(event)
-        if self.raise_on_nonfinite and findings:  # the NaN at this op; its message names the cause
-            raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
-        return event
-
-    def _measure(self, event: Event, value):
-        """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
-        (the rule the backward uses too; tracking judges live here only while it narrates)."""
-        if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
-            return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
-        live = reads_now(self.raise_on_nonfinite, self.narrator is not None and self.narrator.prints(event),
-                         self._judge_live, value)
-        return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot
-
-    def _judge(self, event: Event) -> list:
-        """The tracker's findings made now; those about this very op get their `!!` line after it."""
-        findings = self.tracker.judge(event)
-        for finding in findings:
-            attach_finding(finding, finding.live and finding.event is event)
-        return findings
-
-    def add_output(self, label: str, metas, value=None) -> Event:
-        if self.tracker is not None and value is not None:
-            self._outputs.append((label, value))
-        self.move_to(self.root)
-        return self.append(Event(OUTPUT, self.ordinal, "output", self.root, metas, None, None, label))
 
     def enter(self, scope: Scope) -> None:
         self.append(Event(ENTER, self.ordinal, scope.type_name, scope))
@@ -178,7 +130,7 @@ class Session:
         self._record_exit(scope)
 
     def _record_exit(self, scope: Scope) -> None:
-        self._append(Event(EXIT, self.ordinal, scope.type_name, scope))
+        self.append(Event(EXIT, self.ordinal, scope.type_name, scope))
         self.scope = scope.parent
 
     def _recover(self) -> None:
@@ -186,7 +138,7 @@ class Session:
         unwound, self._unwound = self._unwound, []
         self.failed_call = None
         for scope in unwound:
-            self._append(Event(EXIT, self.ordinal, scope.type_name, scope))
+            self.append(Event(EXIT, self.ordinal, scope.type_name, scope))
 
     def move_to(self, target: Scope) -> None:
         """Record the exits and enters that take the open module stack to `target`.
@@ -240,9 +192,11 @@ class Session:
 
     # -- ending the pass ------------------------------------------------------------------------
 
-    def finish(self, output) -> Recording:
+    def finish(self, output, pipeline) -> Recording:
+        """The recording of the forward that returned `output`; `pipeline` (`pipeline.Pipeline`)
+        measured and judged its values, and settles them into the footer first."""
         self.move_to(self.root)
-        self._settle_stats()
+        pipeline.settle()
         if self.narrator is not None:
             self.narrator.end_pass(self.footer_extra)
         cls = Trace if self.values is not None else Recording
@@ -253,21 +207,18 @@ class Session:
             header=self.header,
             footer_extra=list(self.footer_extra),
             values=self.values,
-            findings=self.findings,
+            findings=pipeline.findings,
         )
-        made.kept_calls = self._kept_calls()
+        made.kept_calls = pipeline.kept_calls
         return made
 
-    def _kept_calls(self) -> dict:
-        return self.kept_inputs.calls if self.kept_inputs is not None else {}
-
-    def fail(self, exc: BaseException) -> PartialTrace:
+    def fail(self, exc: BaseException, pipeline) -> PartialTrace:
         """Build the partial trace for `exc`, narrate the tail, and attach both to the exception.
 
         Never raises: a problem here is reported as a warning and the user's exception goes on.
         """
         try:
-            self._settle_stats()
+            pipeline.settle()
             attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc)
             error = error_summary(exc)
             partial = PartialTrace(
@@ -277,11 +228,11 @@ class Session:
                 header=self.header,
                 footer_extra=[],
                 values=self.values,
-                findings=self.findings,
+                findings=pipeline.findings,
                 attempt=attempt,
                 error=error,
             )
-            partial.kept_calls = self._kept_calls()
+            partial.kept_calls = pipeline.kept_calls
             if self.narrator is not None:
                 self.narrator.fail(self.events, attempt, error)
             attach(exc, partial)
@@ -289,38 +240,6 @@ class Session:
         except Exception as inner:
             internal_error("building the partial trace", inner)
             return None
-
-    def _settle_stats(self) -> None:
-        """Read what statistics are still on the device, and summarise tracking in the footer."""
-        try:
-            if self.meter is not None:
-                self.meter.flush()
-        except Exception as exc:
-            internal_error("reading value statistics", exc)
-        settings = self.settings
-        if settings.value_stats != "off":
-            self.footer_extra.append(f"value_stats={settings.value_stats}")
-        tracker = self.tracker
-        if tracker is None and self.incomplete:  # (tracking's verdict says it in its own words)
-            self.footer_extra.append(f"not everything after {self.incomplete} was recorded")
-        if tracker is not None:
-            try:
-                for finding in tracker.judge_rest():
-                    # with no live narration, nothing was printed it must match: the note shows
-                    attach_finding(finding, finding.live and self.narrator is None)
-                for label, value in self._outputs:
-                    tracker.output_reached(label, value)
-                self.footer_extra.append(tracker.summary(self.incomplete))
-                for event in self.events:  # provenance served its purpose: keep no pass alive by it
-                    event.reads = None
-            except Exception as exc:
-                internal_error("judging non-finite values", exc)
-                self.footer_extra.append("non-finite tracking failed: no verdict")
-
-    @property
-    def findings(self) -> tuple:
-        """What non-finite tracking found (`torchlens.findings.Finding`), in order."""
-        return tuple(self.tracker.findings) if self.tracker is not None else ()
 
     def attempt_for(self, exc: BaseException) -> Attempt:
         failed = self.failed_call

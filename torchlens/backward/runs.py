@@ -12,6 +12,7 @@ import torch
 
 from .. import meter as meter_module
 from ..errors import NonFiniteError
+from ..grammar import measurement_notes
 from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
 from ..meter import Meter
 from ..narrator import Narrator
@@ -129,10 +130,8 @@ class BackwardRun:
         extra = result.footer_extra
         try:
             self._settle()
-            if self.narration.settings.value_stats != "off":
-                extra.append(f"value_stats={self.narration.settings.value_stats}")
-            if self.tracker is not None:
-                extra.append(self.tracker.summary(self.incomplete))
+            verdict = self.tracker.summary(self.incomplete) if self.tracker is not None else None
+            extra.extend(measurement_notes(self.narration.settings.value_stats, verdict, self.incomplete))
         except Exception as exc:
             internal_error("ending the backward's narration", exc)
         result.finished = True

@@ -29,17 +29,15 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..errors import NonFiniteError
 from ..events import TensorMeta
-from ..provenance import LazyReads
-from ..tracking import can_hold_nonfinite
+from ..pipeline import Call, Pipeline
 from ..repro.kept import KeptCall
 from ..guard import contain, guarded, internal_error, is_stop
-from ..session import Session, error_summary
+from ..session import error_summary
 from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
-from ..writes import call_writes, written_tensor
+from ..writes import written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
 from ..mode_stack import own_work, remove_mode
@@ -148,16 +146,17 @@ def _any_meta(tensor) -> TensorMeta:
 
 
 class OpReporter:
-    """What `CaptureMode` reports each torch call to: records it as an op in the session.
+    """What `CaptureMode` reports each torch call to: records it as an op through the pass's
+    `Pipeline` (or, metadata only, straight into its session).
 
     Subclasses decide which module an op belongs to: eager capture knows it from module hooks
     (the session's current scope), the compiled path's gap capture reads it from the stack.
     """
 
-    def __init__(self, session: Session, keeper=None):
-        self.session = session
-        self.sites = session.settings.sites
-        self.keeper = keeper  # `tl.trace`'s ValueKeeper, called as keeper(event, output) after each op
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.session = pipeline.session
+        self.sites = self.session.settings.sites
         # Two reasons to stay silent: `suspended` (a count) while torchlens's own work or a compiled
         # graph runs, resumed after it; `off` for the rest of the forward, after a failure of our own.
         self.suspended = 0
@@ -165,7 +164,6 @@ class OpReporter:
         self.ops = 0  # ops recorded through `record_op` (what the gap capture counts for the footer)
         self.nested = False  # another capture's mode is below ours in this thread
         self.lean = False  # whether ops may take `plain_op_done` (set by a capture that allows it)
-        self.roots = None  # with `backward=True`: the nodes each op feeds autograd (`backward.GradientRoots`)
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
     reports_graph_calls = False  # whether compiled graph calls inside its forward are its ops
@@ -217,42 +215,12 @@ class OpReporter:
         return True
 
     def record_op(self, name: str, metas, site, out, args, kwargs=None, func=None, wrote=None) -> None:
-        """Add an op to the session, with what it read when tracking, and keep its output (`tl.trace`).
-        With tracking, an op whose output is measured non-finite may keep its inputs (`func` and
-        its arguments) for a one-op repro: see `torchlens.repro.kept`. Whether the call wrote into
-        its arguments is `writes.call_writes`'s rule unless the caller knows (`wrote`)."""
-        session = self.session
-        tracker = session.tracker
-        if tracker is None:
-            event = session.add_op(name, metas, site, None, out)
-        elif not can_hold_nonfinite(metas):
-            # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
-            # for; what it produced or wrote is still registered: a later reader's origin, a float
-            # view of the memory it wrote)
-            event = session.add_op(name, metas, site, None, out)
-            tracker.produced(event, out, *_written_into(name, args, kwargs, wrote))
-        else:
-            reads = LazyReads(tracker, args, kwargs or {})
-            written_into = _written_into(name, args, kwargs, wrote)
-            if written_into[0] or written_into[1]:
-                reads.resolve_written(out)  # (wrote into its argument: see `LazyReads.resolve_written`)
-            try:
-                event = session.add_op(name, metas, site, None, out, reads)
-            except NonFiniteError:  # `on_nonfinite="raise"` stops at this op: keep what it read first
-                session.kept_inputs.consider(session.events[-1], func, out, args, kwargs)
-                raise
-            nonfinite = event.stats is not None and event.stats.nonfinite
-            if nonfinite:
-                session.kept_inputs.consider(event, func, out, args, kwargs)
-            if nonfinite or tracker.waiting(event):
-                reads.resolve()  # before its outputs are registered below
-            else:
-                event.reads = None  # judged finite: what it read is never asked for
-            tracker.produced(event, out, *written_into)
-        if self.keeper is not None:
-            self.keeper(event, out)
-        if self.roots is not None:
-            self.roots.note(event, out)
+        """Add an op through the pipeline: its output measured, judged with what it read, kept.
+        Whether the call wrote into its arguments is `writes.call_writes`'s rule unless the caller
+        knows (`wrote`)."""
+        pipeline = self.pipeline
+        # (only tracking asks what a call read and wrote: without it, no `Call` is made per op)
+        pipeline.op(name, metas, site, out, call=None if pipeline.tracker is None else Call(func, args, kwargs, wrote))
         self.ops += 1
 
     def op_raised(self, func, args, kwargs, exc) -> None:
@@ -267,21 +235,19 @@ class OpReporter:
 
 
 class EagerCapture(OpReporter):
-    """Installs the mode and module hooks for one forward and reports to its `Session`."""
+    """Installs the mode and module hooks for one forward and reports to its `Pipeline`."""
 
     reports_graph_calls = True
 
-    def __init__(self, session: Session, scopes: ScopeTable, keeper=None, nested: bool = False, roots=None):
-        super().__init__(session, keeper)
-        self.roots = roots
+    def __init__(self, pipeline: Pipeline, scopes: ScopeTable, nested: bool = False):
+        super().__init__(pipeline)
         self.scopes = scopes
         self.thread = _get_ident()
         self._mode = CaptureMode(self)
         self._handles = []
         self._counted = False
         self.nested = nested  # another capture was active when this forward began (see `ForwardPass`)
-        self.lean = not (self.nested or self.sites or keeper is not None or session.meter is not None
-                         or session.tracker is not None or roots is not None)
+        self.lean = not (self.nested or self.sites) and pipeline.lean
         self.scripted = 0  # TorchScript calls narrated as one op each
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
@@ -452,14 +418,6 @@ class EagerCapture(OpReporter):
 
 
 _ScriptModule = torch.jit.ScriptModule
-
-
-def _written_into(name: str, args, kwargs, wrote=None) -> tuple:
-    """(args, kwargs) of a call that wrote into its arguments, for `Tracker.produced`; ((), None)
-    for one that did not (an output that is one of its arguments is then not a write: `contiguous`
-    and `to` return their argument unchanged)."""
-    writes = call_writes(name, args, kwargs) if wrote is None else wrote
-    return (args, kwargs) if writes else ((), None)
 
 
 def exclude_from_dynamo(*functions) -> None:

@@ -35,7 +35,7 @@ class EagerPass(ForwardPass):
         check_selection(settings, self.scopes.paths)
         super().__init__(settings, self.scopes.root_scope, lambda: tensor_names(model), header, narrator, backward)
         try:
-            self.capture = EagerCapture(self.session, self.scopes, self.keeper, self.nested, self.roots)
+            self.capture = EagerCapture(self.pipeline, self.scopes, self.nested)
         except BaseException:
             super().close()  # the sink it opened
             raise

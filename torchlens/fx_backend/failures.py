@@ -84,7 +84,7 @@ def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
 def _wants_values(run) -> bool:
     """Whether the ops completed before a failure need their values: statistics, tracking or a
     trace's kept values (a `tl.trace` that fails compares up to the failure)."""
-    meter = run.session.meter
+    meter = run.pipeline.meter
     return run.keeper is not None or (meter is not None and meter.active)
 
 

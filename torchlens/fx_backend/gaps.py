@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..eager.capture import OpReporter
 from ..scopes import ScopeTable
-from ..session import Session
+from ..pipeline import Pipeline
 
 __all__ = ["GapCapture"]
 
@@ -20,8 +20,8 @@ __all__ = ["GapCapture"]
 class GapCapture(OpReporter):
     """The capture `CaptureMode` reports to during a compiled forward."""
 
-    def __init__(self, session: Session, scopes: ScopeTable, keeper=None):
-        super().__init__(session, keeper)
+    def __init__(self, pipeline: Pipeline, scopes: ScopeTable):
+        super().__init__(pipeline)
         self.scopes = scopes
 
     follows_stack = True

@@ -75,8 +75,8 @@ class CompiledRuntime:
             call = dynamo_seams.current_call()
             if call is None or current is not None:
                 return _nothing  # a compiled callable called inside a forward already being narrated
-            run = self.start(call, push_mode=True)
-            return run.cleanup if run is not None else _nothing
+            forward = self.start(call, push_mode=True)
+            return forward.cleanup if forward is not None else _nothing
         except Exception as exc:  # (a stop: on_nonfinite="raise" found a NaN in the inputs)
             contain(exc, "starting a compiled forward")
             return _nothing
@@ -89,30 +89,30 @@ class CompiledRuntime:
         """
         if active_pass() is not None:
             return
-        run = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
-        if run is None:
+        forward = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
+        if forward is None:
             return
-        run.mode_pushed = dynamo_seams.adopt_mode_for_this_compile(run.mode)
-        if not dynamo_seams.when_call_ends(call, run.cleanup):
-            run.call = call._replace(frame=None)  # ended when the next call begins
+        forward.mode_pushed = dynamo_seams.adopt_mode_for_this_compile(forward.mode)
+        if not dynamo_seams.when_call_ends(call, forward.cleanup):
+            forward.call = call._replace(frame=None)  # ended when the next call begins
 
     def start(self, call: Optional[dynamo_seams.CompiledCall], push_mode: bool) -> Optional["CompiledPass"]:
         """The one way a compiled pass begins: for a wrapper `call` in progress, or (None) for a
         graph called outside any (then the graph call is the whole pass). None if it cannot."""
-        run = None
+        forward = None
         try:
             if self.backward is not None:
                 self.backward.settle()
             self.passes += 1
-            run = CompiledPass(self, header=f"pass {self.passes}", call=call)
-            run.begin(push_mode)
-            return run
+            forward = CompiledPass(self, header=f"pass {self.passes}", call=call)
+            forward.begin(push_mode)
+            return forward
         except Exception as exc:
-            if run is not None:
+            if forward is not None:
                 if is_stop(exc):
-                    run.end(False, exc=exc)  # the partial trace of the inputs, attached to the stop
+                    forward.end(False, exc=exc)  # the partial trace of the inputs, attached to the stop
                 else:
-                    run.close()
+                    forward.close()
             contain(exc, "starting a compiled forward")
             return None
 
@@ -171,9 +171,8 @@ class CompiledPass(ForwardPass):
         self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
         self._fast_paths_kept = False
         try:
-            self.gaps = GapCapture(self.session, scopes, self.keeper)
+            self.gaps = GapCapture(self.pipeline, scopes)
             self.gaps.nested = self.nested  # inside an eager capture's forward
-            self.gaps.roots = self.roots
             self.mode = CaptureMode(self.gaps)
             keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
             self._fast_paths_kept = True
@@ -250,8 +249,8 @@ class CompiledPass(ForwardPass):
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
         if layout.after_call:
-            return measure_returned(layout.slots, vector, self.session.meter, numels)
-        values = self.session.meter.read_along(vector)
+            return measure_returned(layout.slots, vector, self.pipeline.meter, numels)
+        values = self.pipeline.meter.read_along(vector)
         return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
@@ -274,25 +273,20 @@ class CompiledPass(ForwardPass):
         ops' outputs, in live mode) for the eager meter to measure and the keeper to keep; `kept`
         are the outputs a graph returned for `tl.trace(..., compiled=True)`. With tracking, `args`
         are the graph call's inputs and `events` the call's events so far, by op index."""
-        session = self.session
-        tracker = session.tracker
+        session, pipeline = self.session, self.pipeline
+        tracker = pipeline.tracker
         scopes = plan.op_scopes(self.runtime.scopes, scope)
         for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
             if scopes[op.index] is not session.scope:
                 session.move_to(scopes[op.index])
-            value = None if values is None else values[offset]
             reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events,
                                                                           plan.written_inputs)
-            event = session.add_op(op.op, metas, op.site, stats=None if stats is None else stats[op.index], value=value,
-                                   reads=reads)
+            # (live: each op's value is its own, measured and noted as an eager op's would be)
+            event = pipeline.op(op.op, metas, op.site, value=None if values is None else values[offset],
+                                stats=None if stats is None else stats[op.index], reads=reads,
+                                kept=None if kept is None else kept[op.index])
             if events is not None:
                 events[op.index] = event
-            if value is not None and self.roots is not None:  # live: each op's nodes are its own
-                self.roots.note(event, value)
-            if self.keeper is not None:
-                output = kept[op.index] if kept is not None else value
-                if output is not None:
-                    self.keeper(event, output)
 
     # -- live mode ------------------------------------------------------------------------------
 
@@ -332,12 +326,11 @@ class CompiledPass(ForwardPass):
     def graph_outputs(self, plan: GraphPlan, events: dict, out) -> None:
         """With tracking: the graph's outputs were produced by these ops (code after the graph,
         or the next graph, reads them)."""
-        tracker = self.session.tracker
-        if tracker is None or out is None:
+        if self.pipeline.tracker is None or out is None:
             return
         for index, value in zip(plan.outputs, out if isinstance(out, (tuple, list)) else (out,)):
             if index is not None and index in events and isinstance(value, torch.Tensor):
-                tracker.produced(events[index], value)
+                self.pipeline.produced(events[index], value)
 
     # -- ending -----------------------------------------------------------------------------------
 

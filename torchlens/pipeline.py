@@ -1,0 +1,221 @@
+"""The per-value work of one forward pass, written once for every substrate.
+
+Eager capture, the compiled plans and the code between compiled graphs each see values in their
+own way; what happens to a value once seen is the same for all of them and lives here:
+
+    decide when it is read      `meter.reads_now`: now (tracking narrated live, `raise`, a line
+                                that prints), or with the rest at the end of the pass
+    measure                     `Meter.measure_output` (never raises: "n/a" when it cannot)
+    judge                       `Tracker.judge`, with what the op read (`reads`)
+    log and narrate             `Session.append`: the event log and the live narrator
+    keep                        `tl.trace`'s `ValueKeeper`, and the inputs of the first op to
+                                introduce a kind of non-finite value (`repro.kept.InputKeeper`)
+    note autograd's nodes       `backward.GradientRoots`, with `backward=True`
+    register what it produced   `Tracker.produced`: the origin of what later ops read
+
+A substrate tells `input`, `op` and `output`; `settle` ends the pass's measuring and judging. The
+metadata-only capture (no statistics, tracking, kept values or roots) skips all of this: it goes
+straight to `Session.add_op`, the hot path of every narrated forward.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+from .errors import NonFiniteError
+from .events import INPUT, OUTPUT, Event, Stats
+from .grammar import measurement_notes
+from .guard import internal_error
+from .meter import Meter, reads_now
+from .provenance import LazyReads
+from .repro.kept import InputKeeper
+from .session import Session, attach_finding, nonfinite_message
+from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
+from .writes import call_writes
+
+__all__ = ["Call", "Pipeline"]
+
+
+class Call(NamedTuple):
+    """The torch call an eager op was, for what the pipeline derives from it: what the op read
+    (tracking), whether it wrote into its arguments (`writes.call_writes`, unless the caller knows:
+    `wrote`), and the inputs a one-op repro replays."""
+
+    func: object
+    args: tuple
+    kwargs: Optional[dict] = None
+    wrote: Optional[bool] = None
+
+    def written_into(self, name: str) -> tuple:
+        """(args, kwargs) for `Tracker.produced` when the call (the op `name`) wrote into its
+        arguments, else ((), None) (an output that is one of its arguments is then not a write:
+        `contiguous` and `to` return their argument unchanged)."""
+        writes = call_writes(name, self.args, self.kwargs) if self.wrote is None else self.wrote
+        return (self.args, self.kwargs) if writes else ((), None)
+
+
+class Pipeline:
+    """Measures, judges, logs, keeps and registers each value one forward's substrate reports.
+
+    `keeper` is `tl.trace`'s (None otherwise); `roots` collects the autograd nodes the ops feed
+    (`backward=True` with a graph being built; None otherwise).
+    """
+
+    def __init__(self, session: Session, meter: Optional[Meter], tensor_names, keeper=None, roots=None):
+        settings = session.settings
+        self.session = session
+        self.meter = meter if meter is not None and meter.active else None
+        # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
+        self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
+        # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
+        self.kept_inputs = InputKeeper() if self.tracker is not None else None
+        self.keeper = keeper
+        self.roots = roots
+        self.raising = settings.on_nonfinite == "raise"
+        # Tracking while narrating: CPU statistics are read as each op completes (there is no
+        # device to wait for), so a finding's `!!` line follows its op whatever the selection.
+        self._judge_live = self.tracker is not None and session.narrator is not None
+        self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
+
+    @property
+    def lean(self) -> bool:
+        """Whether nothing here has work to do: ops may go straight to `Session.add_op`."""
+        return self.meter is None and self.tracker is None and self.keeper is None and self.roots is None
+
+    # -- what substrates report -----------------------------------------------------------------
+
+    def input(self, label: str, metas, value) -> Event:
+        session = self.session
+        session.ordinal += 1
+        event = self._observe(Event(INPUT, session.ordinal, "input", session.root, metas, None, None, label), value)
+        if self.tracker is not None:
+            self.tracker.produced(event, value)
+        self._keep(event, value)
+        if self.roots is not None:
+            self.roots.note_input(label, value)
+        return event
+
+    def op(self, name: str, metas, site=None, value=None, stats=None, reads=None, call: Optional[Call] = None,
+           kept=None) -> Event:
+        """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
+        for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
+        derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
+        also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
+        it is not `value` (the outputs a compiled graph returned)."""
+        event = self.session.op_event(name, metas, site, stats)
+        tracker = self.tracker
+        lazy = written = None
+        if tracker is not None and call is not None:
+            written = call.written_into(name)
+            # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
+            # for; what it produced or wrote is still registered: a later reader's origin, a float
+            # view of the memory it wrote)
+            if can_hold_nonfinite(metas):
+                reads = lazy = LazyReads(tracker, call.args, call.kwargs or {})
+                if written[0] or written[1]:
+                    lazy.resolve_written(value)  # (wrote into its argument: see `LazyReads.resolve_written`)
+        if reads is not None:
+            event.reads = reads
+        try:
+            self._observe(event, value)
+        except NonFiniteError:  # `on_nonfinite="raise"` stops at this op: keep what it read first
+            if lazy is not None:
+                self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
+            raise
+        if lazy is not None:
+            nonfinite = event.stats is not None and event.stats.nonfinite
+            if nonfinite:
+                self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
+            if nonfinite or tracker.waiting(event):
+                lazy.resolve()  # before its outputs are registered below
+            else:
+                event.reads = None  # judged finite: what it read is never asked for
+        if written is not None:
+            tracker.produced(event, value, *written)
+        self._keep(event, value if kept is None else kept)
+        if self.roots is not None and value is not None:
+            self.roots.note(event, value)
+        return event
+
+    def output(self, label: str, metas, value=None) -> Event:
+        if self.tracker is not None and value is not None:
+            self._outputs.append((label, value))
+        session = self.session
+        session.move_to(session.root)
+        return session.append(Event(OUTPUT, session.ordinal, "output", session.root, metas, None, None, label))
+
+    def produced(self, event: Event, value) -> None:
+        """`value` is `event`'s (a compiled graph's output, read by code after the graph)."""
+        if self.tracker is not None:
+            self.tracker.produced(event, value)
+
+    # -- the steps ----------------------------------------------------------------------------------
+
+    def _observe(self, event: Event, value) -> Event:
+        """Measure, judge and log one event; under `on_nonfinite="raise"`, stop at its NaN."""
+        if self.meter is not None and value is not None:
+            event.stats = self._measure(event, value)
+        findings = self._judge(event) if self.tracker is not None else ()
+        self.session.append(event)
+        if self.raising and findings:  # the NaN at this op; its message names the cause
+            raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
+        return event
+
+    def _measure(self, event: Event, value) -> Stats:
+        """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
+        (the rule the backward uses too; tracking judges live here only while it narrates)."""
+        if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
+            return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
+        narrator = self.session.narrator
+        live = reads_now(self.raising, narrator is not None and narrator.prints(event), self._judge_live, value)
+        return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+
+    def _judge(self, event: Event) -> list:
+        """The tracker's findings made now; those about this very op get their `!!` line after it."""
+        findings = self.tracker.judge(event)
+        for finding in findings:
+            attach_finding(finding, finding.live and finding.event is event)
+        return findings
+
+    def _keep(self, event: Event, value) -> None:
+        if self.keeper is not None and value is not None:
+            self.keeper(event, value)
+
+    # -- ending the pass ------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Read what statistics are still on the device, judge what waited for them, and say in the
+        session's footer what was measured and found. Never raises."""
+        session = self.session
+        try:
+            if self.meter is not None:
+                self.meter.flush()
+        except Exception as exc:
+            internal_error("reading value statistics", exc)
+        verdict = self._verdict() if self.tracker is not None else None
+        session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
+
+    def _verdict(self) -> str:
+        session, tracker = self.session, self.tracker
+        try:
+            for finding in tracker.judge_rest():
+                # with no live narration, nothing was printed it must match: the note shows
+                attach_finding(finding, finding.live and session.narrator is None)
+            for label, value in self._outputs:
+                tracker.output_reached(label, value)
+            verdict = tracker.summary(session.incomplete)
+            for event in session.events:  # provenance served its purpose: keep no pass alive by it
+                event.reads = None
+            return verdict
+        except Exception as exc:
+            internal_error("judging non-finite values", exc)
+            return "non-finite tracking failed: no verdict"
+
+    @property
+    def findings(self) -> tuple:
+        """What non-finite tracking found (`torchlens.findings.Finding`), in order."""
+        return tuple(self.tracker.findings) if self.tracker is not None else ()
+
+    @property
+    def kept_calls(self) -> dict:
+        return self.kept_inputs.calls if self.kept_inputs is not None else {}
