@@ -890,3 +890,35 @@ def test_an_op_that_writes_its_buffer_is_never_told_the_buffer_held_what_it_wrot
     op = "div" if how == "out=" else how
     assert findings and findings[0].startswith(("NaN first seen at #", "-inf first seen at #")), findings
     assert f" {op} (" in findings[0] and not any(text.startswith(("NaN in b", "-inf in b")) for text in findings)
+
+
+class ReadThenOverwritten(nn.Module):
+    """`sqrt` reads `t`, which is finite then; later `t` is overwritten with NaN in place."""
+
+    def forward(self, x):
+        t = x - 5
+        root = torch.sqrt(t)
+        t.mul_(float("nan"))
+        return root, t
+
+
+class ReturnsItsArgument(nn.Module):
+    """`contiguous` returns the very tensor it read: it carries the NaN, it does not make it."""
+
+    def forward(self, x):
+        t = torch.sqrt(x - 5)
+        return t.contiguous() * 2
+
+
+@pytest.mark.parametrize("device_reads_later", [False, True])
+def test_what_an_op_read_is_fixed_when_it_ran_not_when_its_verdict_is_drawn(device_reads_later, monkeypatch):
+    """Read once per forward (an accelerator's way), verdicts are drawn at the end: what each op
+    read must still be what it read when it ran, not the memory as later writes left it, and not
+    the op's own output (an op that returns its argument)."""
+    if device_reads_later:
+        monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+    rec = tl.record(ReadThenOverwritten(), torch.ones(4), on_nonfinite="track")
+    assert rec.findings[0].text == "NaN born at #3 sqrt (nan=4)", [f.text for f in rec.findings]
+    rec = tl.record(ReturnsItsArgument(), torch.ones(4), on_nonfinite="track")
+    texts = [f.text for f in rec.findings]
+    assert texts[0] == "NaN born at #3 sqrt (nan=4)" and not any("contiguous" in t and "born" in t for t in texts), texts
