@@ -27,10 +27,11 @@ from .events import INPUT, OUTPUT, Event, Stats
 from .grammar import measurement_notes
 from .guard import internal_error
 from .meter import Meter, reads_now
-from .provenance import LazyReads
+from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
+from .unwritten import UnwrittenMemory, tensors_of
 from .writes import call_writes
 
 __all__ = ["Call", "Pipeline"]
@@ -69,6 +70,8 @@ class Pipeline:
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
         # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
         self.kept_inputs = InputKeeper() if self.tracker is not None else None
+        # What `empty` and friends allocated and no op has written since: never measured (see `unwritten`)
+        self.unwritten = UnwrittenMemory() if self.meter is not None else None
         self.keeper = keeper
         self.roots = roots
         self.raising = settings.on_nonfinite == "raise"
@@ -104,9 +107,11 @@ class Pipeline:
         it is not `value` (the outputs a compiled graph returned)."""
         event = self.session.op_event(name, metas, site, stats)
         tracker = self.tracker
-        lazy = written = None
+        written = call.written_into(name) if call is not None else None
+        if self.unwritten is not None and value is not None:
+            self._follow_memory(name, value, written)
+        lazy = None
         if tracker is not None and call is not None:
-            written = call.written_into(name)
             # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
             # for; what it produced or wrote is still registered: a later reader's origin, a float
             # view of the memory it wrote)
@@ -130,7 +135,7 @@ class Pipeline:
                 lazy.resolve()  # before its outputs are registered below
             else:
                 event.reads = None  # judged finite: what it read is never asked for
-        if written is not None:
+        if written is not None and tracker is not None:
             tracker.produced(event, value, *written)
         self._keep(event, value if kept is None else kept)
         if self.roots is not None and value is not None:
@@ -161,10 +166,20 @@ class Pipeline:
             raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
         return event
 
+    def _follow_memory(self, name: str, value, written) -> None:
+        """Remember what an uninitialized op allocated, and what later ops wrote into it."""
+        unwritten = self.unwritten
+        if name.startswith(UNINITIALIZED):
+            unwritten.allocated(value)
+        elif unwritten and written is not None and (written[0] or written[1]):
+            args, kwargs = written
+            unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs or {}))
+
     def _measure(self, event: Event, value) -> Stats:
         """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
-        (the rule the backward uses too; tracking judges live here only while it narrates)."""
-        if event.op.startswith(UNINITIALIZED):  # `empty` and friends: no values to measure yet
+        (the rule the backward uses too; tracking judges live here only while it narrates). Memory
+        no op has written yet (`empty`'s, and views of it) is never read: torch has not read it."""
+        if event.op.startswith(UNINITIALIZED) or (self.unwritten and self.unwritten.unwritten(value)):
             return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
         narrator = self.session.narrator
         live = reads_now(self.raising, narrator is not None and narrator.prints(event), self._judge_live, value)

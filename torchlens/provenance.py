@@ -23,7 +23,7 @@ from .findings import NAN, NEGINF, POSINF, bits as _bits
 from .stats import as_float, plain_values, unwrapped
 
 __all__ = ["LazyReads", "Provenance", "Source", "carried_kinds", "covers", "memory_span", "origin_chain",
-           "tensor_arguments"]
+           "passed_in", "tensor_arguments"]
 
 
 def origin_chain(first, writes, after: int, span) -> tuple:
@@ -100,7 +100,7 @@ class Provenance:
         tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
-            if (args or kwargs) and _passed(tensor, args, kwargs):
+            if (args or kwargs) and passed_in(tensor, args, kwargs):
                 self._wrote(event, tensor)
 
     def _wrote(self, event: Event, tensor: torch.Tensor) -> None:
@@ -283,7 +283,7 @@ def tensor_arguments(args, kwargs):
             yield from (item for item in value if isinstance(item, torch.Tensor))
 
 
-def _passed(tensor: torch.Tensor, args, kwargs) -> bool:
+def passed_in(tensor: torch.Tensor, args, kwargs) -> bool:
     """Whether `tensor` is one of a call's tensor arguments (the call wrote into it)."""
     for value in (*args, *kwargs.values()) if kwargs else args:
         if value is tensor or (isinstance(value, (list, tuple)) and any(item is tensor for item in value)):

@@ -218,9 +218,7 @@ class OpReporter:
         """Add an op through the pipeline: its output measured, judged with what it read, kept.
         Whether the call wrote into its arguments is `writes.call_writes`'s rule unless the caller
         knows (`wrote`)."""
-        pipeline = self.pipeline
-        # (only tracking asks what a call read and wrote: without it, no `Call` is made per op)
-        pipeline.op(name, metas, site, out, call=None if pipeline.tracker is None else Call(func, args, kwargs, wrote))
+        self.pipeline.op(name, metas, site, out, call=Call(func, args, kwargs, wrote))
         self.ops += 1
 
     def op_raised(self, func, args, kwargs, exc) -> None:

@@ -36,7 +36,8 @@ from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
 from ..elements import concrete, same_elements
-from ..writes import node_writes
+from ..unwritten import UnwrittenMemory
+from ..writes import node_writes, target_name, written_tensor
 from .plan import GraphPlan
 from .values_pass import append_outputs
 
@@ -122,18 +123,45 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
     elements, nothing written between) and ops whose output holds no values yet get their slot here.
     `measured` maps each node measured so far to its op's index; callers add to it."""
     nodes = {node.name: node for node in gm.graph.nodes}
+    unwritten = UnwrittenMemory()  # the eager rule, on the graph's fake tensors (`torchlens.unwritten`)
     for op in plan.ops:
+        node, holder = nodes[op.node], nodes[op.value]
+        _follow_memory(unwritten, op.op, node, holder)
         if op.index not in chosen:
             continue
-        node, holder = nodes[op.node], nodes[op.value]
         source = _same_elements_as(node, measured)
-        if source is not None:
+        if unwritten and unwritten.unwritten(holder.meta.get("example_value")):
+            slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
+        elif source is not None:
             slots[op.index] = Slot(same_as=source)
             measured[node] = source  # a chain of views shares one measurement
         elif op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
             slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
         else:
             yield op, node, holder, holder.meta["example_value"]
+
+
+def _follow_memory(unwritten: UnwrittenMemory, name: str, node: fx.Node, holder: fx.Node) -> None:
+    """What an uninitialized op of the graph allocated, and what later nodes wrote into it."""
+    if name.startswith(UNINITIALIZED):
+        unwritten.allocated(holder.meta.get("example_value"))
+    elif unwritten and node_writes(node):
+        value = holder.meta.get("example_value")
+        if not isinstance(value, (torch.Tensor, tuple, list)):  # `setitem` and the like return nothing
+            value = written_tensor(target_name(node), tuple(_fake(a) for a in node.args),
+                                   {key: _fake(v) for key, v in node.kwargs.items()})
+        unwritten.wrote(tensor for tensor in _tensors(value))
+
+
+def _fake(argument):
+    """A node argument as the fake value dynamo recorded for it (other arguments as they are)."""
+    return argument.meta.get("example_value") if isinstance(argument, fx.Node) else argument
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    return tuple(t for t in value if isinstance(t, torch.Tensor)) if isinstance(value, (tuple, list)) else ()
 
 
 def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
