@@ -95,3 +95,94 @@ def test_compiled_graphs_leave_unwritten_memory_unread_exactly_where_eager_does(
     torch._dynamo.reset()
     assert kinds(rec) == kinds(eager)
     assert rec.findings == () == eager.findings
+
+
+class EngineMemory:
+    """What an engine such as FSDP2 keeps outside the model: a flat buffer whose storage it frees
+    after a forward and gets back before the next (`resize_`), holding whatever bytes were there.
+    Here those bytes are 0xFF: a NaN in float32, every time."""
+
+    def __init__(self, numel: int):
+        self.flat = torch.zeros(numel)
+
+    def give_back(self) -> None:
+        storage = self.flat.untyped_storage()
+        size = storage.nbytes()
+        storage.resize_(0)
+        storage.resize_(size)
+        storage.fill_(0xFF)
+
+
+class Unshards(nn.Module):
+    """Views the engine's memory, copies values into the views, then reads them (FSDP2's copy-out)."""
+
+    def __init__(self, engine: EngineMemory, again: bool = False):
+        super().__init__()
+        self.engine = engine
+        self.again = again
+        self.table = torch.arange(8.0)  # a plain tensor attribute: the model's own, measured when viewed
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def _unshard(self, x):
+        self.engine.give_back()
+        view = self.engine.flat.view(2, 4)  # stale bytes: nothing wrote them yet
+        torch.mul(x, 1.0, out=view)  # now every byte of it is written
+        return self.engine.flat.view(8)
+
+    def forward(self, x):
+        unsharded = self._unshard(x)
+        y = unsharded * self.table[:8] + self.scale.view(8)
+        if self.again:  # the engine takes the memory back and gives it again within the forward
+            y = y + self._unshard(x)
+        return y
+
+
+def _view_stats(rec):
+    return [e.stats for e in rec.events if e.op == "view"]
+
+
+@pytest.mark.parametrize("options", [{"value_stats": "exact"}, {"on_nonfinite": "track", "value_stats": "exact"},
+                                     {"on_nonfinite": "track"}])
+def test_a_view_of_memory_the_forward_never_saw_written_is_not_read(options):
+    engine = EngineMemory(8)
+    model = Unshards(engine)
+    x = torch.arange(8.0).view(2, 4)
+    rec = tl.record(model, x, **options)
+    assert torch.equal(rec.output, x.view(8) * torch.arange(8.0) + 2.0)
+    assert rec.findings == (), [f.text for f in rec.findings]
+    stale, written, scale = _view_stats(rec)
+    assert stale.kind == "na" and stale.note == "not seen written"
+    assert written.kind != "na" and not written.nonfinite  # after the copy into it: measured
+    assert scale.kind != "na"  # a view of the model's buffer: memory the user's program set
+    getitem = [e.stats for e in rec.events if e.op == "getitem"][0]
+    assert getitem.kind != "na"  # a view of a plain tensor attribute of the model
+    if options.get("value_stats") == "exact":
+        assert (written.min, written.max) == (0.0, 7.0)
+
+
+def test_memory_given_back_again_within_the_forward_is_unread_again():
+    """Written once, then resized and viewed again: the second view's bytes are new and stale."""
+    rec = tl.record(Unshards(EngineMemory(8), again=True), torch.ones(2, 4), value_stats="exact",
+                    on_nonfinite="track")
+    assert rec.findings == (), [f.text for f in rec.findings]
+    notes = [stats.note if stats.kind == "na" else "measured" for stats in _view_stats(rec)]
+    assert notes == ["not seen written", "measured", "measured", "not seen written", "measured"], notes
+
+
+def test_a_nan_in_memory_the_forward_never_saw_written_is_still_found_where_torch_reads_it():
+    """Not measuring a view is not hiding what it holds: the op that reads the stale bytes (here
+    nothing overwrote them) computes a NaN, and tracking says it was first seen there, not born:
+    what it read was not measured."""
+    class ReadsStale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.engine = EngineMemory(4)
+
+        def forward(self, x):
+            self.engine.give_back()
+            return x + self.engine.flat.view(2, 2)
+
+    rec = tl.record(ReadsStale(), torch.ones(2, 2), on_nonfinite="track")
+    assert [f.text for f in rec.findings] == [
+        "NaN first seen at #3 add (nan=4); not everything it read was measured, so it may have come from earlier"]
+    assert rec.findings[0].kind is tl.FindingKind.FIRST_SEEN

@@ -32,7 +32,7 @@ from .guard import guarded, internal_error
 from .pipeline import Pipeline
 from .session import Session
 from .meter import Meter
-from .structure import named_outputs
+from .structure import model_tensors, named_outputs, tensor_names
 from .values import ValueKeeper
 
 __all__ = ["ForwardPass"]
@@ -48,13 +48,13 @@ class ForwardPass:
     torch calls (`own_work()`) must then stay out of that capture's transcript.
     """
 
-    def __init__(self, settings: Settings, root: Scope, tensor_names: Callable[[], dict],
-                 header: Optional[str] = None, narrator: Optional[Narrator] = None,
+    def __init__(self, settings: Settings, root: Scope, model, header: Optional[str] = None, narrator: Optional[Narrator] = None,
                  backward: Optional[BackwardNarration] = None):
         self.settings = settings
         self.nested = under_a_capture()
         settle_open_runs()  # a backward of an earlier forward that failed unseen: ended now
-        self.tensor_names = tensor_names
+        # id -> name of the model's parameters and buffers, read when a finding or a backward needs it
+        self.tensor_names: Callable[[], dict] = lambda: tensor_names(model)
         # `backward`: where this forward's backward is narrated (`backward=True`); the nodes its ops
         # feed autograd are noted in `roots` (none when the forward builds no graph)
         self.backward = backward
@@ -68,7 +68,8 @@ class ForwardPass:
             self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
                            if settings.keep_values else None)
             meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
-            self.pipeline = Pipeline(self.session, meter, tensor_names, self.keeper, self.roots)
+            self.pipeline = Pipeline(self.session, meter, self.tensor_names, self.keeper, self.roots,
+                                     held=lambda: model_tensors(model))
         except BaseException:
             self.close()  # the sink it opened
             raise

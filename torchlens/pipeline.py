@@ -31,8 +31,8 @@ from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
-from .unwritten import UnwrittenMemory, tensors_of
-from .writes import call_writes
+from .unwritten import UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
+from .writes import call_writes, may_return_an_alias
 
 __all__ = ["Call", "Pipeline"]
 
@@ -62,7 +62,7 @@ class Pipeline:
     (`backward=True` with a graph being built; None otherwise).
     """
 
-    def __init__(self, session: Session, meter: Optional[Meter], tensor_names, keeper=None, roots=None):
+    def __init__(self, session: Session, meter: Optional[Meter], tensor_names, keeper=None, roots=None, held=tuple):
         settings = session.settings
         self.session = session
         self.meter = meter if meter is not None and meter.active else None
@@ -70,8 +70,11 @@ class Pipeline:
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
         # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
         self.kept_inputs = InputKeeper() if self.tracker is not None else None
-        # What `empty` and friends allocated and no op has written since: never measured (see `unwritten`)
+        # Memory that holds no values yet (`empty`'s, an engine's that the pass never saw written),
+        # never measured; and the memory the pass saw hold values: its ops' outputs, its inputs and
+        # `held()`, the tensors the model holds (see `torchlens.unwritten`)
         self.unwritten = UnwrittenMemory() if self.meter is not None else None
+        self.seen = SeenMemory(held) if self.meter is not None else None
         self.keeper = keeper
         self.roots = roots
         self.raising = settings.on_nonfinite == "raise"
@@ -90,6 +93,8 @@ class Pipeline:
     def input(self, label: str, metas, value) -> Event:
         session = self.session
         session.ordinal += 1
+        if self.seen is not None:
+            self.seen.saw(value)
         event = self._observe(Event(INPUT, session.ordinal, "input", session.root, metas, None, None, label), value)
         if self.tracker is not None:
             self.tracker.produced(event, value)
@@ -109,7 +114,7 @@ class Pipeline:
         tracker = self.tracker
         written = call.written_into(name) if call is not None else None
         if self.unwritten is not None and value is not None:
-            self._follow_memory(name, value, written)
+            self._follow_memory(name, value, call, written)
         lazy = None
         if tracker is not None and call is not None:
             # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
@@ -154,6 +159,12 @@ class Pipeline:
         if self.tracker is not None:
             self.tracker.produced(event, value)
 
+    def returned(self, value) -> None:
+        """Code the pass does not see op by op (a compiled graph) returned `value`: memory torch wrote."""
+        if self.seen is not None:
+            for tensor in tensors_of(value):
+                self.seen.saw(tensor)
+
     # -- the steps ----------------------------------------------------------------------------------
 
     def _observe(self, event: Event, value) -> Event:
@@ -166,21 +177,33 @@ class Pipeline:
             raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
         return event
 
-    def _follow_memory(self, name: str, value, written) -> None:
-        """Remember what an uninitialized op allocated, and what later ops wrote into it."""
+    def _follow_memory(self, name: str, value, call: Optional[Call], written) -> None:
+        """Remember what an uninitialized op allocated, which outputs view memory the pass never saw
+        written, and what ops wrote into either."""
         unwritten = self.unwritten
         if name.startswith(UNINITIALIZED):
             unwritten.allocated(value)
-        elif unwritten and written is not None and (written[0] or written[1]):
-            args, kwargs = written
-            unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs or {}))
+            return
+        if call is None:  # (a compiled graph's op: its values are the graph's)
+            return
+        args, kwargs = call.args, call.kwargs or {}
+        wrote = written is not None and (written[0] or written[1])
+        if wrote or may_return_an_alias(name) or returns_an_argument(value, args, kwargs):
+            for tensor in self.seen.unseen_views(value, args, kwargs):
+                unwritten.unseen(tensor)
+        else:  # fresh memory the op wrote
+            self.seen.saw(value)
+        if unwritten and wrote:
+            unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs))
 
     def _measure(self, event: Event, value) -> Stats:
         """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
         (the rule the backward uses too; tracking judges live here only while it narrates). Memory
         no op has written yet (`empty`'s, and views of it) is never read: torch has not read it."""
-        if event.op.startswith(UNINITIALIZED) or (self.unwritten and self.unwritten.unwritten(value)):
-            return Stats("na", 0, self.meter.rung != "off", note="uninitialized")
+        note = UNINITIALIZED_NOTE if event.op.startswith(UNINITIALIZED) else (
+            self.unwritten.unwritten(value) if self.unwritten else None)
+        if note is not None:
+            return Stats("na", 0, self.meter.rung != "off", note=note)
         narrator = self.session.narrator
         live = reads_now(self.raising, narrator is not None and narrator.prints(event), self._judge_live, value)
         return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot

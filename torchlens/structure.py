@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import List, Optional, Tuple
+import weakref
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .errors import ModelTypeError
 
-__all__ = ["check_model", "check_selection", "forward_signature", "module_of", "named_arguments", "named_inputs",
-           "named_outputs", "tensor_names"]
+__all__ = ["check_model", "check_selection", "forward_signature", "model_tensors", "module_of", "named_arguments",
+           "named_inputs", "named_outputs", "tensor_names"]
 
 MAX_NESTING = 8
 
@@ -144,6 +145,35 @@ def tensor_names(model) -> dict:
     names = {}
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         names.setdefault(id(tensor), name)
+    return names
+
+
+def model_tensors(model) -> Iterator[torch.Tensor]:
+    """The tensors a model holds: its parameters and buffers, and the plain tensor attributes of its
+    modules (a mask or a table kept without registering it). Memory the user's program set: views
+    of it are measured (see `torchlens.unwritten`)."""
+    if not isinstance(model, nn.Module):
+        return
+    for module in model.modules():
+        yield from (tensor for tensor in module._parameters.values() if tensor is not None)
+        yield from (tensor for tensor in module._buffers.values() if tensor is not None)
+        attributes = module.__dict__
+        for name in _tensor_attributes(module):
+            value = attributes.get(name)
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+_TENSOR_ATTRIBUTES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _tensor_attributes(module: nn.Module) -> tuple:
+    """The names of a module's plain tensor attributes, found once per module (a module's
+    attributes are many; an attribute made later is missed, and views of it are then not measured)."""
+    names = _TENSOR_ATTRIBUTES.get(module)
+    if names is None:
+        names = _TENSOR_ATTRIBUTES[module] = tuple(
+            name for name, value in module.__dict__.items() if isinstance(value, torch.Tensor))
     return names
 
 

@@ -38,6 +38,7 @@ from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, bits as 
 from .provenance import Provenance, Source, carried_kinds, tensor_arguments as _tensor_arguments
 from .grammar import op_ref
 from .stats_text import counts_text
+from .unwritten import NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 
 __all__ = ["UNINITIALIZED", "Tracker", "can_hold_nonfinite", "held", "measured_finite", "settled", "unmeasured_reason"]
 
@@ -87,12 +88,22 @@ def held(event: Event) -> Optional[int]:
     for part, meta in zip(parts, event.outputs):
         if not (meta.dtype.is_floating_point or meta.dtype.is_complex):
             continue
-        if part.kind == "na" and part.note in ("uninitialized", "empty"):
-            continue  # no values yet, or none at all: nothing non-finite
+        if part.kind == "na" and part.note in (*_NO_VALUES_YET, "empty"):
+            continue  # no values yet (`torchlens.unwritten`), or none at all: nothing non-finite
         if part.nan is None:
             return None
         kinds |= _bits(part.nan, part.posinf, part.neginf)
     return kinds
+
+
+def _unread(event: Event) -> bool:
+    """Whether an output of `event` lies in memory that held no values when it was made."""
+    stats = event.stats
+    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
+    return any(part is not None and part.kind == "na" and part.note in _NO_VALUES_YET for part in parts)
+
+
+_NO_VALUES_YET = (UNINITIALIZED_NOTE, NOT_SEEN_WRITTEN)
 
 
 def unmeasured_reason(event: Event) -> str:
@@ -180,6 +191,11 @@ class Tracker:
 
     def _verdicts(self, event: Event) -> List[Finding]:
         kinds = held(event)
+        if kinds == 0 and _unread(event):
+            # memory that held no values yet (`torchlens.unwritten`): nothing to find in the op
+            # itself, but an op that reads it later read values nobody measured
+            self._kinds[id(event)] = None
+            return []
         self._kinds[id(event)] = kinds
         if kinds is None:
             reason = unmeasured_reason(event)

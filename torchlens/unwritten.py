@@ -1,28 +1,43 @@
-"""Memory allocated without being initialized, and what has been written into it since.
+"""Memory a pass has no proof was written: never measured, because torch itself has not read it.
 
-`torch.empty` and friends hand out whatever bytes the allocator left behind. An op that reads
-those bytes (`x + buf`) computes with them, and its output is what it is; but a view of them
-(`buf[:8]`, `buf.view(2, 4)`, an op that returns its argument) reads nothing: measuring it would
-read memory torch itself has not read, and print a NaN that is not there. So a pass remembers the
-storages uninitialized ops allocated, and the spans later ops wrote into them; a tensor in such a
-storage is measured only once a write covered all of it.
+A view (`buf[:8]`, `buf.view(2, 4)`, an op that returns its argument) reads nothing: its bytes
+are whatever its memory holds. Measuring them is safe when that memory holds values, and prints a
+NaN that is not there when it does not. Two kinds of memory hold no values yet:
+
+- **uninitialized**: `torch.empty` and friends hand out what the allocator left behind;
+- **not seen written**: memory the pass first meets through a view, that no op it narrated wrote
+  and that is neither an input of the pass nor a tensor the model holds (a parameter, a buffer, a
+  tensor attribute of one of its modules). Engines keep such memory: FSDP2 frees its unsharded
+  parameters' memory after a forward (`untyped_storage().resize_(0)`) and gets it back, unwritten,
+  before the next, then views it and copies the all-gathered values into the views; a collective
+  may still be writing a tensor when code views it. None of that is an op the pass sees.
+
+So a pass remembers, by storage, what it saw: the memory ops produced, the inputs, the model's
+tensors (`SeenMemory`), and the memory of the two kinds above with the byte spans ops have
+written into it since (`UnwrittenMemory`). A tensor in unwritten memory is measured once writes
+covered all of it. An op that reads such memory (`x + buf`) computes with it, and its output is
+measured as it computed: only views are left unread.
 
 A write counts only where its span is exact (a contiguous tensor): a strided write's first and last
-element bound memory it may not all have written, and an unsure answer must be "not measured",
-never a reading of stale bytes.
+byte bound memory it may not all have written, and an unsure answer must be "not measured", never
+a reading of stale bytes.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .provenance import covers, memory_span
+from .provenance import covers, memory_span, passed_in, tensor_arguments
 from .stats import unwrapped
 
-__all__ = ["UnwrittenMemory", "tensors_of"]
+__all__ = ["NOT_SEEN_WRITTEN", "UNINITIALIZED_NOTE", "SeenMemory", "UnwrittenMemory", "returns_an_argument", "storage_key",
+           "tensors_of"]
+
+UNINITIALIZED_NOTE = "uninitialized"
+NOT_SEEN_WRITTEN = "not seen written"
 
 
 def tensors_of(value) -> List[torch.Tensor]:
@@ -34,20 +49,40 @@ def tensors_of(value) -> List[torch.Tensor]:
     return []
 
 
-def _memory(tensor: torch.Tensor):
-    """(storage key, weak reference) of a tensor's memory; None for one without plain storage."""
+def returns_an_argument(value, args, kwargs) -> bool:
+    """Whether an op's output is (or holds) one of its tensor arguments (eval-mode `dropout`, `to`
+    of the dtype it has): memory the op did not produce."""
+    if value.__class__ is torch.Tensor:
+        return passed_in(value, args, kwargs)
+    return any(passed_in(tensor, args, kwargs) for tensor in tensors_of(value))
+
+
+def storage_key(tensor: torch.Tensor) -> Optional[int]:
+    """The identity of a tensor's storage while it lives; None for one without plain storage (a
+    nested tensor, a wrapper subclass such as a DTensor)."""
     try:
-        ref = StorageWeakRef(unwrapped(tensor).untyped_storage())
-    except Exception:  # a nested tensor, a wrapper without storage
+        return unwrapped(tensor).untyped_storage()._cdata
+    except Exception:
         return None
-    return ref.cdata, ref
+
+
+def _byte_span(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """[first, last] byte a tensor covers in its storage (views of one storage may differ in dtype)."""
+    span = memory_span(tensor)
+    if span is None:
+        return None
+    size = tensor.element_size()
+    return span[0] * size, (span[1] + 1) * size - 1
 
 
 class UnwrittenMemory:
-    """The storages one pass allocated uninitialized, each with the exact spans written since."""
+    """Storages a pass met holding no values yet, each with why and the exact byte spans written
+    since. An entry stands for the bytes it was made with: memory a storage got back since
+    (`resize_`, at a new address) holds no values again."""
 
     def __init__(self):
-        self._storages: Dict[int, Tuple[StorageWeakRef, list]] = {}
+        # storage key -> (weak reference, note, spans written, address of its bytes)
+        self._storages: Dict[int, Tuple[StorageWeakRef, str, list, int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._storages)
@@ -55,34 +90,107 @@ class UnwrittenMemory:
     def allocated(self, value) -> None:
         """`value` was just allocated by an op that writes nothing into it (`empty`)."""
         for tensor in tensors_of(value):
-            memory = _memory(tensor)
-            if memory is not None:
-                self._storages[memory[0]] = (memory[1], [])
+            self._remember(tensor, UNINITIALIZED_NOTE, keep=False)
+
+    def unseen(self, tensor: torch.Tensor) -> None:
+        """`tensor` views memory the pass never saw written (see the module's docstring); memory
+        already remembered with the same bytes (`empty`'s, and what was written since) stays as it is."""
+        self._remember(tensor, NOT_SEEN_WRITTEN, keep=True)
+
+    def _remember(self, tensor: torch.Tensor, note: str, keep: bool) -> None:
+        try:
+            storage = unwrapped(tensor).untyped_storage()
+            ref = StorageWeakRef(storage)
+        except Exception:  # no plain storage: nothing to remember
+            return
+        address = _address(storage)
+        known = self._storages.get(ref.cdata)
+        if not (keep and known is not None and not known[0].expired() and known[3] == address):
+            self._storages[ref.cdata] = (ref, note, [], address)
+
+    def _entry(self, tensor: torch.Tensor):
+        """The live entry of a tensor's memory, or None (never remembered, freed, or new bytes)."""
+        key = storage_key(tensor)
+        entry = self._storages.get(key) if key is not None else None
+        if entry is None:
+            return None
+        if entry[0].expired():  # freed, its address perhaps reused: not the memory remembered
+            del self._storages[key]
+            return None
+        try:
+            address = _address(unwrapped(tensor).untyped_storage())
+        except Exception:
+            return None
+        if address != entry[3]:  # new bytes (`resize_`): nothing written into them yet
+            entry = self._storages[key] = (entry[0], entry[1], [], address)
+        return entry
 
     def wrote(self, tensors: Iterable[torch.Tensor]) -> None:
         """An op wrote these tensors in place (or as its `out=`)."""
         for tensor in tensors:
-            memory = _memory(tensor)
-            entry = self._storages.get(memory[0]) if memory is not None else None
+            entry = self._entry(tensor)
+            if entry is not None and _is_exact(tensor):
+                entry[2].append(_byte_span(tensor))
+
+    def unwritten(self, value) -> Optional[str]:
+        """Why a tensor of `value` holds no values yet (`UNINITIALIZED_NOTE`, `NOT_SEEN_WRITTEN`),
+        or None when writes covered all of every one that lies in remembered memory."""
+        for tensor in tensors_of(value):
+            entry = self._entry(tensor)
             if entry is None:
                 continue
-            if entry[0].expired():  # freed, its address perhaps reused: not the memory remembered
-                del self._storages[memory[0]]
-                continue
-            if _is_exact(tensor):
-                entry[1].append(memory_span(tensor))
+            span = _byte_span(tensor)
+            if not any(covers(written, span) for written in entry[2]):
+                return entry[1]
+        return None
 
-    def unwritten(self, value) -> bool:
-        """Whether any tensor of `value` lies in remembered memory not wholly written since."""
-        for tensor in tensors_of(value):
-            memory = _memory(tensor)
-            entry = self._storages.get(memory[0]) if memory is not None else None
-            if entry is None or entry[0].expired():
-                continue
-            span = memory_span(tensor)
-            if not any(covers(written, span) for written in entry[1]):
-                return True
-        return False
+
+class SeenMemory:
+    """The tensors a pass saw hold values: what its ops produced (and views of those), its inputs,
+    the model's tensors. Kept by identity, the cheapest key an op can add on every call: a tensor
+    made before the pass and alive through it (an engine's buffer) cannot share an identity with
+    one the pass made. The model's tensors (`held()`) are looked up when an op first views memory
+    of a tensor its ops did not produce (rare, and walking a model's modules costs more than most
+    ops)."""
+
+    def __init__(self, held: Callable[[], Iterable[torch.Tensor]] = tuple):
+        self._ids = set()
+        self._held = held
+
+    def saw(self, value) -> None:
+        """An op produced `value` in fresh memory (or it is an input, or a compiled graph's output)."""
+        if value.__class__ is torch.Tensor:
+            self._ids.add(id(value))
+        else:
+            self._ids.update(map(id, tensors_of(value)))
+
+    def unseen_views(self, value, args, kwargs) -> List[torch.Tensor]:
+        """For an op that may return memory of its first tensor argument (a view, an in-place op):
+        the tensors of its output that do, when that argument is not one the pass saw. The others
+        are seen from now on."""
+        source = next(tensor_arguments(args, kwargs or {}), None)
+        outputs = tensors_of(value)
+        if source is None or id(source) in self._ids:
+            self._ids.update(map(id, outputs))
+            return []
+        if self._held is not None:  # (once per pass, when first needed)
+            self._ids.update(map(id, self._held()))
+            self._held = None
+            if id(source) in self._ids:
+                self._ids.update(map(id, outputs))
+                return []
+        memory = storage_key(source)
+        unseen = [tensor for tensor in outputs if memory is not None and storage_key(tensor) == memory]
+        self._ids.update(id(tensor) for tensor in outputs if not any(tensor is other for other in unseen))
+        return unseen
+
+
+def _address(storage) -> Optional[int]:
+    """Where a storage's bytes are; None for a graph's fake tensor, which has none."""
+    try:
+        return storage.data_ptr()
+    except Exception:
+        return None
 
 
 def _is_exact(tensor: torch.Tensor) -> bool:

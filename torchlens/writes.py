@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["call_writes", "node_writes", "target_name", "target_writes", "writes_an_argument",
+__all__ = ["call_writes", "may_return_an_alias", "node_writes", "target_name", "target_writes", "writes_an_argument",
            "writes_without_returning", "written_tensor"]
 
 # Indexed assignment: `Tensor.__setitem__` (which dispatches to `index_put_`, `copy_`, `fill_`) and
@@ -49,12 +49,18 @@ class _Table:
 
     def __init__(self):
         self.writers: Dict[str, tuple] = {}  # names of the operators that write a tensor argument
+        self.aten: set = set()  # every aten operator's name
+        self.aliasing: set = set()  # those of which an overload may return (a view of) an argument
         # name -> the (position, name) of the tensor arguments a nothing-returning overload writes
         self.without_returning: Dict[str, Tuple[Tuple[int, str], ...]] = {}
         for schema in torch._C._jit_get_all_schemas():
             namespace, name = schema.name.split("::", 1)
-            if namespace == "aten" and any(_writes_tensor(argument) for argument in schema.arguments):
-                self.writers[name] = ()
+            if namespace == "aten":
+                self.aten.add(name)
+                if any(_writes_tensor(argument) for argument in schema.arguments):
+                    self.writers[name] = ()
+                if _returns_an_argument(schema):
+                    self.aliasing.add(name)
             if not schema.returns:  # (any namespace; an `out=` written counts: it is all the call made)
                 written = [(position, argument.name) for position, argument in enumerate(schema.arguments)
                            if _writes_tensor(argument, keyword=True)]
@@ -80,6 +86,13 @@ def _writes_tensor(argument, keyword: bool = False) -> bool:
     # `Tensor(a!)[]` writes the elements; `t[](a!)` (a list method) writes the list itself
     return isinstance(kind, torch.ListType) and isinstance(kind.getElementType(), torch.TensorType) \
         and not alias.before_set
+
+
+def _returns_an_argument(schema) -> bool:
+    """Whether an overload returns memory of a positional argument (not an `out=` variant's)."""
+    if any(argument.kwarg_only and argument.alias_info is not None for argument in schema.arguments):
+        return False  # `add.out`: what it returns is the `out=` it was given
+    return any(result.alias_info is not None for result in schema.returns)
 
 
 _table: Optional[_Table] = None
@@ -131,6 +144,22 @@ def node_writes(node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     return call_writes(target_name(node), node.args, node.kwargs) or target_writes(node.target)
+
+
+def may_return_an_alias(name: str) -> bool:
+    """Whether a call of this name may return memory of one of its arguments (`view`, `split`,
+    `contiguous`, an in-place op), by the aten schemas (`Tensor(a) self -> Tensor(a)`); True for a
+    name torch has no aten operator of (`__getitem__`, a custom op): nothing says it does not.
+    Python's operator methods are looked up by their operator (`__add__` as `add`)."""
+    known = _ALIASING.get(name)
+    if known is None:
+        table = _read()
+        operator_name = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+        known = _ALIASING[name] = operator_name in table.aliasing or operator_name not in table.aten
+    return known
+
+
+_ALIASING: Dict[str, bool] = {}  # `may_return_an_alias` by name, as asked (an op's name repeats every forward)
 
 
 def writes_without_returning(name: str) -> bool:

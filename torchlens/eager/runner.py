@@ -14,7 +14,7 @@ from ..narrator import Narrator
 from ..options import Settings
 from ..results import Recording
 from ..scopes import ScopeTable
-from ..structure import check_selection, named_inputs, tensor_names
+from ..structure import check_selection, named_inputs
 from .capture import EagerCapture
 
 __all__ = ["EagerPass", "run_eager"]
@@ -33,7 +33,7 @@ class EagerPass(ForwardPass):
         self.model = model
         self.scopes = ScopeTable.for_model(model)
         check_selection(settings, self.scopes.paths)
-        super().__init__(settings, self.scopes.root_scope, lambda: tensor_names(model), header, narrator, backward)
+        super().__init__(settings, self.scopes.root_scope, model, header, narrator, backward)
         try:
             self.capture = EagerCapture(self.pipeline, self.scopes, self.nested)
         except BaseException:

@@ -65,6 +65,7 @@ class CompiledGraph:
                     graph_failed(run, self, args, prepared, exc)
                 raise
             out, vector, kept = self._split_outputs(out)
+            run.pipeline.returned(out)  # (code after the graph may view what it returned)
             if prepared is not None and self.live:
                 with run.own_work():
                     run.end_live(self, out)

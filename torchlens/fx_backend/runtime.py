@@ -32,7 +32,7 @@ from ..mode_stack import lifted_if_on_top, remove_mode
 from ..results import Recording
 from ..scopes import ScopeTable
 from ..guard import contain, internal_error, is_stop
-from ..structure import check_selection, named_arguments, tensor_names
+from ..structure import check_selection, named_arguments
 from . import dynamo_seams
 from .config import CompileConfig
 from .active import active_pass, make_active, make_inactive
@@ -162,7 +162,7 @@ class CompiledPass(ForwardPass):
     def __init__(self, runtime: CompiledRuntime, header: Optional[str],
                  call: Optional[dynamo_seams.CompiledCall] = None):
         scopes = runtime.scopes
-        super().__init__(runtime.config.settings, scopes.root_scope, lambda: tensor_names(scopes.root), header,
+        super().__init__(runtime.config.settings, scopes.root_scope, scopes.root, header,
                          backward=runtime.backward)
         self.runtime = runtime
         self.call = call or _NO_CALL  # the wrapper call this pass narrates

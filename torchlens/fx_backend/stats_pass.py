@@ -130,8 +130,9 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
         if op.index not in chosen:
             continue
         source = _same_elements_as(node, measured)
-        if unwritten and unwritten.unwritten(holder.meta.get("example_value")):
-            slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
+        note = unwritten.unwritten(holder.meta.get("example_value")) if unwritten else None
+        if note is not None:
+            slots[op.index] = Slot((not_applicable(note, rung),) * len(op.metas))
         elif source is not None:
             slots[op.index] = Slot(same_as=source)
             measured[node] = source  # a chain of views shares one measurement

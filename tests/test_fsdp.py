@@ -1,0 +1,235 @@
+"""Tracking under FSDP2 (`fully_shard`, gloo, real ranks) finds nothing on clean inputs.
+
+FSDP2 gives each unsharded parameter memory back before a forward (`untyped_storage().resize_`),
+views it and copies the all-gathered values into the views; the all-gather's output buffer is
+`empty` and filled by an asynchronous collective. Measured at the views, those bytes once printed
+NaNs that were not there. Each job runs its scenarios on every rank and writes what it saw to
+`result-{rank}.json`. Runs marked "stale" fill the memory FSDP2 gets back with 0xFF bytes (NaN as
+float32), as reused memory may hold: then any read of it before the copy is a false finding, every
+time, instead of now and then.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchlens as tl
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch was built without gloo")
+
+MODES = ({"on_nonfinite": "track", "value_stats": "exact"}, {"on_nonfinite": "track", "value_stats": "reuse"},
+         {"on_nonfinite": "track"})
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _sharded_mlp() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _sharded_llama():
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+class StaleMemory:
+    """Fill the memory FSDP2 gives its unsharded parameters back with 0xFF bytes (a NaN in float32)."""
+
+    def __init__(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+        self.modules = (_fsdp_param, _fsdp_param_group)
+        self.original = _fsdp_param.alloc_storage
+        self.calls = 0
+
+    def __enter__(self):
+        def alloc_storage(tensor):
+            self.original(tensor)
+            tensor.untyped_storage().fill_(0xFF)
+            self.calls += 1
+
+        for module in self.modules:
+            module.alloc_storage = alloc_storage
+        return self
+
+    def __exit__(self, *exc):
+        for module in self.modules:
+            module.alloc_storage = self.original
+
+
+def _texts(recording) -> list:
+    return [finding.text for finding in recording.findings]
+
+
+def _tracked_forwards(model, inputs, repeats: int, stale: bool) -> dict:
+    """Findings of tracked forwards in every mode, and the lines that were left unread."""
+    seen = {"findings": [], "unread": set(), "outputs_equal": True, "stale_calls": 0}
+    with StaleMemory() if stale else _nothing() as memory:
+        plain = model(inputs)
+        for _ in range(repeats):
+            for options in MODES:
+                recording = tl.record(model, inputs, **options)
+                seen["findings"] += _texts(recording)
+                out = recording.output
+                out = out.logits if hasattr(out, "logits") else out
+                reference = plain.logits if hasattr(plain, "logits") else plain
+                seen["outputs_equal"] &= torch.equal(out, reference)
+                seen["unread"] |= {part.note for event in recording.ops for part in _parts(event.stats)
+                                   if part.kind == "na"}
+        seen["stale_calls"] = memory.calls if memory is not None else 0
+    seen["unread"] = sorted(note for note in seen["unread"] if note)
+    return seen
+
+
+def _parts(stats) -> tuple:
+    if stats is None:
+        return ()
+    return tuple(getattr(stats, "parts", (stats,)))
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _training(make, batches, stale: bool) -> dict:
+    """Tracked training steps (forward and backward) against the same steps without torchlens."""
+    narrated, plain = make(), make()
+    results = {"findings": []}
+    with StaleMemory() if stale else _nothing():
+        for model, recorder in ((narrated, True), (plain, False)):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x in batches:
+                optimizer.zero_grad()
+                if recorder:
+                    with tl.recording.Recorder(model, backward=True, on_nonfinite="track",
+                                               value_stats="exact") as rec:
+                        loss = model(x).square().mean()
+                        loss.backward()
+                    for recording in rec.recordings:
+                        results["findings"] += _texts(recording)
+                        results["findings"] += [f.text for b in recording.backward for f in b.findings]
+                        results["backwards"] = results.get("backwards", 0) + len(recording.backward)
+                else:
+                    model(x).square().mean().backward()
+                optimizer.step()
+    results["weights_equal"] = all(torch.equal(a.full_tensor(), b.full_tensor())
+                                   for a, b in zip(narrated.parameters(), plain.parameters()))
+    return results
+
+
+def _worker(rank: int, world_size: int, workdir: str, llama: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(workdir, "rendezvous"), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    result = {}
+    try:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+        model = _sharded_mlp()
+        result["mlp_stale"] = _tracked_forwards(model, x, 3, stale=True)
+        result["mlp"] = _tracked_forwards(model, x, 10, stale=False)
+        batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
+        result["mlp_training"] = _training(_sharded_mlp, batches, stale=True)
+        if llama:
+            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+            result["llama_stale"] = _tracked_forwards(_sharded_llama(), ids, 2, stale=True)
+            result["llama_training"] = _training(lambda: _LossOf(_sharded_llama()), [ids, ids], stale=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f, default=sorted)
+
+
+class _LossOf(nn.Module):
+    """A causal LM whose output is its logits (what `_training` squares)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).logits
+
+
+def _run(tmp_path_factory, world_size: int, llama: bool) -> list:
+    workdir = tmp_path_factory.mktemp(f"fsdp{world_size}")
+    torch.multiprocessing.spawn(_worker, args=(world_size, str(workdir), llama), nprocs=world_size, join=True)
+    return [json.loads((workdir / f"result-{rank}.json").read_text()) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run(tmp_path_factory, 2, llama=True)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _run(tmp_path_factory, 4, llama=False)
+
+
+def _check_forwards(seen: dict, stale: bool) -> None:
+    assert seen["findings"] == [], seen["findings"][:3]
+    assert seen["outputs_equal"]
+    if stale:  # the memory FSDP2 gets back was read by nothing before the copy into it
+        assert seen["stale_calls"] > 0, "FSDP2 no longer calls alloc_storage: the stale-memory runs test nothing"
+        assert "not seen written" in seen["unread"], seen["unread"]
+
+
+@pytest.mark.slow
+def test_tracked_fsdp2_forwards_find_nothing_on_clean_inputs_on_every_rank(two_ranks):
+    for result in two_ranks:
+        _check_forwards(result["mlp_stale"], stale=True)
+        _check_forwards(result["mlp"], stale=False)
+
+
+@pytest.mark.slow
+def test_tracked_fsdp2_training_steps_find_nothing_and_train_like_plain_fsdp2(two_ranks):
+    for result in two_ranks:
+        assert result["mlp_training"]["findings"] == [], result["mlp_training"]["findings"][:3]
+        assert result["mlp_training"]["backwards"] == 3  # each step's backward was narrated and judged
+        assert result["mlp_training"]["weights_equal"]
+
+
+@pytest.mark.slow
+def test_a_llama_sharded_per_decoder_layer_is_tracked_without_false_findings(two_ranks):
+    for result in two_ranks:
+        _check_forwards(result["llama_stale"], stale=True)
+        assert result["llama_training"]["findings"] == [], result["llama_training"]["findings"][:3]
+        assert result["llama_training"]["weights_equal"]
+
+
+@pytest.mark.slow
+def test_four_fsdp2_ranks_find_nothing_on_clean_inputs(four_ranks):
+    for result in four_ranks:
+        _check_forwards(result["mlp_stale"], stale=True)
+        _check_forwards(result["mlp"], stale=False)
+        assert result["mlp_training"]["findings"] == [] and result["mlp_training"]["weights_equal"]
