@@ -12,6 +12,7 @@ The kinds are the verdict rules, one member each (docs/statistics.md has the sam
 | `NONFINITE_SOURCE` | a parameter, buffer or constant holds NaN, named at the first op that reads it | no |
 | `NONFINITE_INPUT` | a forward input holds NaN | no |
 | `REACHES_OUTPUT` | an infinity reaches a forward output, wherever it came from | no |
+| `CARRIED_IN` | a collective (`all_reduce`, `all_gather_into_tensor`, ...) brought a non-finite value nothing this rank sent held: another rank's (`tl.debug.across_ranks` finds whose) | no |
 | `GRADIENT_BORN` | a backward node produced a non-finite gradient from finite ones | yes |
 | `GRADIENT_FIRST_SEEN` | a non-finite gradient no watched node sent (a hook, a node outside the forward, an overwrite, unmeasured inputs) | no |
 | `GRADIENT_FROM_OUTSIDE` | the gradient arriving at a forward output is non-finite (the loss) | yes |
@@ -50,6 +51,7 @@ class FindingKind(enum.Enum):
     NONFINITE_SOURCE = ("non-finite source", False)
     NONFINITE_INPUT = ("non-finite input", False)
     REACHES_OUTPUT = ("infinity reaches the output", False)
+    CARRIED_IN = ("carried in by a collective", False)
     GRADIENT_BORN = ("gradient born", True)
     GRADIENT_FIRST_SEEN = ("gradient first seen", False)
     GRADIENT_FROM_OUTSIDE = ("gradient from outside the forward", True)

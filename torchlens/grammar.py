@@ -218,6 +218,8 @@ def _op_body(event: Event, site, normalize: bool) -> str:
         body += "  " + event.label
     elif event.scope.depth:
         body += "  @" + event.scope.path
+    if event.kind is not INPUT and event.label:  # a collective's group (`group of 2, async`)
+        body += "  " + event.label
     if site:
         body += "  " + site_text(site, normalize)
     return body

@@ -153,6 +153,13 @@ class Meter:
             self._known[identity[1]] = (weakref.ref(identity[0]), stats, True)
         return stats
 
+    def forget(self, tensors) -> None:
+        """Statistics taken of these tensors' memory no longer stand: something wrote it without
+        bumping its version counter (a `torch.distributed` collective)."""
+        bases = {id(tensor._base if tensor._base is not None else tensor) for tensor in tensors}
+        for key in [key for key in self._known if key[0] in bases]:
+            del self._known[key]
+
     def _shared(self, identity, live: bool):
         """The statistics already taken of the same elements (`_same_elements`), if they still
         stand for them (the same base alive) and were read at once when this one must be (`live`)."""

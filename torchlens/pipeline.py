@@ -31,7 +31,8 @@ from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
-from .unwritten import UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
+from .collectives import Collective, reads_memory
+from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
 
 __all__ = ["Call", "Pipeline"]
@@ -82,6 +83,8 @@ class Pipeline:
         # device to wait for), so a finding's `!!` line follows its op whatever the selection.
         self._judge_live = self.tracker is not None and session.narrator is not None
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
+        # (event, collective, written) of asynchronous collectives whose values no op has read yet
+        self._in_flight: List[tuple] = []
 
     @property
     def lean(self) -> bool:
@@ -104,13 +107,18 @@ class Pipeline:
         return event
 
     def op(self, name: str, metas, site=None, value=None, stats=None, reads=None, call: Optional[Call] = None,
-           kept=None) -> Event:
+           kept=None, collective: Optional[Collective] = None) -> Event:
         """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
         for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
         derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
-        it is not `value` (the outputs a compiled graph returned)."""
+        it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
+        is recorded by `_collective`."""
         event = self.session.op_event(name, metas, site, stats)
+        if self._in_flight and call is not None:
+            self._land_what_it_reads(event, name, call)
+        if collective is not None:
+            return self._collective(event, metas, value, call, collective)
         tracker = self.tracker
         written = call.written_into(name) if call is not None else None
         if self.unwritten is not None and value is not None:
@@ -146,6 +154,66 @@ class Pipeline:
         if self.roots is not None and value is not None:
             self.roots.note(event, value)
         return event
+
+    def _collective(self, event: Event, metas, value, call: Call, collective: Collective) -> Event:
+        """A collective's op: its line says its group. What it sends is read now; what it brings
+        is measured now if it has arrived, else when the first op reads it (`_land`)."""
+        event.label = collective.label
+        written = call.written_into(event.op)
+        tracker, unwritten = self.tracker, self.unwritten
+        if unwritten is not None:
+            self._follow_memory(event.op, value, call, None if collective.in_flight else written)
+            if collective.in_flight:
+                unwritten.in_flight(collective.tensors)
+        if tracker is not None:
+            tracker.collective(event, collective.label.split(", ")[0])
+            if can_hold_nonfinite(metas):
+                event.reads = lazy = LazyReads(tracker, call.args, call.kwargs or {})
+                if written[0] or written[1]:
+                    lazy.resolve_written(value)
+                lazy.resolve()  # what it sent, as it was sent
+        if self.meter is not None and collective.written:  # (c10d writes leave version counters as they were)
+            self.meter.forget(collective.tensors)
+        if collective.in_flight:
+            if self.meter is not None:
+                event.stats = Stats("na", 0, self.meter.rung != "off", note=IN_FLIGHT)
+            self._observe(event, None)
+            self._in_flight.append((event, collective, written))
+        else:
+            self._observe(event, value)
+            if tracker is not None:
+                tracker.produced(event, value, *written)
+            self._keep(event, value)
+        if tracker is not None and collective.in_flight and not written[0]:
+            tracker.produced(event, value)  # a functional collective's output: a tensor it made
+        if self.roots is not None:
+            self.roots.note(event, value)
+        return event
+
+    def _land_what_it_reads(self, event: Event, name: str, call: Call) -> None:
+        """The asynchronous collectives whose output this op reads have arrived (it was waited
+        on, or torch would not read it): measured and judged now, before this op is."""
+        for entry in list(self._in_flight):
+            read = reads_memory(name, call.func, call.args, call.kwargs or {}, entry[1].tensors)
+            if read is not None:
+                self._in_flight.remove(entry)
+                self._land(entry, event, overwritten=read == "written")
+
+    def _land(self, entry, reader: Event, overwritten: bool) -> None:
+        collective_event, collective, written = entry
+        value = collective.value
+        if self.meter is not None:
+            self.meter.forget(collective.tensors)
+            collective_event.stats = (Stats("na", 0, self.meter.rung != "off",
+                                            note=f"overwritten by #{reader.ordinal} before it was read")
+                                      if overwritten else self.meter.measure_output(value, True))
+        if self.unwritten is not None:
+            self.unwritten.landed(collective.tensors)
+        if self.tracker is not None:
+            for finding in self.tracker.landed(collective_event, value, *written, position=reader.ordinal - 0.5):
+                attach_finding(finding, False)
+        if not overwritten:
+            self._keep(collective_event, value)
 
     def output(self, label: str, metas, value=None) -> Event:
         if self.tracker is not None and value is not None:
@@ -230,6 +298,10 @@ class Pipeline:
                 self.meter.flush()
         except Exception as exc:
             internal_error("reading value statistics", exc)
+        if self.tracker is not None:
+            for collective_event, _, _ in self._in_flight:
+                self.tracker.never_landed(collective_event)
+        self._in_flight = []
         verdict = self._verdict() if self.tracker is not None else None
         session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
 

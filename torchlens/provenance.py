@@ -62,13 +62,14 @@ class Provenance:
         if entry is None or entry[0].expired():
             return (first,)
         after = -1 if producer is None else producer.ordinal
-        later = [(writer, span) for writer, span in entry[1] if writer.ordinal > after and writer is not producer]
+        later = [(writer, position, span) for writer, span, position in entry[1]
+                 if position > after and writer is not producer]
         if not later:  # written only before it was produced (or by its producer: `relu_`)
             return (first,)
         memory = _storage_of(tensor)
         if memory is None:
             return (first,)
-        return origin_chain(first, [(writer, writer.ordinal, span) for writer, span in later], after, memory[2])
+        return origin_chain(first, later, after, memory[2])
 
     def source(self, tensor: torch.Tensor) -> Source:
         source = self.sources.get(id(tensor))
@@ -92,18 +93,19 @@ class Provenance:
             if source is not None and source is not before:
                 source.version = _WRITTEN
 
-    def produced(self, event: Event, out, args=(), kwargs=None) -> None:
+    def produced(self, event: Event, out, args=(), kwargs=None, position: Optional[float] = None) -> None:
         """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list).
         `args` and `kwargs` are given for a call that writes into its arguments (`writes.call_writes`):
         an output that is one of them (`x.add_(y)`, `out=buf`, a `_foreach_*_` list) was written
-        in place."""
+        in place. `position`: where in the pass the write landed, when later than the op's own
+        ordinal (an asynchronous collective's values arrive when they are waited on)."""
         tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
             if (args or kwargs) and passed_in(tensor, args, kwargs):
-                self._wrote(event, tensor)
+                self._wrote(event, tensor, event.ordinal if position is None else position)
 
-    def _wrote(self, event: Event, tensor: torch.Tensor) -> None:
+    def _wrote(self, event: Event, tensor: torch.Tensor, position: float) -> None:
         memory = _storage_of(tensor)
         if memory is None:
             return
@@ -111,7 +113,7 @@ class Provenance:
         entry = self._writers.get(key)
         if entry is None or entry[0].expired():  # new memory (perhaps at a freed one's address)
             entry = self._writers[key] = (ref, [])
-        entry[1].append((event, span))
+        entry[1].append((event, span, position))
 
 
 class Source:

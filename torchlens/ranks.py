@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 from .errors import OptionValueError
 
-__all__ = ["expand_path", "shared_sink_tag", "template_fields"]
+__all__ = ["expand_path", "shared_sink_tag", "template_fields", "world_size"]
 
 FIELDS = ("rank", "world_size")
 _FORMATTER = string.Formatter()
@@ -34,6 +34,11 @@ def rank_and_world_size() -> Tuple[int, int]:
 
         return dist.get_rank(), group
     return _env_int("RANK", 0), max(1, _env_int("WORLD_SIZE", 1))
+
+
+def world_size() -> int:
+    """The default process group's size; 1 without one."""
+    return _initialized_group_size() or 1
 
 
 def _initialized_group_size() -> Optional[int]:

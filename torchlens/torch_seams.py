@@ -156,6 +156,16 @@ def _probe_disable_torch_function():
     return _missing(torch._C, "DisableTorchFunction")
 
 
+def _probe_resolve_process_group():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None  # no collectives to narrate
+    from torch.distributed import distributed_c10d
+
+    return _missing(distributed_c10d, "_resolve_process_group")
+
+
 SEAMS = (
     Seam("mode filter", "dynamo's SymbolicTorchFunctionState.__init__ and utils.set_torch_function_mode_stack",
          "compiled_regions._install_filter",
@@ -198,6 +208,8 @@ SEAMS = (
          "backward narration cannot tell one backward from another, nor when one ends", _probe_graph_task),
     Seam("disable torch function", "torch._C.DisableTorchFunction", "eager.capture, mode_stack",
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
+    Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "collectives",
+         "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
 )
 
 _by_name: Dict[str, Seam] = {seam.name: seam for seam in SEAMS}

@@ -38,7 +38,7 @@ from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, bits as 
 from .provenance import Provenance, Source, carried_kinds, tensor_arguments as _tensor_arguments
 from .grammar import op_ref
 from .stats_text import counts_text
-from .unwritten import NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
+from .unwritten import IN_FLIGHT, NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 
 __all__ = ["UNINITIALIZED", "Tracker", "can_hold_nonfinite", "held", "measured_finite", "settled", "unmeasured_reason"]
 
@@ -103,7 +103,7 @@ def _unread(event: Event) -> bool:
     return any(part is not None and part.kind == "na" and part.note in _NO_VALUES_YET for part in parts)
 
 
-_NO_VALUES_YET = (UNINITIALIZED_NOTE, NOT_SEEN_WRITTEN)
+_NO_VALUES_YET = (UNINITIALIZED_NOTE, NOT_SEEN_WRITTEN, IN_FLIGHT)
 
 
 def unmeasured_reason(event: Event) -> str:
@@ -146,8 +146,26 @@ class Tracker:
         # reach the output, else absorbed (T5's `log(0)` under a `where`, a softmax-ed mask).
         self._infinities: Dict[Tuple[int, int], Finding] = {}
         self._born = set()  # (id(event), kind) of every infinity born, held back or not
+        self._collectives: Dict[int, str] = {}  # id(event) -> its group, for collectives (`collectives`)
 
     # -- provenance -----------------------------------------------------------------------------
+
+    def collective(self, event: Event, group: str) -> None:
+        """`event` is a collective of `group` ("group of 2"): values it brings that nothing this
+        rank sent held were carried in from the other ranks, not born here."""
+        self._collectives[id(event)] = group
+
+    def landed(self, event: Event, value, args, kwargs, position: float) -> List[Finding]:
+        """An asynchronous collective's values arrived (its first reader ran at `position`): they
+        are written now, and judged now (at its launch they were not there to judge)."""
+        self.provenance.produced(event, value, args, kwargs, position)
+        self._kinds.pop(id(event), None)
+        return self._judge_one(event)
+
+    def never_landed(self, event: Event) -> None:
+        """The forward ended before anything read what an asynchronous collective brought."""
+        reason = "in flight at the end of the forward"
+        self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
 
     def waiting(self, event: Event) -> bool:
         """Whether `event` still waits for its verdict (its statistics, or an earlier op's, are read later)."""
@@ -253,6 +271,9 @@ class Tracker:
             self._seen_first |= bit
             text = (f"{name} first seen at {_ref(event)} ({count}); not everything it read was measured, "
                     f"so it may have come from earlier")
+        elif id(event) in self._collectives:  # nothing this rank sent held it: another rank's
+            return [Finding(f"{name} carried in by {_ref(event)} from its {self._collectives[id(event)]} ({count})",
+                            event, FindingKind.CARRIED_IN)]
         elif bit == NAN:
             cause, origin = self._nan_cause(refs)
             return self._held_back(origin) + [Finding(f"NaN born at {_ref(event)} ({count}){cause}", event,

@@ -33,11 +33,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .provenance import covers, memory_span, passed_in, tensor_arguments
 from .stats import unwrapped
 
-__all__ = ["NOT_SEEN_WRITTEN", "UNINITIALIZED_NOTE", "SeenMemory", "UnwrittenMemory", "returns_an_argument", "storage_key",
+__all__ = ["IN_FLIGHT", "NOT_SEEN_WRITTEN", "UNINITIALIZED_NOTE", "SeenMemory", "UnwrittenMemory", "returns_an_argument", "storage_key",
            "tensors_of"]
 
 UNINITIALIZED_NOTE = "uninitialized"
 NOT_SEEN_WRITTEN = "not seen written"
+IN_FLIGHT = "in flight"  # an asynchronous collective's output before anything read it (`collectives`)
 
 
 def tensors_of(value) -> List[torch.Tensor]:
@@ -96,6 +97,15 @@ class UnwrittenMemory:
         """`tensor` views memory the pass never saw written (see the module's docstring); memory
         already remembered with the same bytes (`empty`'s, and what was written since) stays as it is."""
         self._remember(tensor, NOT_SEEN_WRITTEN, keep=True)
+
+    def in_flight(self, tensors: Iterable[torch.Tensor]) -> None:
+        """An asynchronous collective will write these: until it lands, their memory holds nothing."""
+        for tensor in tensors:
+            self._remember(tensor, IN_FLIGHT, keep=False)
+
+    def landed(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The collective's values are there: its tensors are written (what it wrote, no more)."""
+        self.wrote(tensors)
 
     def _remember(self, tensor: torch.Tensor, note: str, keep: bool) -> None:
         try:

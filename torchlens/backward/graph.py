@@ -80,7 +80,7 @@ class NodeRecord:
     share a parameter's accumulator).
     """
 
-    __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges")
+    __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges", "leaf")
 
     def __init__(self, name, scope, site, forward, label=None, key=None):
         self.watch = None  # the `BackwardWatch` it reports through
@@ -91,6 +91,7 @@ class NodeRecord:
         self.forward = forward  # `#5 linear @fc2`: the forward op the node differentiates
         self.label = label  # for AccumulateGrad: the leaf's name
         self.edges = ()  # per gradient slot: the record of the node it is sent to (None: unwatched)
+        self.leaf = None  # for AccumulateGrad: a weak reference to the leaf (its `.grad`, after the backward)
 
     def __call__(self, *grads) -> None:
         watch = self.watch
@@ -193,7 +194,9 @@ class BackwardWatch:
         kind = type(node).__name__
         if kind == "AccumulateGrad":
             leaf = node.variable
-            return NodeRecord(kind, event.scope, None, None, roots.leaf_label(leaf, names), key=("leaf", id(leaf)))
+            record = NodeRecord(kind, event.scope, None, None, roots.leaf_label(leaf, names), key=("leaf", id(leaf)))
+            record.leaf = weakref.ref(leaf)
+            return record
         if node._sequence_nr() < start:
             return None
         output = forward[1] if isinstance(forward, tuple) else None  # reached from the forward's output
@@ -226,6 +229,7 @@ class BackwardWatch:
                 if node is None:
                     node = NodeRecord("AccumulateGrad", self.root, None, None, roots.leaf_label(tensor, names),
                                       key=("leaf", id(tensor)))
+                    node.leaf = weakref.ref(tensor)
                     node.watch = self
                     # autograd holds a leaf's accumulator only while a graph uses it: this one is
                     # held here, or the backward would make another, without the hook

@@ -22,6 +22,7 @@ from ..guard import contain, internal_error, is_stop
 from ..session import attach, attach_finding, error_summary, nonfinite_message
 from ..findings import Finding
 from ..tracking import held, settled
+from ..ranks import world_size
 from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import UNREAD, GradTracker
@@ -61,6 +62,7 @@ class BackwardRun:
         self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
         self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
         self.incomplete: Optional[str] = None
+        self._waited = False  # (see `waits_for_collectives`)
         self.narrator, self._owned, self._held_back = self._narrator(narration, settings)
         if self.narrator is not None:
             self.narrator.begin_pass(self.result.header)
@@ -117,6 +119,8 @@ class BackwardRun:
                 tensors = tuple(g for g in received if isinstance(g, _Tensor))
                 direct = self.meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
             findings = tracker.judge(event, record, positions, direct)
+            if event.kind is NODE and record is not None and record.leaf is not None:
+                tracker.accumulated(event, record)
             for finding in findings:
                 attach_finding(finding, finding.event is event)
         if narrator is not None:
@@ -144,9 +148,19 @@ class BackwardRun:
         if self.meter is not None:
             self.meter.flush()
         if self.tracker is not None:
-            for finding in self.tracker.judge_rest():
+            after = self.tracker.written_after() if self._waited else []  # (distributed only: see there)
+            for finding in self.tracker.judge_rest() + after:
                 attach_finding(finding, False)
             self.result.findings = tuple(self.tracker.findings)
+
+    def waits_for_collectives(self) -> bool:
+        """Whether the run's end waits for the engine's other final callbacks, once: under a process
+        group of several ranks, DDP reduces gradients in one queued after this run's, and the
+        verdict must see the gradients it left (`GradTracker.written_after`)."""
+        if self.tracker is None or self._waited or not self.tracker.has_accumulated or world_size() < 2:
+            return False
+        self._waited = True
+        return True
 
     def close(self) -> None:
         """Release the sink this run opened (not a shared one), or hand its lines to the shared
@@ -363,6 +377,9 @@ class BackwardNarration:
         """Autograd's final callback for the run's graph task: it finished. Never raises (it runs
         inside the user's backward)."""
         try:
+            if run.waits_for_collectives():  # ends after the callbacks queued since (DDP's)
+                _queue_callback(functools.partial(self._finished, run))
+                return
             with self._lock:
                 if self.runs.get(run.task) is not run:
                     return

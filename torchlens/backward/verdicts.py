@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import torch
+
 from ..events import GRAD, NODE, StatsGroup
 from ..findings import NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
 from ..tracking import held, measured_finite, settled, unmeasured_reason
@@ -37,6 +39,7 @@ class GradTracker:
         self.measured = 0
         self.leaves: List[str] = []  # leaves whose accumulated gradient was non-finite
         self._queue: list = []
+        self._accumulated: list = []  # (record, event) of the leaves whose gradient was added finite
 
     def judge(self, event, record: Optional[NodeRecord], positions, direct) -> List[Finding]:
         """Take `event` in (and any before it still waiting for statistics); the findings made now.
@@ -51,6 +54,46 @@ class GradTracker:
         while self._queue and settled(self._queue[0][0]) and _direct_settled(self._queue[0][3]):
             made.extend(self._judge_one(*self._queue.pop(0)))
         return made
+
+    def accumulated(self, event, record: Optional[NodeRecord]) -> None:
+        """A leaf's gradient was added to its `.grad`: if it was finite, `written_after` looks again."""
+        if record is not None and record.leaf is not None and held(event) == 0:
+            self._accumulated.append((record, event))
+
+    @property
+    def has_accumulated(self) -> bool:
+        return bool(self._accumulated)
+
+    def written_after(self) -> List[Finding]:
+        """After the backward and whatever ran at its end (DDP's gradient all-reduce): the leaves
+        whose gradient the graph added finite but whose `.grad` is non-finite now. Something
+        outside the graph wrote them, and under a process group that is a collective bringing
+        another rank's values. One finding for all of them."""
+        grads = []
+        for record, event in self._accumulated:
+            leaf = record.leaf()
+            grad = getattr(leaf, "grad", None) if leaf is not None else None
+            if isinstance(grad, torch.Tensor) and grad.is_floating_point() and grad.layout is torch.strided:
+                grads.append((record, event, grad.detach()))
+        self._accumulated = []
+        changed = []
+        for record, event, grad in _not_all_finite(grads):
+            kinds = _bits(bool(torch.isnan(grad).any()), bool(torch.isposinf(grad).any()),
+                          bool(torch.isneginf(grad).any()))
+            changed.append((record, event, kinds))
+        if not changed:
+            return []
+        kinds = 0
+        for _, _, each in changed:
+            kinds |= each
+        names = ", ".join(record.label for record, _, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
+        what = (f"the gradient of {changed[0][0].label}" if len(changed) == 1
+                else f"the gradients of {len(changed)} parameters ({names})")
+        first = changed[0][1]
+        return self._note(Finding(
+            f"{kind_names(kinds)} in {what} after the backward: ~{first.ordinal} added it finite, then something "
+            f"outside the graph wrote it (under a process group, a collective such as DDP's gradient all-reduce "
+            f"brought another rank's value: tl.debug.across_ranks says whose)", first, FindingKind.CARRIED_IN))
 
     def judge_rest(self) -> List[Finding]:
         queue, self._queue = self._queue, []
@@ -183,3 +226,14 @@ def _counts(event, kinds: int) -> str:
         if kinds & bit:
             shown.append(f"{label}={sum(getattr(part, field) or 0 for part in parts)}")
     return " ".join(shown)
+
+
+def _not_all_finite(items):
+    """The (record, event, gradient) items whose gradient holds a non-finite value: one flag per
+    gradient, read in one transfer per device (an accelerator's every read is a sync)."""
+    by_device: Dict[object, list] = {}
+    for item in items:
+        by_device.setdefault(item[2].device, []).append(item)
+    for group in by_device.values():
+        flags = torch.stack([torch.isfinite(grad).all() for _, _, grad in group]).tolist()
+        yield from (item for item, finite in zip(group, flags) if not finite)

@@ -37,6 +37,7 @@ from ..session import error_summary
 from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
+from ..collectives import C10D_MODULE, collective_call
 from ..writes import written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
@@ -49,6 +50,7 @@ __all__ = ["CaptureMode", "EagerCapture", "OpReporter", "captures_in_thread", "e
 
 _Tensor = torch.Tensor
 _Size = torch.Size
+_OPERATORS = (torch._ops.OpOverloadPacket, torch._ops.OpOverload)  # `torch.ops.*` calls
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -95,10 +97,15 @@ class CaptureMode(TorchFunctionMode):
             return out  # the common case, in as few calls as possible
         if kind is _Tensor or (kind is not _Size and isinstance(out, (tuple, list, _Tensor))):
             produced = out  # sizes, dtypes, bools: not ops, and frequent
-        elif out is None:  # `y[i] = v` and the few other calls that write a tensor and return nothing
-            produced = written_tensor(getattr(func, "__name__", ""), args, kwargs)
-            if produced is None:
-                return out
+        elif out is None and (produced := written_tensor(getattr(func, "__name__", ""), args, kwargs)) is not None:
+            pass  # `y[i] = v` and the few other calls that write a tensor and return nothing
+        elif getattr(func, "__module__", None) == C10D_MODULE:  # a collective: None, a `Work`, a rank
+            if capture.nested:
+                with _own_work():
+                    capture.collective_done(func, args, kwargs, out)
+            else:
+                capture.collective_done(func, args, kwargs, out)
+            return out
         else:
             return out
         if capture.nested:  # an outer capture is below this mode: keep our work from it
@@ -171,20 +178,34 @@ class OpReporter:
     def locate(self, frame) -> None:
         """Bring the session's open module to the one the call at `frame` runs in."""
 
-    def op_done(self, func, out, args=(), kwargs=None) -> None:
+    def op_done(self, func, out, args=(), kwargs=None, collective=None, frame=None) -> None:
         metas = output_metas(out)
         if metas is None:
             return
         try:
-            frame = sys._getframe(2)  # 0: here, 1: the mode, 2: the code that called the op
+            if frame is None:
+                frame = sys._getframe(2)  # 0: here, 1: the mode, 2: the code that called the op
             if run_by_dynamo(frame):
                 return  # dynamo's own work between graphs (a float wrapped for a graph): not the user's op
             if self.follows_stack:
                 self.locate(frame)
             site = find_user_site(frame) if self.sites else None
+            if collective is None and func.__class__ in _OPERATORS:  # (a functional collective?)
+                collective = collective_call(func, args, kwargs, out)
+            if collective is not None:
+                self.pipeline.op(collective.name, metas, site, out, collective=collective,
+                                 call=Call(func, args, kwargs, collective.written))
+                self.ops += 1
+                return
             self.record_op(op_name(func), metas, site, out, args, kwargs, func)
         except Exception as exc:
             self.recording_failed(exc)
+
+    def collective_done(self, func, args, kwargs, out) -> None:
+        """A `torch.distributed` collective returned: an op on the tensors it wrote (or sent)."""
+        collective = collective_call(func, args, kwargs, out)
+        if collective is not None:  # (0: here, 1: the mode, 2: torch's dispatch of the call)
+            self.op_done(func, collective.value, args, kwargs, collective, sys._getframe(2))
 
     def recording_failed(self, exc: Exception) -> None:
         """An op could not be recorded: a deliberate stop (`on_nonfinite="raise"`, a trace budget)

@@ -1,0 +1,177 @@
+"""`torch.distributed` collectives are ops: a line each with its group, measured once their values
+are there, and a NaN another rank sent is "carried in", never born here. Real gloo ranks."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchlens as tl
+from torchlens.collectives import COLLECTIVES
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch was built without gloo")
+
+WORLD_SIZE = 2
+
+
+def test_the_table_names_every_collective_torch_dispatches_to_a_capture():
+    """A c10d function torch routes through `handle_torch_function` reaches the capture's mode: the
+    table must say what it writes, or a torch upgrade's new collective is a silent hole."""
+    from torch.distributed import distributed_c10d
+
+    dispatched = {name for name, function in vars(distributed_c10d).items()
+                  if inspect.isfunction(function) and function.__module__ == distributed_c10d.__name__
+                  and "handle_torch_function(" in inspect.getsource(function)}
+    assert dispatched, "no c10d function dispatches to torch function modes any more: collectives are unseen"
+    assert dispatched <= set(COLLECTIVES), sorted(dispatched - set(COLLECTIVES))
+    for name, entry in COLLECTIVES.items():
+        if name in dispatched:
+            assert entry.outputs in inspect.signature(getattr(distributed_c10d, name)).parameters, name
+
+
+class Exchanges(nn.Module):
+    """Every kind of collective a training step uses, sync and async, c10d and functional."""
+
+    def __init__(self, world_size: int):
+        super().__init__()
+        self.world_size = world_size
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        y = self.lin(x)
+        dist.all_reduce(y)  # in place, sync
+        work = dist.all_reduce(y, async_op=True)
+        early = y.view(-1)  # made before the wait: a view reads nothing
+        work.wait()
+        gathered = torch.empty(self.world_size * y.shape[0], y.shape[1])
+        dist.all_gather_single(gathered, y)
+        shard = torch.empty(y.shape[0] // self.world_size, y.shape[1])
+        dist.reduce_scatter_single(shard, y)
+        dist.broadcast(y, src=0)
+        z = funcol.all_reduce(y, "sum", dist.group.WORLD)
+        return z.sum(0) + gathered.sum(0) + shard.sum(0) + early.view(y.shape).sum(0)
+
+
+class PoisonedOnRankOne(nn.Module):
+    """Rank 1's activations hold a NaN; an all-reduce (sync or async) brings it to every rank."""
+
+    def __init__(self, async_op: bool):
+        super().__init__()
+        self.async_op = async_op
+
+    def forward(self, x):
+        y = x * 2
+        work = dist.all_reduce(y, async_op=self.async_op)
+        if work is not None:
+            work.wait()
+        return y + 1
+
+
+def _worker(rank: int, workdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(workdir, "rendezvous"), rank=rank,
+                            world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
+    result = {}
+    try:
+        torch.manual_seed(0)
+        model = Exchanges(WORLD_SIZE)
+        torch.set_grad_enabled(False)  # (c10d collectives write in place: not on tensors autograd tracks)
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+        plain = model(x)
+        lines = []
+        rec = tl.record(model, x, narrate=lines.append, value_stats="exact", on_nonfinite="track")
+        result["equal"] = torch.equal(rec.output, plain)
+        result["lines"] = lines
+        result["findings"] = [f.text for f in rec.findings]
+        lean = []
+        tl.record(model, x, narrate=lean.append)
+        result["lean"] = lean
+        for async_op in (False, True):
+            x = torch.ones(2, 2)
+            if rank == 1:
+                x[0, 0] = float("nan")
+            rec = tl.record(PoisonedOnRankOne(async_op), x, on_nonfinite="track")
+            result[f"poisoned_async={async_op}"] = [(f.text, f.kind.name) for f in rec.findings]
+        torch.set_grad_enabled(True)
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        if rank == 1:
+            x[0, 0] = float("nan")
+        with tl.recording.Recorder(ddp, backward=True, on_nonfinite="track") as recorder:
+            ddp(x).square().mean().backward()
+        recording = recorder.recordings[0]
+        result["ddp_forward"] = [f.text for f in recording.findings]
+        result["ddp_backward"] = [(f.text, f.kind.name) for b in recording.backward for f in b.findings]
+        result["ddp_footer"] = recording.backward[0].narrate().splitlines()[-1]
+        result["ddp_grads_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("collectives")
+    torch.multiprocessing.spawn(_worker, args=(str(workdir),), nprocs=WORLD_SIZE, join=True)
+    return [json.loads((workdir / f"result-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+
+
+def _line(lines, op, nth=0):
+    return [line for line in lines if f" {op} " in line][nth]
+
+
+@pytest.mark.slow
+def test_each_collective_has_a_line_with_its_group_and_changes_nothing(job):
+    for result in job:
+        assert result["equal"]
+        assert result["findings"] == []
+        lines = result["lines"]
+        for op in ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast"):
+            assert "group of 2" in _line(lines, op), (op, lines)
+        assert "group of 2, async" in _line(lines, "all_reduce", 1)
+        assert "group of 2, async" in _line(lines, "all_reduce", 2)  # the functional one
+        for op in ("all_reduce", "all_gather_single", "broadcast"):
+            assert "finite" in _line(lines, op), _line(lines, op)  # sync: measured as it returned
+        assert "stats n/a (in flight)" in _line(lines, "all_reduce", 1)
+        assert "stats n/a (in flight)" in _line(lines, "view", 0)  # the view made before the wait
+        assert "group of 2" in _line(result["lean"], "all_reduce")
+
+
+@pytest.mark.slow
+def test_a_nan_another_rank_sent_is_carried_in_not_born_sync_and_async(job):
+    rank0, rank1 = job
+    for async_op in (False, True):
+        key = f"poisoned_async={async_op}"
+        assert rank1[key][0] == ["NaN in the input x (nan=1)", "NONFINITE_INPUT"], rank1[key]
+        assert all(kind != "CARRIED_IN" for _, kind in rank1[key])  # rank 1 sent it: nothing carried in
+        assert rank0[key] == [["NaN carried in by #3 all_reduce from its group of 2 (nan=1)", "CARRIED_IN"]], rank0[key]
+
+
+@pytest.mark.slow
+def test_the_rank_ddp_poisoned_through_its_gradient_all_reduce_is_told_so(job):
+    """Rank 1's batch holds a NaN; DDP's all-reduce (C++, in the backward's final callback) brings it
+    into every gradient of rank 0, whose own forward and backward were finite."""
+    rank0, rank1 = job
+    assert not rank0["ddp_grads_finite"] and not rank1["ddp_grads_finite"]
+    assert rank0["ddp_forward"] == []
+    (text, kind), = rank0["ddp_backward"]
+    assert kind == "CARRIED_IN"
+    assert text.startswith("NaN in the gradients of 4 parameters (module.2.bias, module.2.weight, module.0.bias, ...) "
+                           "after the backward: ~"), text
+    assert "tl.debug.across_ranks" in text
+    assert "first non-finite gradient: NaN in the gradients of 4 parameters" in rank0["ddp_footer"]
+    assert rank1["ddp_forward"][0] == "NaN in the input inputs[0] (nan=1)"  # where it came from
+    assert all(kind != "CARRIED_IN" for _, kind in rank1["ddp_backward"]), rank1["ddp_backward"]

@@ -1,0 +1,224 @@
+"""`torch.distributed` collectives as ops: which call is one, what it writes, its group, whether it
+is still in flight when it returns.
+
+torch routes each c10d collective (`dist.all_reduce`, `dist.all_gather_single`, ...) through
+`handle_torch_function`, so the capture's mode sees it, as it sees the functional collectives
+(`torch.ops._c10d_functional.*`, what DTensor and compiled graphs use). Neither returns the tensor
+it fills in the way an op does: a c10d collective writes into its arguments and returns nothing (or,
+with `async_op=True`, a `Work` to wait on); a functional one returns a tensor whose values arrive
+only at its `wait_tensor`. `COLLECTIVES` says, per c10d function, which argument holds what it writes;
+tests/test_collectives.py checks it names every c10d function torch dispatches this way.
+
+An asynchronous collective's output holds no values until it is waited on, which torchlens cannot
+see (a `Work.wait()`, a stream wait): it is measured when the first op reads it (`Pipeline`), and
+views of it before that are not read (`torchlens.unwritten`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .provenance import tensor_arguments
+from .torch_seams import degraded
+from .unwritten import storage_key
+from .writes import call_writes, may_return_an_alias
+
+__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "is_wait", "reads_memory"]
+
+C10D_MODULE = "torch.distributed.distributed_c10d"
+FUNCTIONAL_NAMESPACE = "_c10d_functional"
+
+
+class _Entry(NamedTuple):
+    shown: str  # the name its line shows
+    outputs: str  # the parameter holding the tensors the line shows
+    written: bool  # whether the call writes them (a `send` only reads its tensor)
+    always_async: bool = False  # `isend` / `irecv` return a `Work` whatever they are told
+
+
+# c10d function name -> how it is narrated
+COLLECTIVES: Dict[str, _Entry] = {
+    "all_reduce": _Entry("all_reduce", "tensor", True),
+    "all_reduce_coalesced": _Entry("all_reduce_coalesced", "tensors", True),
+    "broadcast": _Entry("broadcast", "tensor", True),
+    "reduce": _Entry("reduce", "tensor", True),
+    "all_gather": _Entry("all_gather", "tensor_list", True),
+    "all_gather_single": _Entry("all_gather_single", "output_tensor", True),  # `all_gather_into_tensor`
+    "all_gather_coalesced": _Entry("all_gather_coalesced", "output_tensor_lists", True),
+    "gather": _Entry("gather", "gather_list", True),
+    "scatter": _Entry("scatter", "tensor", True),
+    "reduce_scatter": _Entry("reduce_scatter", "output", True),
+    "reduce_scatter_single": _Entry("reduce_scatter_single", "output", True),  # `reduce_scatter_tensor`
+    "all_to_all_single": _Entry("all_to_all_single", "output", True),
+    "all_to_all": _Entry("all_to_all", "output_tensor_list", True),
+    "send": _Entry("send", "tensor", False),
+    "recv": _Entry("recv", "tensor", True),
+    "isend": _Entry("isend", "tensor", False, always_async=True),
+    "irecv": _Entry("irecv", "tensor", True, always_async=True),
+}
+
+
+class Collective(NamedTuple):
+    """One collective call: the name it is shown by, the tensors it wrote (or sent), whether it
+    wrote them, the size of its group, and whether its values were still in flight on return."""
+
+    name: str
+    tensors: Tuple[torch.Tensor, ...]
+    written: bool
+    group_size: Optional[int]
+    in_flight: bool
+
+    @property
+    def label(self) -> str:
+        """`group of 2, async`: what the op's line says after its module."""
+        group = f"group of {self.group_size}" if self.group_size is not None else "group"
+        return group + (", async" if self.in_flight else "")
+
+    @property
+    def value(self):
+        """The op's output as the pipeline takes it: one tensor, or a tuple of them."""
+        return self.tensors[0] if len(self.tensors) == 1 else self.tensors
+
+
+_SIGNATURES: Dict[object, inspect.Signature] = {}
+
+
+def collective_call(func, args, kwargs, out) -> Optional[Collective]:
+    """The collective a call was (c10d or functional), or None for any other call. `out` is what it
+    returned. Never raises: a call it cannot read is not a collective to it."""
+    try:
+        if getattr(func, "__module__", None) == C10D_MODULE:
+            return _c10d(func, args, kwargs, out)
+        if _namespace(func) == FUNCTIONAL_NAMESPACE and _takes_a_group(func):
+            return _functional(func, args, kwargs, out)
+    except Exception:
+        return None
+    return None
+
+
+def is_wait(func) -> bool:
+    """Whether `func` is a functional collective's `wait_tensor` (its values are there after it)."""
+    return _namespace(func) == FUNCTIONAL_NAMESPACE and "wait_tensor" in getattr(func, "__name__", "")
+
+
+def reads_memory(name: str, func, args, kwargs, tensors) -> Optional[str]:
+    """How a call uses the memory of `tensors` (an asynchronous collective's output): "read" when
+    it reads it (torch reads only what has arrived: it was waited on), "written" when it writes
+    into it (what it held before is then gone), None when it does not touch it or only views it."""
+    keys = {key for tensor in tensors for key in _memory_keys(tensor)}
+    touched = [argument for argument in tensor_arguments(args, kwargs) if keys.intersection(_memory_keys(argument))]
+    if not touched:
+        return None
+    if is_wait(func):
+        return "read"
+    if getattr(func, "__module__", None) == C10D_MODULE:  # another collective: it sends what it reads
+        collective = collective_call(func, args, kwargs, None)
+        written = collective.tensors if collective is not None and collective.written else ()
+        return "written" if any(t is w for t in touched for w in written) else "read"
+    if call_writes(name, args, kwargs) and _writes_one_of(args, kwargs, touched):
+        return "written"
+    return None if may_return_an_alias(name) else "read"
+
+
+def _memory_keys(tensor) -> List[int]:
+    """The storages a tensor's values are in: its own, or those of the tensors a wrapper subclass
+    holds (a functional collective's `AsyncCollectiveTensor`, a DTensor's local shard)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [key for name in names for key in _memory_keys(getattr(tensor, name))]
+    key = storage_key(tensor)
+    return [] if key is None else [key]
+
+
+def _writes_one_of(args, kwargs, touched) -> bool:
+    """Whether what a writing call writes (its `out=`, else its first tensor) is one of `touched`."""
+    target = kwargs.get("out") if kwargs else None
+    if target is None:
+        target = next(tensor_arguments(args, {}), None)
+    return any(written is tensor for written in _flat(target) for tensor in touched)
+
+
+def _takes_a_group(func) -> bool:
+    """Whether a functional op is a collective: its schema names a group (`str group_name`);
+    `wait_tensor` and the autograd wrapper do not."""
+    overloads = [func] if isinstance(func, torch._ops.OpOverload) else [getattr(func, name) for name in func.overloads()]
+    return any(argument.name == "group_name" for overload in overloads for argument in overload._schema.arguments)
+
+
+def _namespace(func) -> Optional[str]:
+    if isinstance(func, torch._ops.OpOverload):
+        return func.namespace
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.split("::")[0]
+    return None
+
+
+def _c10d(func, args, kwargs, out) -> Optional[Collective]:
+    entry = COLLECTIVES.get(func.__name__)
+    if entry is None:
+        return None
+    signature = _SIGNATURES.get(func)
+    if signature is None:
+        signature = _SIGNATURES[func] = inspect.signature(func)
+    bound = signature.bind(*args, **kwargs).arguments
+    tensors = tuple(_flat(bound.get(entry.outputs)))
+    if not tensors and entry.outputs == "gather_list":  # not the destination: it only sent
+        tensors, written = tuple(_flat(bound.get("tensor"))), False
+    else:
+        written = entry.written
+    if not tensors:
+        return None
+    in_flight = entry.always_async or bool(bound.get("async_op")) and out is not None
+    return Collective(entry.shown, tensors, written, _group_size(bound.get("group")), in_flight)
+
+
+def _functional(func, args, kwargs, out) -> Optional[Collective]:
+    tensors = tuple(_flat(out))
+    if not tensors:
+        return None
+    name = getattr(func, "__name__", "collective").split(".")[0]
+    overload = func if isinstance(func, torch._ops.OpOverload) else getattr(func, func.overloads()[0])
+    positions = [i for i, argument in enumerate(overload._schema.arguments) if argument.name == "group_name"]
+    group = kwargs.get("group_name") if kwargs else None
+    if group is None and positions and positions[0] < len(args):
+        group = args[positions[0]]
+    return Collective(name, tensors, False, _group_size_by_name(group), True)
+
+
+def _flat(value) -> List[torch.Tensor]:
+    """The tensors of an argument: one, a list of them, or a list of lists."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _flat(item)]
+    return []
+
+
+def _group_size(group) -> Optional[int]:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size(group)
+    except Exception:  # no default group (a call that will fail in torch itself), a group torn down
+        return None
+
+
+def _group_size_by_name(name: Optional[str]) -> Optional[int]:
+    if name is None:
+        return None
+    try:
+        from torch.distributed import distributed_c10d
+    except ImportError:
+        return None
+    resolve = getattr(distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:
+        degraded("process group by name", "torch.distributed.distributed_c10d has no _resolve_process_group")
+        return None
+    try:
+        return resolve(name).size()
+    except Exception:  # a group torn down
+        return None
