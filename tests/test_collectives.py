@@ -3,9 +3,7 @@ are there, and a NaN another rank sent is "carried in", never born here. Real gl
 
 from __future__ import annotations
 
-import datetime
 import inspect
-import json
 import os
 
 import pytest
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchlens as tl
+from ranks import run_ranks
 from torchlens.collectives import COLLECTIVES
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -77,56 +76,61 @@ class PoisonedOnRankOne(nn.Module):
         return y + 1
 
 
-def _worker(rank: int, workdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(workdir, "rendezvous"), rank=rank,
-                            world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
+def _scenarios(rank: int, workdir: str) -> dict:
     result = {}
-    try:
-        torch.manual_seed(0)
-        model = Exchanges(WORLD_SIZE)
-        torch.set_grad_enabled(False)  # (c10d collectives write in place: not on tensors autograd tracks)
-        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
-        plain = model(x)
-        lines = []
-        rec = tl.record(model, x, narrate=lines.append, value_stats="exact", on_nonfinite="track")
-        result["equal"] = torch.equal(rec.output, plain)
-        result["lines"] = lines
-        result["findings"] = [f.text for f in rec.findings]
-        lean = []
-        tl.record(model, x, narrate=lean.append)
-        result["lean"] = lean
-        for async_op in (False, True):
-            x = torch.ones(2, 2)
-            if rank == 1:
-                x[0, 0] = float("nan")
-            rec = tl.record(PoisonedOnRankOne(async_op), x, on_nonfinite="track")
-            result[f"poisoned_async={async_op}"] = [(f.text, f.kind.name) for f in rec.findings]
-        torch.set_grad_enabled(True)
-        torch.manual_seed(0)
-        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    model = Exchanges(WORLD_SIZE)
+    torch.set_grad_enabled(False)  # (c10d collectives write in place: not on tensors autograd tracks)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    plain = model(x)
+    lines = []
+    rec = tl.record(model, x, narrate=lines.append, value_stats="exact", on_nonfinite="track")
+    result["equal"] = torch.equal(rec.output, plain)
+    result["lines"] = lines
+    result["findings"] = [f.text for f in rec.findings]
+    lean = []
+    tl.record(model, x, narrate=lean.append)
+    result["lean"] = lean
+    for async_op in (False, True):
+        x = torch.ones(2, 2)
         if rank == 1:
             x[0, 0] = float("nan")
-        with tl.recording.Recorder(ddp, backward=True, on_nonfinite="track") as recorder:
-            ddp(x).square().mean().backward()
-        recording = recorder.recordings[0]
-        result["ddp_forward"] = [f.text for f in recording.findings]
-        result["ddp_backward"] = [(f.text, f.kind.name) for b in recording.backward for f in b.findings]
-        result["ddp_footer"] = recording.backward[0].narrate().splitlines()[-1]
-        result["ddp_grads_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
-        json.dump(result, f)
+        rec = tl.record(PoisonedOnRankOne(async_op), x, on_nonfinite="track")
+        result[f"poisoned_async={async_op}"] = [(f.text, f.kind.name) for f in rec.findings]
+    torch.set_grad_enabled(True)
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        x[0, 0] = float("nan")
+    with tl.recording.Recorder(ddp, backward=True, on_nonfinite="track") as recorder:
+        ddp(x).square().mean().backward()
+    recording = recorder.recordings[0]
+    result["ddp_forward"] = [f.text for f in recording.findings]
+    result["ddp_backward"] = [(f.text, f.kind.name) for b in recording.backward for f in b.findings]
+    result["ddp_footer"] = recording.backward[0].narrate().splitlines()[-1]
+    result["ddp_grads_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
+    report = tl.debug.across_ranks(recording)
+    result["across"] = [report.first_rank, list(report.tied), report.finding, report.where, report.carried,
+                        report.per_rank, str(report)]
+    result["across_per_rank"] = tl.debug.across_ranks(recorder, per_rank=True).per_rank
+    clean = tl.record(ddp, torch.ones(3, 4), on_nonfinite="track")
+    result["across_clean"] = str(tl.debug.across_ranks(clean))
+    tl.trace(ddp.module, x, on_nonfinite="track").save(os.path.join(workdir, f"trace-{rank}.tl"))
+    # replicas that drifted apart: rank 1's first weight nudged after DDP synchronised them
+    torch.manual_seed(0)
+    replica = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    if rank == 1:
+        with torch.no_grad():
+            replica.module[0].weight[0, 0] += 1e-3
+    same = torch.ones(3, 4)  # the same batch on every rank: replicated values must agree
+    tl.trace(replica, same).save(os.path.join(workdir, f"replica-{rank}.tl"))
+    return result
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("collectives")
-    torch.multiprocessing.spawn(_worker, args=(str(workdir),), nprocs=WORLD_SIZE, join=True)
-    return [json.loads((workdir / f"result-{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    return run_ranks(_scenarios, WORLD_SIZE, tmp_path_factory.mktemp("collectives"))
 
 
 def _line(lines, op, nth=0):
@@ -175,3 +179,44 @@ def test_the_rank_ddp_poisoned_through_its_gradient_all_reduce_is_told_so(job):
     assert "first non-finite gradient: NaN in the gradients of 4 parameters" in rank0["ddp_footer"]
     assert rank1["ddp_forward"][0] == "NaN in the input inputs[0] (nan=1)"  # where it came from
     assert all(kind != "CARRIED_IN" for _, kind in rank1["ddp_backward"]), rank1["ddp_backward"]
+
+
+@pytest.mark.slow
+def test_every_rank_gets_the_same_answer_to_which_rank(job):
+    rank0, rank1 = job
+    assert rank0["across"] == rank1["across"]
+    first_rank, tied, finding, where, carried, per_rank, text = rank0["across"]
+    assert (first_rank, tied, finding, where, carried, per_rank) == (
+        1, [1], "NaN in the input inputs[0] (nan=1)", "the forward of pass 1", 1, None)
+    assert text == ("first on rank 1, in the forward of pass 1: NaN in the input inputs[0] (nan=1)\n"
+                    "1 rank received non-finite values through a collective")
+    assert rank0["across_per_rank"] == rank1["across_per_rank"] == [None, "NaN in the input inputs[0] (nan=1)"]
+    assert rank0["across_clean"] == rank1["across_clean"] == "no non-finite value on any of the 2 ranks"
+
+
+@pytest.mark.slow
+def test_saved_traces_of_every_rank_give_the_verdict_without_a_process_group(job, tmp_path_factory):
+    workdir = next(tmp_path_factory.getbasetemp().glob("collectives*"))
+    report = tl.debug.across_ranks([tl.load(workdir / f"trace-{rank}.tl") for rank in range(WORLD_SIZE)])
+    assert (report.first_rank, report.tied, report.where) == (1, (1,), "the forward of pass 1")
+    assert report.per_rank == [None, "NaN in the input input (nan=1)"]  # (nn.Sequential names it `input`)
+
+
+def test_across_ranks_without_a_process_group_says_how_to_call_it():
+    recording = tl.record(nn.Linear(2, 2), torch.ones(1, 2), on_nonfinite="track")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tl.debug.across_ranks(recording)
+    with pytest.raises(TypeError, match="a recording, a trace, a Recorder"):
+        tl.debug.across_ranks([object()])
+
+
+@pytest.mark.slow
+def test_compare_finds_where_two_ranks_replicated_values_first_diverge(job, tmp_path_factory):
+    """The desynchronised-rank bug: DDP replicas given the same batch must compute the same values;
+    comparing two ranks' saved traces names the first op where they do not."""
+    workdir = next(tmp_path_factory.getbasetemp().glob("collectives*"))
+    report = tl.debug.compare(tl.load(workdir / "replica-0.tl"), tl.load(workdir / "replica-1.tl"))
+    first = report.first_divergence
+    assert first is not None and (first.op, first.module) == ("linear", "module.0"), str(report)
+    assert all(row.verdict == "within" for row in report.rows[:[r.ordinal for r in report.rows].index(first.ordinal)]
+               if row.status == "both")

@@ -11,9 +11,6 @@ time, instead of now and then.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchlens as tl
+from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch was built without gloo")
@@ -146,27 +144,52 @@ def _training(make, batches, stale: bool) -> dict:
     return results
 
 
-def _worker(rank: int, world_size: int, workdir: str, llama: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(workdir, "rendezvous"), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+def _scenarios(rank: int, workdir: str, llama: bool) -> dict:
     result = {}
-    try:
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
-        model = _sharded_mlp()
-        result["mlp_stale"] = _tracked_forwards(model, x, 3, stale=True)
-        result["mlp"] = _tracked_forwards(model, x, 10, stale=False)
-        batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
-        result["mlp_training"] = _training(_sharded_mlp, batches, stale=True)
-        if llama:
-            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
-            result["llama_stale"] = _tracked_forwards(_sharded_llama(), ids, 2, stale=True)
-            result["llama_training"] = _training(lambda: _LossOf(_sharded_llama()), [ids, ids], stale=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
-        json.dump(result, f, default=sorted)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    model = _sharded_mlp()
+    result["mlp_stale"] = _tracked_forwards(model, x, 3, stale=True)
+    result["mlp"] = _tracked_forwards(model, x, 10, stale=False)
+    batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
+    result["mlp_training"] = _training(_sharded_mlp, batches, stale=True)
+    if llama:  # (the two-rank job: also the torchtitan layout, blocks compiled)
+        result["compiled"] = _compiled_blocks(x.shape[1])
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+        result["llama_stale"] = _tracked_forwards(_sharded_llama(), ids, 2, stale=True)
+        result["llama_training"] = _training(lambda: _LossOf(_sharded_llama()), [ids, ids], stale=True)
+    return result
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _compiled_blocks(width: int) -> dict:
+    """torchtitan's layout: `fully_shard` per block and on the root, each block compiled (aot_eager)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(width), _Block(width))
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    for index, block in enumerate(model):
+        model[index] = tl.compile(block, compiler="aot_eager", on_nonfinite="track", value_stats="exact")
+    seen = {"findings": [], "recorded": 0}
+    with StaleMemory():
+        for step in range(3):
+            model(torch.randn(4, width, generator=torch.Generator().manual_seed(step)))
+            for block in model:
+                recording = block.torchlens.last_recording
+                seen["recorded"] += recording is not None
+                seen["findings"] += _texts(recording) if recording is not None else []
+    seen["transcript"] = model[0].torchlens.last_recording.narrate()
+    return seen
 
 
 class _LossOf(nn.Module):
@@ -181,9 +204,7 @@ class _LossOf(nn.Module):
 
 
 def _run(tmp_path_factory, world_size: int, llama: bool) -> list:
-    workdir = tmp_path_factory.mktemp(f"fsdp{world_size}")
-    torch.multiprocessing.spawn(_worker, args=(world_size, str(workdir), llama), nprocs=world_size, join=True)
-    return [json.loads((workdir / f"result-{rank}.json").read_text()) for rank in range(world_size)]
+    return run_ranks(_scenarios, world_size, tmp_path_factory.mktemp(f"fsdp{world_size}"), llama)
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +254,14 @@ def test_four_fsdp2_ranks_find_nothing_on_clean_inputs(four_ranks):
         _check_forwards(result["mlp_stale"], stale=True)
         _check_forwards(result["mlp"], stale=False)
         assert result["mlp_training"]["findings"] == [] and result["mlp_training"]["weights_equal"]
+
+
+@pytest.mark.slow
+def test_compiled_fsdp2_blocks_narrate_their_all_gather_and_find_nothing(two_ranks):
+    for result in two_ranks:
+        compiled = result["compiled"]
+        assert compiled["recorded"] == 6 and compiled["findings"] == [], compiled["findings"][:3]
+        lines = compiled["transcript"].splitlines()
+        gather = next(line for line in lines if " all_gather_single " in line)
+        assert "group of 2" in gather and "finite" in gather, gather
+        assert "1 compiled graph call" in lines[-1] and "no non-finite values" in lines[-1], lines[-1]

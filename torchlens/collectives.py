@@ -27,7 +27,7 @@ from .torch_seams import degraded
 from .unwritten import storage_key
 from .writes import call_writes, may_return_an_alias
 
-__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "is_wait", "reads_memory"]
+__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "is_wait", "reads_memory", "wait_for"]
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
 FUNCTIONAL_NAMESPACE = "_c10d_functional"
@@ -71,6 +71,7 @@ class Collective(NamedTuple):
     written: bool
     group_size: Optional[int]
     in_flight: bool
+    functional: bool = False  # `torch.ops._c10d_functional.*`: its values arrive at `wait_tensor`
 
     @property
     def label(self) -> str:
@@ -101,8 +102,21 @@ def collective_call(func, args, kwargs, out) -> Optional[Collective]:
 
 
 def is_wait(func) -> bool:
-    """Whether `func` is a functional collective's `wait_tensor` (its values are there after it)."""
-    return _namespace(func) == FUNCTIONAL_NAMESPACE and "wait_tensor" in getattr(func, "__name__", "")
+    """Whether `func` waits for a functional collective's values: `wait_tensor`, or the autograd
+    wrapper funcol puts around its output (an `AsyncCollectiveTensor`, which waits before any op
+    reads it, measuring included)."""
+    name = getattr(func, "__name__", "")
+    return _namespace(func) == FUNCTIONAL_NAMESPACE and ("wait_tensor" in name or "_wrap_tensor_autograd" in name)
+
+
+def wait_for(collective: "Collective") -> None:
+    """Make a functional collective's values arrive before they are measured: what its
+    `AsyncCollectiveTensor` does before any op reads it, a little earlier (c10d's own collectives
+    need nothing: an op reads their output only after the code waited on them)."""
+    if collective.functional:
+        wait = torch.ops._c10d_functional.wait_tensor
+        for tensor in collective.tensors:
+            wait(tensor)
 
 
 def reads_memory(name: str, func, args, kwargs, tensors) -> Optional[str]:
@@ -186,7 +200,7 @@ def _functional(func, args, kwargs, out) -> Optional[Collective]:
     group = kwargs.get("group_name") if kwargs else None
     if group is None and positions and positions[0] < len(args):
         group = args[positions[0]]
-    return Collective(name, tensors, False, _group_size_by_name(group), True)
+    return Collective(name, tensors, False, _group_size_by_name(group), True, functional=True)
 
 
 def _flat(value) -> List[torch.Tensor]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 from typing import Optional, Sequence, Tuple
 
+import torch
+
 from .stats_text import stats_text
 
 __all__ = ["ENTER", "EXIT", "GRAD", "INPUT", "NODE", "OP", "OUTPUT", "Attempt", "BackwardAttempt", "BackwardEvent",
@@ -93,6 +95,8 @@ class TensorMeta(tuple):
 
     @classmethod
     def of(cls, tensor) -> "TensorMeta":
+        if tensor.__class__ is not _TENSOR and hasattr(tensor, "placements") and hasattr(tensor, "_local_tensor"):
+            return ShardedMeta.of(tensor)  # a DTensor
         return tuple.__new__(cls, (tensor.shape, tensor.dtype, tensor.device))
 
     @classmethod
@@ -120,6 +124,44 @@ class TensorMeta(tuple):
 
     def __repr__(self) -> str:
         return f"TensorMeta({list(self[0])}, {self[1]}, {self[2]})"
+
+
+class ShardedMeta(TensorMeta):
+    """A DTensor's `TensorMeta`: its global (shape, dtype, device), then how it is laid out over its
+    mesh (`Shard(1)`, `Replicate()`, `Partial(sum)`) and the shape of this rank's local tensor."""
+
+    __slots__ = ()
+
+    def __new__(cls, shape, dtype, device, placements: str = "", local_shape=()):
+        return tuple.__new__(cls, (shape, dtype, device, placements, local_shape))
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+    @classmethod
+    def of(cls, tensor) -> "ShardedMeta":
+        placements = ",".join(_placement_text(p) for p in tensor.placements)
+        local = tensor._local_tensor
+        return tuple.__new__(cls, (tensor.shape, tensor.dtype, tensor.device, placements, tuple(local.shape)))
+
+    @property
+    def placements(self) -> str:
+        return self[3]
+
+    @property
+    def local_shape(self):
+        return self[4]
+
+    def __repr__(self) -> str:
+        return f"ShardedMeta({list(self[0])}, {self[1]}, {self[2]}, {self[3]}, local {list(self[4])})"
+
+
+def _placement_text(placement) -> str:
+    """`Shard(1)`, `Replicate()`, `Partial(sum)`: as torch writes them, without its `dim=`."""
+    return repr(placement).replace("dim=", "")
+
+
+_TENSOR = torch.Tensor
 
 
 class Event:

@@ -83,11 +83,13 @@ def shape_text(shape) -> str:
 
 def meta_text(meta: TensorMeta, normalize: bool = False) -> str:
     """`[1,2] f32 cpu` (memoised: a forward repeats a few shapes many times)."""
-    key = (meta.shape, meta.dtype, meta.device, normalize)
+    key = (meta, normalize)
     try:
         return _META_TEXTS[key]
     except KeyError:
         text = shape_text(meta.shape) + " " + dtype_name(meta.dtype) + " " + device_name(meta.device, normalize)
+        if len(meta) > 3:  # a DTensor: `Shard(1) local [3,8]`
+            text += f" {meta[3]} local {shape_text(meta[4])}"
         if len(_META_TEXTS) < 65536:
             _META_TEXTS[key] = text
         return text

@@ -11,6 +11,7 @@ keep the one-read-per-forward discipline.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Dict, List, Tuple
@@ -21,7 +22,8 @@ from .elements import element_layout
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
                       sums_of)
-from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, is_wrapped,
+from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, is_dtensor,
+                    is_wrapped,
                     measures, plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
 
 __all__ = ["READ_NOW", "Meter", "Pending", "reads_now"]
@@ -93,6 +95,8 @@ class Meter:
     def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
         """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
         try:
+            if tensor.__class__ is not _TENSOR and is_dtensor(tensor):
+                return _of_local_shard(self.measure(tensor._local_tensor, live))
             if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
                 return self._measure_plain(tensor)
@@ -296,6 +300,19 @@ class Meter:
                 unmeasured(item.stats, f"{type(exc).__name__} reading its statistics")
         self.reads += 1
         return vector.reshape(-1).tolist()
+
+
+def _of_local_shard(stats: Stats) -> Stats:
+    """A DTensor's statistics are its local shard's, and say so (a copy: the shard's own may be
+    shared with a view of it)."""
+    if stats.kind == "na" or stats.note:
+        return stats
+    shown = copy.copy(stats)
+    shown.note = "(local shard)"
+    return shown
+
+
+_TENSOR = torch.Tensor
 
 
 def _ldexp(value: float, exponent: int) -> float:

@@ -31,7 +31,7 @@ from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
-from .collectives import Collective, reads_memory
+from .collectives import Collective, reads_memory, wait_for
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
 
@@ -202,6 +202,8 @@ class Pipeline:
     def _land(self, entry, reader: Event, overwritten: bool) -> None:
         collective_event, collective, written = entry
         value = collective.value
+        if not overwritten:
+            wait_for(collective)
         if self.meter is not None:
             self.meter.forget(collective.tensors)
             collective_event.stats = (Stats("na", 0, self.meter.rung != "off",

@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import Event
 from .findings import NAN, NEGINF, POSINF, bits as _bits
-from .stats import as_float, plain_values, unwrapped
+from .stats import as_float, is_dtensor, plain_values, unwrapped
 
 __all__ = ["LazyReads", "Provenance", "Source", "carried_kinds", "covers", "memory_span", "origin_chain",
            "passed_in", "tensor_arguments"]
@@ -102,6 +102,9 @@ class Provenance:
         tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
+            if tensor.__class__ is not torch.Tensor and is_dtensor(tensor):  # its shard is the op's too
+                local = tensor._local_tensor
+                self._producers[id(local)] = (weakref.ref(local), event)
             if (args or kwargs) and passed_in(tensor, args, kwargs):
                 self._wrote(event, tensor, event.ordinal if position is None else position)
 

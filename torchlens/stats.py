@@ -26,7 +26,7 @@ import torch
 from .events import Stats
 
 __all__ = ["SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector", "fill", "finite_vector",
-           "is_wrapped", "lean_count_vector", "measures", "plain_values", "sample_indices", "shareable", "unmeasured",
+           "is_dtensor", "is_wrapped", "lean_count_vector", "measures", "plain_values", "sample_indices", "shareable", "unmeasured",
            "unwrapped", "value_kind", "vector_dtype"]
 
 SAMPLE_SIZE = 4096
@@ -89,10 +89,18 @@ def plain_values(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor a functorch transform's wrapper (vmap, grad, jvp) holds, or `tensor` itself."""
+    """The tensor a functorch transform's wrapper (vmap, grad, jvp) holds, a DTensor's local shard
+    (its values on this rank: reading the global tensor would be a collective), or `tensor` itself."""
     while is_wrapped(tensor):
         tensor = _unwrapped(tensor)
+    if tensor.__class__ is not torch.Tensor and is_dtensor(tensor):
+        return unwrapped(tensor._local_tensor)
     return tensor
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether `tensor` is a `torch.distributed.tensor.DTensor` (told without importing it)."""
+    return hasattr(tensor, "placements") and hasattr(tensor, "_local_tensor")
 
 
 def shareable(tensor: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .provenance import covers, memory_span, passed_in, tensor_arguments
 from .stats import unwrapped
@@ -171,8 +172,9 @@ class SeenMemory:
         """An op produced `value` in fresh memory (or it is an input, or a compiled graph's output)."""
         if value.__class__ is torch.Tensor:
             self._ids.add(id(value))
-        else:
-            self._ids.update(map(id, tensors_of(value)))
+            return
+        for tensor in tensors_of(value):
+            self._ids.update(map(id, _with_inner(tensor)))
 
     def unseen_views(self, value, args, kwargs) -> List[torch.Tensor]:
         """For an op that may return memory of its first tensor argument (a view, an in-place op):
@@ -181,7 +183,8 @@ class SeenMemory:
         source = next(tensor_arguments(args, kwargs or {}), None)
         outputs = tensors_of(value)
         if source is None or id(source) in self._ids:
-            self._ids.update(map(id, outputs))
+            for tensor in outputs:
+                self._ids.update(map(id, _with_inner(tensor)))
             return []
         if self._held is not None:  # (once per pass, when first needed)
             self._ids.update(map(id, self._held()))
@@ -193,6 +196,14 @@ class SeenMemory:
         unseen = [tensor for tensor in outputs if memory is not None and storage_key(tensor) == memory]
         self._ids.update(id(tensor) for tensor in outputs if not any(tensor is other for other in unseen))
         return unseen
+
+
+def _with_inner(tensor: torch.Tensor) -> list:
+    """A tensor, and the tensors a wrapper subclass holds (a DTensor's local shard), recursively."""
+    if tensor.__class__ is torch.Tensor or not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [tensor] + [inner for name in names for inner in _with_inner(getattr(tensor, name))]
 
 
 def _address(storage) -> Optional[int]:

@@ -1,0 +1,132 @@
+"""Distributed costs, side by side in one job of real gloo ranks on the CPU.
+
+1. An FSDP2 training step (a transformers Llama, `fully_shard` per decoder layer and the root;
+   forward, backward, SGD step) plain, narrated by a `Recorder`, and tracked by a `Recorder` with
+   `backward=True, on_nonfinite="track"`: each mode a block of steps after a warm-up, fastest of
+   the rounds, on every rank (rank 0 reports).
+2. `tl.debug.across_ranks` on 2, 4 and 8 ranks: time per call (its few small reductions).
+
+    python benchmarks/distributed_bench.py [--quick] [--json report.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torchlens as tl  # noqa: E402
+
+
+def _llama():
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _step(model, optimizer, ids):
+    optimizer.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def _fsdp_step_times(steps: int, rounds: int) -> dict:
+    model = _llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    modes = {
+        "plain": None,
+        "narrate": dict(narrate=lambda line: None),
+        "track": dict(backward=True, on_nonfinite="track"),
+    }
+    best = {}
+    for _ in range(rounds):
+        for name, options in modes.items():
+            def block(n):
+                if options is None:
+                    for _ in range(n):
+                        _step(model, optimizer, ids)
+                    return
+                with tl.recording.Recorder(model, keep=1, **options):
+                    for _ in range(n):
+                        _step(model, optimizer, ids)
+            block(1)  # warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            block(steps)
+            elapsed = (time.perf_counter() - start) / steps
+            best[name] = min(best.get(name, elapsed), elapsed)
+    return {name: {"ms": value * 1e3, "multiplier": value / best["plain"]} for name, value in best.items()}
+
+
+def _across_ranks_time(calls: int) -> float:
+    recording = tl.record(nn.Linear(4, 4), torch.ones(2, 4), on_nonfinite="track")
+    tl.debug.across_ranks(recording)  # warm-up
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        tl.debug.across_ranks(recording)
+    return (time.perf_counter() - start) / calls
+
+
+def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous-{world}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    result = {"world_size": world}
+    try:
+        if fsdp:
+            result["fsdp_step"] = _fsdp_step_times(2 if quick else 10, 1 if quick else 3)
+        result["across_ranks_ms"] = _across_ranks_time(5 if quick else 50) * 1e3
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(workdir, f"result-{world}.json"), "w") as f:
+            json.dump(result, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps and calls: checks that it runs")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for world in (2, 4, 8):
+            torch.multiprocessing.spawn(_worker, args=(world, workdir, args.quick, world == 2), nprocs=world)
+            with open(os.path.join(workdir, f"result-{world}.json")) as f:
+                results.append(json.load(f))
+    for result in results:
+        line = f"{result['world_size']} ranks: across_ranks {result['across_ranks_ms']:.2f} ms/call"
+        if "fsdp_step" in result:
+            line += "; FSDP2 Llama step " + ", ".join(
+                f"{name} {row['ms']:.1f} ms ({row['multiplier']:.2f}x)" for name, row in result["fsdp_step"].items())
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"quick": args.quick, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

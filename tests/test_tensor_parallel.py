@@ -1,0 +1,103 @@
+"""Tensor parallel (`parallelize_module` with `ColwiseParallel` / `RowwiseParallel`, real gloo ranks):
+DTensor lines say their placement and local shape, their statistics are the local shard's, and a NaN
+in one rank's weight shard is found on that rank and "carried in" on the other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchlens as tl
+from ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch was built without gloo")
+
+WORLD_SIZE = 2
+
+
+def _parallel_mlp(mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _scenarios(rank: int, workdir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    result = {}
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    model = _parallel_mlp(mesh)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))  # the same batch on both ranks
+    plain = model(x)
+    lines = []
+    rec = tl.record(model, x, narrate=lines.append, value_stats="exact", on_nonfinite="track")
+    result["equal"] = torch.equal(rec.output, plain)
+    result["lines"] = lines
+    result["findings"] = [f.text for f in rec.findings]
+
+    # a training step, tracked forward and backward, against the same step without torchlens
+    narrated, reference = _parallel_mlp(mesh), _parallel_mlp(mesh)
+    for net, tracked in ((narrated, True), (reference, False)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        if tracked:
+            with tl.recording.Recorder(net, backward=True, on_nonfinite="track") as recorder:
+                net(x).square().mean().backward()
+            recording = recorder.recordings[0]
+            result["step_findings"] = [f.text for f in recording.findings] + [
+                f.text for b in recording.backward for f in b.findings]
+        else:
+            net(x).square().mean().backward()
+        optimizer.step()
+    result["trained_alike"] = all(torch.equal(a.full_tensor(), b.full_tensor())
+                                  for a, b in zip(narrated.parameters(), reference.parameters()))
+
+    poisoned = _parallel_mlp(mesh)
+    if rank == 1:
+        with torch.no_grad():
+            poisoned[2].weight.to_local()[0, 0] = float("nan")
+    rec = tl.record(poisoned, x, on_nonfinite="track")
+    result["poisoned"] = [(f.text, f.kind.name) for f in rec.findings]
+    result["across"] = str(tl.debug.across_ranks(rec))
+    return result
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return run_ranks(_scenarios, WORLD_SIZE, tmp_path_factory.mktemp("tp"))
+
+
+@pytest.mark.slow
+def test_dtensor_lines_show_placement_and_local_shape_and_measure_the_local_shard(job):
+    for result in job:
+        assert result["equal"] and result["findings"] == []
+        lines = result["lines"]
+        column = next(line for line in lines if " linear " in line and "@0" in line)
+        row = next(line for line in lines if " linear " in line and "@2" in line)
+        assert "[3,16] f32 cpu Shard(1) local [3,8]  @0" in column, column
+        assert "[3,8] f32 cpu Partial(sum) local [3,8]  @2" in row, row
+        for line in (column, row):
+            assert line.endswith("finite (local shard)") and "min=" in line, line
+        assert not any("measuring" in line for line in lines), lines  # never n/a from an exception
+        assert "group of 2" in next(line for line in lines if " all_reduce " in line)
+
+
+@pytest.mark.slow
+def test_a_tracked_tensor_parallel_step_finds_nothing_and_trains_like_plain(job):
+    for result in job:
+        assert result["step_findings"] == []
+        assert result["trained_alike"]
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_ranks_weight_shard_is_named_there_and_carried_in_elsewhere(job):
+    rank0, rank1 = job
+    assert rank1["poisoned"] == [["NaN in 2.weight (nan=1), first read by #7 linear @2", "NONFINITE_SOURCE"]]
+    assert rank0["poisoned"] == [["NaN carried in by #8 all_reduce @2 from its group of 2 (nan=3)", "CARRIED_IN"]]
+    assert rank0["across"] == rank1["across"] == (
+        "first on rank 1, in the forward of pass 1: NaN in 2.weight (nan=1), first read by #7 linear @2\n"
+        "1 rank received non-finite values through a collective")
