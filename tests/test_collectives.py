@@ -220,3 +220,43 @@ def test_compare_finds_where_two_ranks_replicated_values_first_diverge(job, tmp_
     assert first is not None and (first.op, first.module) == ("linear", "module.0"), str(report)
     assert all(row.verdict == "within" for row in report.rows[:[r.ordinal for r in report.rows].index(first.ordinal)]
                if row.status == "both")
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo process group of this process alone (collectives run; their group is 1)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class FunctionalReduce(nn.Module):
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(torch.sin(x), "sum", dist.group.WORLD) * 2
+
+
+def test_a_compiled_functional_collective_is_measured_after_its_wait_not_before(group_of_one):
+    """In a graph, the collective's output holds nothing until its `wait_tensor`: measuring it in
+    between is reading memory the collective is still writing. The statistics pass leaves it unread
+    and measures the waited value, as eager narration does."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    lines = []
+    compiled = tl.compile(FunctionalReduce(), compiler="aot_eager", value_stats="exact", on_nonfinite="track",
+                          narrate=lines.append)
+    out = compiled(torch.ones(2, 3))
+    torch._dynamo.reset()
+    assert torch.equal(out, torch.sin(torch.ones(2, 3)) * 2)
+    reduce_line = next(line for line in lines if " all_reduce " in line)
+    wait_line = next(line for line in lines if " wait_tensor " in line)
+    assert reduce_line.endswith("stats n/a (in flight)"), reduce_line
+    assert "min=0.8415" in wait_line and wait_line.endswith("finite"), wait_line
+    assert lines[-1].endswith("no non-finite values"), lines[-1]
+    eager = []
+    tl.record(FunctionalReduce(), torch.ones(2, 3), value_stats="exact", narrate=eager.append)
+    assert next(line for line in eager if " all_reduce " in line).endswith("group of 1, async  | stats n/a (in flight)")

@@ -27,7 +27,8 @@ from .torch_seams import degraded
 from .unwritten import storage_key
 from .writes import call_writes, may_return_an_alias
 
-__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "is_wait", "reads_memory", "wait_for"]
+__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "is_functional_collective", "is_wait",
+           "reads_memory", "wait_for"]
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
 FUNCTIONAL_NAMESPACE = "_c10d_functional"
@@ -94,7 +95,7 @@ def collective_call(func, args, kwargs, out) -> Optional[Collective]:
     try:
         if getattr(func, "__module__", None) == C10D_MODULE:
             return _c10d(func, args, kwargs, out)
-        if _namespace(func) == FUNCTIONAL_NAMESPACE and _takes_a_group(func):
+        if is_functional_collective(func):
             return _functional(func, args, kwargs, out)
     except Exception:
         return None
@@ -156,10 +157,21 @@ def _writes_one_of(args, kwargs, touched) -> bool:
     return any(written is tensor for written in _flat(target) for tensor in touched)
 
 
+def is_functional_collective(func) -> bool:
+    """Whether `func` (a graph node's target too) is a functional collective (`_c10d_functional.all_reduce`)."""
+    try:
+        return _namespace(func) == FUNCTIONAL_NAMESPACE and _takes_a_group(func)
+    except Exception:
+        return False
+
+
 def _takes_a_group(func) -> bool:
     """Whether a functional op is a collective: its schema names a group (`str group_name`);
     `wait_tensor` and the autograd wrapper do not."""
-    overloads = [func] if isinstance(func, torch._ops.OpOverload) else [getattr(func, name) for name in func.overloads()]
+    if isinstance(func, torch._ops.OpOverload):
+        overloads = [func]
+    else:
+        overloads = [getattr(func, name) for name in func.overloads()]
     return any(argument.name == "group_name" for overload in overloads for argument in overload._schema.arguments)
 
 

@@ -36,6 +36,7 @@ from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
 from ..elements import concrete, same_elements
+from ..collectives import is_functional_collective, is_wait
 from ..unwritten import UnwrittenMemory
 from ..writes import node_writes, target_name, written_tensor
 from .plan import GraphPlan
@@ -143,9 +144,14 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
 
 
 def _follow_memory(unwritten: UnwrittenMemory, name: str, node: fx.Node, holder: fx.Node) -> None:
-    """What an uninitialized op of the graph allocated, and what later nodes wrote into it."""
+    """What an uninitialized op of the graph allocated, what a functional collective will write
+    (nothing is there until its `wait_tensor`), and what later nodes wrote into either."""
     if name.startswith(UNINITIALIZED):
         unwritten.allocated(holder.meta.get("example_value"))
+    elif is_functional_collective(node.target):
+        unwritten.in_flight(_tensors(holder.meta.get("example_value")))
+    elif unwritten and is_wait(node.target) and node.args:
+        unwritten.landed(_tensors(_fake(node.args[0])))
     elif unwritten and node_writes(node):
         value = holder.meta.get("example_value")
         if not isinstance(value, (torch.Tensor, tuple, list)):  # `setitem` and the like return nothing
