@@ -1,6 +1,6 @@
 """Distributed costs, side by side in one job of real gloo ranks on the CPU.
 
-1. An FSDP2 training step (a transformers Llama, `fully_shard` per decoder layer and the root;
+1. An FSDP2 training step (transformers Llamas of two sizes, `fully_shard` per decoder layer and the root;
    forward, backward, SGD step) plain, narrated by a `Recorder`, and tracked by a `Recorder` with
    `backward=True, on_nonfinite="track"`: each mode a block of steps after a warm-up, fastest of
    the rounds, on every rank (rank 0 reports).
@@ -30,13 +30,19 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torchlens as tl  # noqa: E402
 
 
-def _llama():
+SIZES = {  # (hidden size, decoder layers, tokens per sequence)
+    "tiny": (64, 2, 32),
+    "small": (256, 4, 64),
+}
+
+
+def _llama(hidden: int, layers: int):
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model = LlamaForCausalLM(config)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -49,10 +55,11 @@ def _step(model, optimizer, ids):
     optimizer.step()
 
 
-def _fsdp_step_times(steps: int, rounds: int) -> dict:
-    model = _llama()
+def _fsdp_step_times(size: str, steps: int, rounds: int) -> dict:
+    hidden, layers, tokens = SIZES[size]
+    model = _llama(hidden, layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
+    ids = torch.randint(0, 256, (2, tokens), generator=torch.Generator().manual_seed(dist.get_rank()))
     modes = {
         "plain": None,
         "narrate": dict(narrate=lambda line: None),
@@ -96,7 +103,8 @@ def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> Non
     result = {"world_size": world}
     try:
         if fsdp:
-            result["fsdp_step"] = _fsdp_step_times(2 if quick else 10, 1 if quick else 3)
+            result["fsdp_step"] = {size: _fsdp_step_times(size, 2 if quick else 10, 1 if quick else 3)
+                                   for size in SIZES}
         result["across_ranks_ms"] = _across_ranks_time(5 if quick else 50) * 1e3
         dist.barrier()
     finally:
@@ -119,10 +127,10 @@ def main() -> None:
                 results.append(json.load(f))
     for result in results:
         line = f"{result['world_size']} ranks: across_ranks {result['across_ranks_ms']:.2f} ms/call"
-        if "fsdp_step" in result:
-            line += "; FSDP2 Llama step " + ", ".join(
-                f"{name} {row['ms']:.1f} ms ({row['multiplier']:.2f}x)" for name, row in result["fsdp_step"].items())
         print(line)
+        for size, rows in result.get("fsdp_step", {}).items():
+            print(f"  FSDP2 {size} Llama {SIZES[size]} step: " + ", ".join(
+                f"{name} {row['ms']:.1f} ms ({row['multiplier']:.2f}x)" for name, row in rows.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"quick": args.quick, "results": results}, f, indent=1)

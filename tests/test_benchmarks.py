@@ -68,3 +68,16 @@ def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_bac
         assert rows["anomaly"]["cheaper_than_anomaly"] == 0
         # one step's lines: its forward and its backward (a node line per autograd node)
         assert rows["narrate"]["lines_per_step"] == rows["narrate_track"]["lines_per_step"] > 40
+
+
+def test_quick_distributed_benchmark_times_fsdp2_steps_and_across_ranks_on_2_4_8_ranks(tmp_path):
+    report_path = tmp_path / "distributed.json"
+    command = [sys.executable, str(BENCHMARKS / "distributed_bench.py"), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(report_path.read_text())["results"]
+    assert [r["world_size"] for r in results] == [2, 4, 8]
+    assert all(r["across_ranks_ms"] > 0 for r in results)
+    for size, rows in results[0]["fsdp_step"].items():
+        assert set(rows) == {"plain", "narrate", "track"}, size
+        assert rows["plain"]["multiplier"] == 1.0 and all(row["ms"] > 0 for row in rows.values())

@@ -188,7 +188,9 @@ def _compiled_blocks(width: int) -> dict:
                 recording = block.torchlens.last_recording
                 seen["recorded"] += recording is not None
                 seen["findings"] += _texts(recording) if recording is not None else []
-    seen["transcript"] = model[0].torchlens.last_recording.narrate()
+    recording = model[0].torchlens.last_recording
+    seen["transcript"] = recording.narrate(engine_ops=True)
+    seen["folded"] = recording.narrate().splitlines()
     return seen
 
 
@@ -263,5 +265,9 @@ def test_compiled_fsdp2_blocks_narrate_their_all_gather_and_find_nothing(two_ran
         assert compiled["recorded"] == 6 and compiled["findings"] == [], compiled["findings"][:3]
         lines = compiled["transcript"].splitlines()
         gather = next(line for line in lines if " all_gather_single " in line)
-        assert "group of 2" in gather and "finite" in gather, gather
+        assert "group of 2  [FSDP2]" in gather and "finite" in gather, gather
         assert "1 compiled graph call" in lines[-1] and "no non-finite values" in lines[-1], lines[-1]
+        folded = compiled["folded"]  # by default FSDP2's own ops are folded, and counted
+        assert not any(" all_gather_single " in line or " empty " in line for line in folded), folded
+        assert "engine ops folded (" in folded[-1] and "of FSDP2; engine_ops=True shows them)" in folded[-1]
+        assert any(" linear " in line for line in folded)

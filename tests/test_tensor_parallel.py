@@ -35,9 +35,11 @@ def _scenarios(rank: int, workdir: str) -> dict:
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))  # the same batch on both ranks
     plain = model(x)
     lines = []
-    rec = tl.record(model, x, narrate=lines.append, value_stats="exact", on_nonfinite="track")
+    rec = tl.record(model, x, narrate=tl.options.NarrationOptions(sink=lines.append, engine_ops=True),
+                    value_stats="exact", on_nonfinite="track")
     result["equal"] = torch.equal(rec.output, plain)
     result["lines"] = lines
+    result["folded"] = rec.narrate(engine_ops=False).splitlines()
     result["findings"] = [f.text for f in rec.findings]
 
     # a training step, tracked forward and backward, against the same step without torchlens
@@ -83,7 +85,11 @@ def test_dtensor_lines_show_placement_and_local_shape_and_measure_the_local_shar
         for line in (column, row):
             assert line.endswith("finite (local shard)") and "min=" in line, line
         assert not any("measuring" in line for line in lines), lines  # never n/a from an exception
-        assert "group of 2" in next(line for line in lines if " all_reduce " in line)
+        assert "group of 2, async  [DTensor]" in next(line for line in lines if " all_reduce " in line)
+        folded = result["folded"]  # by default DTensor's own ops (its collectives too) are folded
+        assert [line.split()[1] for line in folded if line.lstrip().startswith("#")] == [
+            "input", "linear", "relu", "linear"], folded
+        assert "6 engine ops folded (6 of DTensor; engine_ops=True shows them)" in folded[-1], folded[-1]
 
 
 @pytest.mark.slow

@@ -178,9 +178,10 @@ class Event:
     - `stats`: value statistics (see `torchlens.stats`), when asked for.
     - `label`: the argument name of an input source or the position of an output (`x`, `out[0]`).
     - `reads`, `finding`: what non-finite tracking knows of the op (`torchlens.tracking`).
+    - `engine`: "FSDP2", "DDP", ... for an op a distributed engine ran for itself (`torchlens.engines`).
     """
 
-    __slots__ = ("kind", "ordinal", "op", "scope", "outputs", "site", "stats", "label", "reads", "finding")
+    __slots__ = ("kind", "ordinal", "op", "scope", "outputs", "site", "stats", "label", "reads", "finding", "engine")
 
     def __init__(self, kind, ordinal, op, scope, outputs=(), site=None, stats=None, label=None):
         self.kind = kind
@@ -193,6 +194,7 @@ class Event:
         self.label = label
         self.reads = None  # with non-finite tracking: what the op read (see `torchlens.tracking`)
         self.finding = None  # with non-finite tracking: the tracker's verdict at this op, if any
+        self.engine = None  # the distributed engine that ran the op for itself (`torchlens.engines`), if any
 
     @property
     def module(self) -> str:

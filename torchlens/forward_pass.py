@@ -48,8 +48,8 @@ class ForwardPass:
     torch calls (`own_work()`) must then stay out of that capture's transcript.
     """
 
-    def __init__(self, settings: Settings, root: Scope, model, header: Optional[str] = None, narrator: Optional[Narrator] = None,
-                 backward: Optional[BackwardNarration] = None):
+    def __init__(self, settings: Settings, root: Scope, model, header: Optional[str] = None,
+                 narrator: Optional[Narrator] = None, backward: Optional[BackwardNarration] = None):
         self.settings = settings
         self.nested = under_a_capture()
         settle_open_runs()  # a backward of an earlier forward that failed unseen: ended now

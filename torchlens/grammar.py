@@ -173,7 +173,7 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
     """`#N op shapes @module site | stats`. Everything after the ordinal depends only on the op,
     its outputs' metadata, its module and site: memoised, since a forward repeats them."""
     site = event.site if sites else None
-    key = (event.op, event.outputs, event.scope.path, event.scope.depth, event.label, site, normalize)
+    key = (event.op, event.outputs, event.scope.path, event.scope.depth, event.label, site, normalize, event.engine)
     try:
         body = _OP_BODIES[key]
     except KeyError:
@@ -222,6 +222,8 @@ def _op_body(event: Event, site, normalize: bool) -> str:
         body += "  @" + event.scope.path
     if event.kind is not INPUT and event.label:  # a collective's group (`group of 2, async`)
         body += "  " + event.label
+    if event.engine is not None:  # shown only with `engine_ops=True`
+        body += f"  [{event.engine}]"
     if site:
         body += "  " + site_text(site, normalize)
     return body
@@ -367,6 +369,10 @@ def _unshown_parts(counts, depth: Optional[int], max_lines: Optional[int]) -> Li
         parts.append(f"{counts.folded_total} folded (depth={depth})")
     if counts.lines_suppressed:
         parts.append(f"{counts.lines_suppressed} lines not printed (max_lines={max_lines})")
+    engines = getattr(counts, "engine_folded", None)
+    if engines:
+        shown = " and ".join(f"{count} of {engine}" for engine, count in engines.items())
+        parts.append(f"{sum(engines.values())} engine ops folded ({shown}; engine_ops=True shows them)")
     return parts
 
 

@@ -36,8 +36,9 @@ class PassCounts:
     """
 
     __slots__ = ("lines_written", "lines_suppressed", "ops", "inputs", "module_calls", "nodes", "leaves", "grads",
-                 "unselected", "folded_total", "folded", "limit_noted", "nonfinite_noted")
-    _MAPPINGS = ("folded",)  # scope key -> ops folded into its exit line, while it is open
+                 "unselected", "folded_total", "folded", "limit_noted", "nonfinite_noted", "engine_folded")
+    # scope key -> ops folded into its exit line, while it is open; engine -> its ops folded
+    _MAPPINGS = ("folded", "engine_folded")
 
     def __init__(self):
         self.lines_written = 0
@@ -53,6 +54,7 @@ class PassCounts:
         self.folded = {}
         self.limit_noted = False  # the `max_lines` note was printed
         self.nonfinite_noted = False  # the pass's `!!` finding line was printed
+        self.engine_folded = {}  # ops distributed engines ran for themselves, not shown (`engine_ops`)
 
     def snapshot(self) -> tuple:
         """A hashable copy of every field."""
@@ -85,6 +87,7 @@ class Narrator:
         self._normalize = options.normalize
         self._quiet = options.on_error_only
         self._plain = self._select is None and self._depth is None and self._max_lines is None and not self._quiet
+        self._engine_ops = options.engine_ops
         self._disabled = False
         self._captured = None  # lines held back while a block is being rendered for its cache
         self.begin_pass()
@@ -114,6 +117,9 @@ class Narrator:
                 counts.leaves += 1
         elif kind is GRAD:
             counts.grads += 1
+        if event.engine is not None and not self._engine_ops:  # an engine's own op: folded, counted
+            counts.engine_folded[event.engine] = counts.engine_folded.get(event.engine, 0) + 1
+            return
         if self._plain and event.stats is None:  # the common case, on every event: print it
             counts.lines_written += 1
             self._write(grammar.render_event(event, self._sites, self._normalize))
@@ -150,6 +156,8 @@ class Narrator:
     def prints(self, event: Event) -> bool:
         """Whether feeding `event` now would print its line (decides whether its stats are read now)."""
         if self._quiet or self._disabled or (self._select is not None and not self._select(event)):
+            return False
+        if event.engine is not None and not self._engine_ops:
             return False
         if self._depth is not None and event.scope.depth > self._depth and event.kind is not EXIT:
             return False

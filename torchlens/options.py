@@ -30,6 +30,7 @@ _FIELDS = (
     "tail_on_error",
     "on_error_only",
     "symbolic_shapes",
+    "engine_ops",
 )
 
 
@@ -50,6 +51,9 @@ class NarrationOptions:
       and the attempted op.
     - `on_error_only`: narrate nothing unless the forward fails; then print the tail.
     - `symbolic_shapes`: in compiled graphs with dynamic shapes, show sizes symbolically (`[s0,16]`).
+    - `engine_ops`: show the ops a distributed engine (FSDP2, DDP, tensor parallel) runs for itself
+      inside the model's modules, tagged `[FSDP2]`; by default they are folded and the footer
+      counts them (docs/distributed.md).
     """
 
     __slots__ = _FIELDS
@@ -67,6 +71,7 @@ class NarrationOptions:
         tail_on_error: int = 20,
         on_error_only: bool = False,
         symbolic_shapes: bool = False,
+        engine_ops: bool = False,
         **unknown,
     ):
         if unknown:
@@ -86,6 +91,7 @@ class NarrationOptions:
         self.tail_on_error = check_count("NarrationOptions", "tail_on_error", tail_on_error)
         self.on_error_only = check_bool("NarrationOptions", "on_error_only", on_error_only)
         self.symbolic_shapes = check_bool("NarrationOptions", "symbolic_shapes", symbolic_shapes)
+        self.engine_ops = check_bool("NarrationOptions", "engine_ops", engine_ops)
 
     def replace(self, **changes) -> "NarrationOptions":
         """A copy with some options changed."""

@@ -107,14 +107,15 @@ class Pipeline:
         return event
 
     def op(self, name: str, metas, site=None, value=None, stats=None, reads=None, call: Optional[Call] = None,
-           kept=None, collective: Optional[Collective] = None) -> Event:
+           kept=None, collective: Optional[Collective] = None, engine: Optional[str] = None) -> Event:
         """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
         for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
         derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
         it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
-        is recorded by `_collective`."""
+        is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`)."""
         event = self.session.op_event(name, metas, site, stats)
+        event.engine = engine
         if self._in_flight and call is not None:
             self._land_what_it_reads(event, name, call)
         if collective is not None:

@@ -184,9 +184,11 @@ class Recording:
                 return event
         return None
 
-    def _options(self, select=None, normalize=None, prefix=None) -> NarrationOptions:
+    def _options(self, select=None, normalize=None, prefix=None, engine_ops=None) -> NarrationOptions:
         options = self.settings.narration or NarrationOptions()
         changes = {"on_error_only": False}
+        if engine_ops is not None:
+            changes["engine_ops"] = check_bool("narrate", "engine_ops", engine_ops)
         if select is not None:
             changes["select"] = selector = as_selector(select)
             # the modules this forward called: the paths a selector can name after the fact
@@ -199,14 +201,14 @@ class Recording:
         return options.replace(**changes)
 
     def narrate(self, last: Optional[int] = None, select=None, *, normalize: Optional[bool] = None,
-                prefix: Optional[str] = None) -> Transcript:
+                prefix: Optional[str] = None, engine_ops: Optional[bool] = None) -> Transcript:
         """The transcript, as live narration printed it (or would have, had it been on).
 
         `last=N` keeps the last N lines; `select=` narrows it (a selector or predicate);
-        `normalize=` and `prefix=` override the run's options.
+        `normalize=`, `prefix=` and `engine_ops=` override the run's options.
         """
         _check_last(last)
-        options = self._options(select, normalize=normalize, prefix=prefix)
+        options = self._options(select, normalize=normalize, prefix=prefix, engine_ops=engine_ops)
         lines = render_lines(self.events, options.replace(prefix=""), self.header, self.footer_extra)
         lines += self._backward_lines(options)
         if last is not None:

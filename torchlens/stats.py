@@ -26,8 +26,8 @@ import torch
 from .events import Stats
 
 __all__ = ["SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector", "fill", "finite_vector",
-           "is_dtensor", "is_wrapped", "lean_count_vector", "measures", "plain_values", "sample_indices", "shareable", "unmeasured",
-           "unwrapped", "value_kind", "vector_dtype"]
+           "is_dtensor", "is_wrapped", "lean_count_vector", "measures", "plain_values", "sample_indices", "shareable",
+           "unmeasured", "unwrapped", "value_kind", "vector_dtype"]
 
 SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0

@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .provenance import covers, memory_span, passed_in, tensor_arguments
 from .stats import unwrapped
 
-__all__ = ["IN_FLIGHT", "NOT_SEEN_WRITTEN", "UNINITIALIZED_NOTE", "SeenMemory", "UnwrittenMemory", "returns_an_argument", "storage_key",
-           "tensors_of"]
+__all__ = ["IN_FLIGHT", "NOT_SEEN_WRITTEN", "UNINITIALIZED_NOTE", "SeenMemory", "UnwrittenMemory",
+           "returns_an_argument", "storage_key", "tensors_of"]
 
 UNINITIALIZED_NOTE = "uninitialized"
 NOT_SEEN_WRITTEN = "not seen written"

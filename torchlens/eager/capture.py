@@ -38,6 +38,7 @@ from ..sites import find_user_site
 from ..naming import op_name
 from ..scopes import ScopeTable, is_compile_wrapper
 from ..collectives import C10D_MODULE, collective_call
+from ..engines import distributed, engine_of
 from ..writes import written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
@@ -171,6 +172,8 @@ class OpReporter:
         self.ops = 0  # ops recorded through `record_op` (what the gap capture counts for the footer)
         self.nested = False  # another capture's mode is below ours in this thread
         self.lean = False  # whether ops may take `plain_op_done` (set by a capture that allows it)
+        # under a process group, which ops an engine (FSDP2, DDP, ...) ran for itself (`engines`)
+        self.engines = distributed()
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
     reports_graph_calls = False  # whether compiled graph calls inside its forward are its ops
@@ -192,12 +195,13 @@ class OpReporter:
             site = find_user_site(frame) if self.sites else None
             if collective is None and func.__class__ in _OPERATORS:  # (a functional collective?)
                 collective = collective_call(func, args, kwargs, out)
+            engine = engine_of(frame) if self.engines else None
             if collective is not None:
                 self.pipeline.op(collective.name, metas, site, out, collective=collective,
-                                 call=Call(func, args, kwargs, collective.written))
+                                 call=Call(func, args, kwargs, collective.written), engine=engine)
                 self.ops += 1
                 return
-            self.record_op(op_name(func), metas, site, out, args, kwargs, func)
+            self.record_op(op_name(func), metas, site, out, args, kwargs, func, engine=engine)
         except Exception as exc:
             self.recording_failed(exc)
 
@@ -235,11 +239,12 @@ class OpReporter:
             self.recording_failed(exc)
         return True
 
-    def record_op(self, name: str, metas, site, out, args, kwargs=None, func=None, wrote=None) -> None:
+    def record_op(self, name: str, metas, site, out, args, kwargs=None, func=None, wrote=None,
+                  engine=None) -> None:
         """Add an op through the pipeline: its output measured, judged with what it read, kept.
         Whether the call wrote into its arguments is `writes.call_writes`'s rule unless the caller
-        knows (`wrote`)."""
-        self.pipeline.op(name, metas, site, out, call=Call(func, args, kwargs, wrote))
+        knows (`wrote`); `engine`: the distributed engine that ran it for itself."""
+        self.pipeline.op(name, metas, site, out, call=Call(func, args, kwargs, wrote), engine=engine)
         self.ops += 1
 
     def op_raised(self, func, args, kwargs, exc) -> None:
@@ -266,7 +271,7 @@ class EagerCapture(OpReporter):
         self._handles = []
         self._counted = False
         self.nested = nested  # another capture was active when this forward began (see `ForwardPass`)
-        self.lean = not (self.nested or self.sites) and pipeline.lean
+        self.lean = not (self.nested or self.sites or self.engines) and pipeline.lean
         self.scripted = 0  # TorchScript calls narrated as one op each
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
