@@ -4,7 +4,8 @@
    forward, backward, SGD step) plain, narrated by a `Recorder`, and tracked by a `Recorder` with
    `backward=True, on_nonfinite="track"`: each mode a block of steps after a warm-up, fastest of
    the rounds, on every rank (rank 0 reports).
-2. `tl.debug.across_ranks` on 2, 4 and 8 ranks: time per call (its few small reductions).
+2. A tensor-parallel MLP's forward (2 ranks), plain, narrated and tracked.
+3. `tl.debug.across_ranks` on 2, 4 and 8 ranks: time per call (its few small reductions).
 
     python benchmarks/distributed_bench.py [--quick] [--json report.json]
 """
@@ -85,6 +86,37 @@ def _fsdp_step_times(size: str, steps: int, rounds: int) -> dict:
     return {name: {"ms": value * 1e3, "multiplier": value / best["plain"]} for name, value in best.items()}
 
 
+def _tp_forward_times(calls: int, rounds: int) -> dict:
+    """A tensor-parallel MLP's forward (column-wise then row-wise, four blocks), no_grad."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    width = 256
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                            for _ in range(4)])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {}
+    for index in range(4):
+        plan[f"{index}.0"], plan[f"{index}.2"] = ColwiseParallel(), RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    x = torch.randn(16, width, generator=torch.Generator().manual_seed(0))
+    modes = {"plain": lambda: model(x), "narrate": lambda: tl.record(model, x, narrate=lambda line: None),
+             "track": lambda: tl.record(model, x, on_nonfinite="track")}
+    best = {}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, run in modes.items():
+                run()  # warm-up
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                elapsed = (time.perf_counter() - start) / calls
+                best[name] = min(best.get(name, elapsed), elapsed)
+    return {name: {"ms": value * 1e3, "multiplier": value / best["plain"]} for name, value in best.items()}
+
+
 def _across_ranks_time(calls: int) -> float:
     recording = tl.record(nn.Linear(4, 4), torch.ones(2, 4), on_nonfinite="track")
     tl.debug.across_ranks(recording)  # warm-up
@@ -105,6 +137,7 @@ def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> Non
         if fsdp:
             result["fsdp_step"] = {size: _fsdp_step_times(size, 2 if quick else 10, 1 if quick else 3)
                                    for size in SIZES}
+            result["tp_forward"] = _tp_forward_times(2 if quick else 20, 1 if quick else 3)
         result["across_ranks_ms"] = _across_ranks_time(5 if quick else 50) * 1e3
         dist.barrier()
     finally:
@@ -112,6 +145,10 @@ def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> Non
     if rank == 0:
         with open(os.path.join(workdir, f"result-{world}.json"), "w") as f:
             json.dump(result, f)
+
+
+def _row_text(rows: dict) -> str:
+    return ", ".join(f"{name} {row['ms']:.1f} ms ({row['multiplier']:.2f}x)" for name, row in rows.items())
 
 
 def main() -> None:
@@ -129,8 +166,9 @@ def main() -> None:
         line = f"{result['world_size']} ranks: across_ranks {result['across_ranks_ms']:.2f} ms/call"
         print(line)
         for size, rows in result.get("fsdp_step", {}).items():
-            print(f"  FSDP2 {size} Llama {SIZES[size]} step: " + ", ".join(
-                f"{name} {row['ms']:.1f} ms ({row['multiplier']:.2f}x)" for name, row in rows.items()))
+            print(f"  FSDP2 {size} Llama {SIZES[size]} step: " + _row_text(rows))
+        if "tp_forward" in result:
+            print("  tensor-parallel MLP forward (4 blocks, width 256): " + _row_text(result["tp_forward"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"quick": args.quick, "results": results}, f, indent=1)

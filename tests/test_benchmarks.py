@@ -78,6 +78,6 @@ def test_quick_distributed_benchmark_times_fsdp2_steps_and_across_ranks_on_2_4_8
     results = json.loads(report_path.read_text())["results"]
     assert [r["world_size"] for r in results] == [2, 4, 8]
     assert all(r["across_ranks_ms"] > 0 for r in results)
-    for size, rows in results[0]["fsdp_step"].items():
-        assert set(rows) == {"plain", "narrate", "track"}, size
+    for name, rows in [*results[0]["fsdp_step"].items(), ("tp", results[0]["tp_forward"])]:
+        assert set(rows) == {"plain", "narrate", "track"}, name
         assert rows["plain"]["multiplier"] == 1.0 and all(row["ms"] > 0 for row in rows.values())

@@ -152,12 +152,28 @@ def _scenarios(rank: int, workdir: str, llama: bool) -> dict:
     result["mlp"] = _tracked_forwards(model, x, 10, stale=False)
     batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
     result["mlp_training"] = _training(_sharded_mlp, batches, stale=True)
+    result["poisoned_step"] = _poisoned_step(rank)
     if llama:  # (the two-rank job: also the torchtitan layout, blocks compiled)
         result["compiled"] = _compiled_blocks(x.shape[1])
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
         result["llama_stale"] = _tracked_forwards(_sharded_llama(), ids, 2, stale=True)
         result["llama_training"] = _training(lambda: _LossOf(_sharded_llama()), [ids, ids], stale=True)
     return result
+
+
+def _poisoned_step(rank: int) -> dict:
+    """A tracked training step in which rank 1's batch holds a NaN: FSDP2's reduce-scatter writes it
+    into every rank's sharded gradients after the backward's graph is done."""
+    model = _sharded_mlp()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        x[0, 0] = float("nan")
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as recorder:
+        model(x).square().mean().backward()
+    recording = recorder.recordings[0]
+    return {"forward": _texts(recording), "backward": [(f.text, f.kind.name) for b in recording.backward
+                                                         for f in b.findings],
+            "first_rank": tl.debug.across_ranks(recorder).first_rank}
 
 
 class _Block(nn.Module):
@@ -271,3 +287,15 @@ def test_compiled_fsdp2_blocks_narrate_their_all_gather_and_find_nothing(two_ran
         assert not any(" all_gather_single " in line or " empty " in line for line in folded), folded
         assert "engine ops folded (" in folded[-1] and "of FSDP2; engine_ops=True shows them)" in folded[-1]
         assert any(" linear " in line for line in folded)
+
+
+@pytest.mark.slow
+def test_the_rank_fsdp2_poisoned_through_its_reduce_scatter_is_told_so(two_ranks):
+    rank0, rank1 = (result["poisoned_step"] for result in two_ranks)
+    assert rank1["forward"] == ["NaN in the input input (nan=1)"]
+    assert rank0["forward"] == []
+    (text, kind), = rank0["backward"]
+    assert kind == "CARRIED_IN"
+    assert text.startswith("NaN in the gradients of 6 parameters (0.weight, 0.bias, 2.weight, ...) after the "
+                           "backward: this backward's own gradients were finite, then something outside the graph"), text
+    assert rank0["first_rank"] == rank1["first_rank"] == 1

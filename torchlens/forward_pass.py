@@ -18,6 +18,7 @@ graphs' plans and the capture of code between graphs. Both go through the same f
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -32,6 +33,7 @@ from .guard import guarded, internal_error
 from .pipeline import Pipeline
 from .session import Session
 from .meter import Meter
+from .ranks import world_size
 from .structure import model_tensors, named_outputs, tensor_names
 from .values import ValueKeeper
 
@@ -55,6 +57,8 @@ class ForwardPass:
         settle_open_runs()  # a backward of an earlier forward that failed unseen: ended now
         # id -> name of the model's parameters and buffers, read when a finding or a backward needs it
         self.tensor_names: Callable[[], dict] = lambda: tensor_names(model)
+        # (name, weak reference) of the model's parameters: where a collective may write gradients
+        self._parameters = lambda: tuple((name, weakref.ref(p)) for name, p in _named_parameters(model))
         # `backward`: where this forward's backward is narrated (`backward=True`); the nodes its ops
         # feed autograd are noted in `roots` (none when the forward builds no graph)
         self.backward = backward
@@ -116,7 +120,8 @@ class ForwardPass:
             return
         self.roots = self.pipeline.roots = None
         with guarded("hooking the backward"):
-            self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root)
+            self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root,
+                                self._parameters() if world_size() > 1 else ())
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
         """The partial trace of a forward that raised `exc`, attached to it. Never raises."""
@@ -128,3 +133,7 @@ class ForwardPass:
         narrator, self._owned_narrator = self._owned_narrator, None
         if narrator is not None:
             narrator.close()
+
+
+def _named_parameters(model):
+    return model.named_parameters() if isinstance(model, torch.nn.Module) else ()

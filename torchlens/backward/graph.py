@@ -117,6 +117,7 @@ class BackwardWatch:
         self.runs = 0  # backwards through this graph so far
         self.handles: list = []
         self.accumulators: list = []  # of leaves returned as they are (no graph holds theirs)
+        self.parameters: tuple = ()  # (name, weak reference) of the model's (see `BackwardNarration.watch`)
         try:
             records, held = self._hook_nodes(roots, names, outputs)
             self._hook_outputs(outputs, records, roots, names)

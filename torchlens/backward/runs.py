@@ -148,7 +148,8 @@ class BackwardRun:
         if self.meter is not None:
             self.meter.flush()
         if self.tracker is not None:
-            after = self.tracker.written_after() if self._waited else []  # (distributed only: see there)
+            # (distributed only: see there)
+            after = self.tracker.written_after(self.watch.parameters) if self._waited else []
             for finding in self.tracker.judge_rest() + after:
                 attach_finding(finding, False)
             self.result.findings = tuple(self.tracker.findings)
@@ -157,7 +158,7 @@ class BackwardRun:
         """Whether the run's end waits for the engine's other final callbacks, once: under a process
         group of several ranks, DDP reduces gradients in one queued after this run's, and the
         verdict must see the gradients it left (`GradTracker.written_after`)."""
-        if self.tracker is None or self._waited or not self.tracker.has_accumulated or world_size() < 2:
+        if self.tracker is None or self._waited or world_size() < 2:
             return False
         self._waited = True
         return True
@@ -246,12 +247,15 @@ class BackwardNarration:
 
     # -- the forward side -------------------------------------------------------------------------
 
-    def watch(self, recording: Recording, roots: GradientRoots, outputs, names: dict, root) -> None:
+    def watch(self, recording: Recording, roots: GradientRoots, outputs, names: dict, root, parameters=()) -> None:
         """Hook the graph a forward just built; graphs whose backward already ran are released
-        (and, past `MAX_WATCHES`, the oldest ones)."""
+        (and, past `MAX_WATCHES`, the oldest ones). `parameters`: (name, weak reference) of the
+        model's, looked at after a backward under a process group (`GradTracker.written_after`)."""
         with self._lock:
             self._release()
-            self.watches.append(BackwardWatch(self, recording, roots, outputs, names, root))
+            watch = BackwardWatch(self, recording, roots, outputs, names, root)
+            watch.parameters = parameters
+            self.watches.append(watch)
             _OPEN.add(self)
 
     def _release(self) -> None:

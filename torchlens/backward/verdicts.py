@@ -9,6 +9,7 @@ import torch
 
 from ..events import GRAD, NODE, StatsGroup
 from ..findings import NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
+from ..stats import unwrapped
 from ..tracking import held, measured_finite, settled, unmeasured_reason
 from .graph import NodeRecord
 
@@ -60,40 +61,39 @@ class GradTracker:
         if record is not None and record.leaf is not None and held(event) == 0:
             self._accumulated.append((record, event))
 
-    @property
-    def has_accumulated(self) -> bool:
-        return bool(self._accumulated)
 
-    def written_after(self) -> List[Finding]:
-        """After the backward and whatever ran at its end (DDP's gradient all-reduce): the leaves
-        whose gradient the graph added finite but whose `.grad` is non-finite now. Something
-        outside the graph wrote them, and under a process group that is a collective bringing
-        another rank's values. One finding for all of them."""
-        grads = []
-        for record, event in self._accumulated:
-            leaf = record.leaf()
-            grad = getattr(leaf, "grad", None) if leaf is not None else None
-            if isinstance(grad, torch.Tensor) and grad.is_floating_point() and grad.layout is torch.strided:
-                grads.append((record, event, grad.detach()))
+    def written_after(self, parameters=()) -> List[Finding]:
+        """After the backward and whatever ran at its end (DDP's gradient all-reduce, FSDP2's
+        reduce-scatter into the sharded parameters): the leaves whose gradient the graph added
+        finite but whose `.grad` is non-finite now, and, when this backward's own gradients were
+        all finite, the model's `parameters` ((name, weak reference)) whose `.grad` is non-finite.
+        Something outside the graph wrote them, and under a process group that is a collective
+        bringing another rank's values. One finding for all of them."""
+        candidates = [(record.label, event, record.leaf()) for record, event in self._accumulated]
         self._accumulated = []
+        if not self.findings:
+            seen = {id(leaf) for _, _, leaf in candidates}
+            candidates += [(name, None, ref()) for name, ref in parameters if id(ref()) not in seen]
         changed = []
-        for record, event, grad in _not_all_finite(grads):
+        for name, event, grad in _not_all_finite(_gradients(candidates)):
             kinds = _bits(bool(torch.isnan(grad).any()), bool(torch.isposinf(grad).any()),
                           bool(torch.isneginf(grad).any()))
-            changed.append((record, event, kinds))
+            changed.append((name, event, kinds))
         if not changed:
             return []
         kinds = 0
         for _, _, each in changed:
             kinds |= each
-        names = ", ".join(record.label for record, _, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
-        what = (f"the gradient of {changed[0][0].label}" if len(changed) == 1
+        names = ", ".join(name for name, _, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
+        what = (f"the gradient of {changed[0][0]}" if len(changed) == 1
                 else f"the gradients of {len(changed)} parameters ({names})")
-        first = changed[0][1]
+        first = next((event for _, event, _ in changed if event is not None), None)
+        how = (f"~{first.ordinal} added it finite" if first is not None and changed[0][1] is not None
+               else "this backward's own gradients were finite")
         return self._note(Finding(
-            f"{kind_names(kinds)} in {what} after the backward: ~{first.ordinal} added it finite, then something "
-            f"outside the graph wrote it (under a process group, a collective such as DDP's gradient all-reduce "
-            f"brought another rank's value: tl.debug.across_ranks says whose)", first, FindingKind.CARRIED_IN))
+            f"{kind_names(kinds)} in {what} after the backward: {how}, then something outside the graph wrote it "
+            f"(under a process group, a collective such as DDP's all-reduce or FSDP2's reduce-scatter brought "
+            f"another rank's value: tl.debug.across_ranks says whose)", first, FindingKind.CARRIED_IN))
 
     def judge_rest(self) -> List[Finding]:
         queue, self._queue = self._queue, []
@@ -237,3 +237,14 @@ def _not_all_finite(items):
     for group in by_device.values():
         flags = torch.stack([torch.isfinite(grad).all() for _, _, grad in group]).tolist()
         yield from (item for item, finite in zip(group, flags) if not finite)
+
+
+def _gradients(candidates):
+    """(name, event, gradient) of the candidates (name, event, tensor) holding a floating gradient;
+    a DTensor's local shard (its global value would take a collective)."""
+    for name, event, tensor in candidates:
+        grad = getattr(tensor, "grad", None) if tensor is not None else None
+        if isinstance(grad, torch.Tensor):
+            grad = unwrapped(grad)
+            if grad.is_floating_point() and grad.layout is torch.strided:
+                yield name, event, grad.detach()
