@@ -199,6 +199,37 @@ def test_a_module_called_twice_gets_two_enter_exit_pairs():
     assert torch.equal(trace.value(second), model.proj(torch.relu(model.proj(x))))
 
 
+class Rotate(nn.Module):
+    """A function wrapped as a module and kept in a global, as transformers' kernel hub wraps
+    `apply_rotary_pos_emb`: not part of any model, called by every layer."""
+
+    def forward(self, x):
+        return torch.cat((-x[..., 1:], x[..., :1]), dim=-1)
+
+
+ROTATE = Rotate()
+
+
+class UsesTheGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return ROTATE(self.proj(x)) * 2
+
+
+def test_a_module_kept_in_a_global_and_called_by_every_layer_closes_each_call():
+    """Each layer's call of the shared module is named under that layer (`layers.1.<Rotate>`) and
+    closes there: the ops after it belong to the layer, eager and compiled."""
+    model, x = nn.Sequential(UsesTheGlobal(), UsesTheGlobal()), torch.randn(1, 2)
+    recording = check_eager_and_compiled(model, x)
+    lines = recording.narrate().splitlines()
+    assert [line.strip() for line in lines if line.lstrip().startswith(("> 1", "< 1"))] == [
+        "> 1 (UsesTheGlobal)", "> 1.proj (Linear)", "< 1.proj", "> 1.<Rotate> (Rotate)", "< 1.<Rotate>", "< 1"]
+    assert [(e.op, e.scope.path) for e in recording.ops][-2:] == [("cat", "1.<Rotate>"), ("mul", "1")]
+
+
 class CallsForwardDirectly(nn.Module):
     def __init__(self):
         super().__init__()

@@ -124,16 +124,16 @@ class ScopeTable:
                 return None
         return names.get(id(module))
 
-    def path_of(self, module) -> Optional[str]:
-        """The path of `module` as its calls are named (an unknown module: `caller.<Type>`)."""
+    def paths_of(self, module) -> Tuple[str, ...]:
+        """The paths `module`'s calls are named by: its path, or for a module that is not part of
+        the model one per caller it was called from (`caller.<Type>`: a function wrapper kept in a
+        global is called by every layer)."""
         names, refs = self._names, self._refs
         ref = refs.get(id(module))
         if ref is not None and ref() is module:
-            return names.get(id(module))
-        for (module_id, _), (scope, call_ref) in list(self._calls.items()):
-            if module_id == id(module) and call_ref() is module:
-                return scope.path
-        return None
+            return (names[id(module)],) if id(module) in names else ()
+        return tuple(scope.path for (module_id, _), (scope, call_ref) in list(self._calls.items())
+                     if module_id == id(module) and call_ref() is module)
 
     def scope_of_traceback(self, tb) -> Scope:
         """The scope of the innermost module of the model whose code the traceback `tb` ran through,

@@ -99,11 +99,11 @@ class Session:
         self.append(Event(ENTER, self.ordinal, scope.type_name, scope))
         self.scope = scope
 
-    def open_scope(self, path: Optional[str]) -> Optional[Scope]:
-        """The innermost open module call with this path (None for the root or a closed module)."""
+    def open_scope(self, paths) -> Optional[Scope]:
+        """The innermost open module call with one of these paths (None for the root or a closed module)."""
         scope = self.scope
         while scope is not None and scope.parent is not None:
-            if scope.path == path:
+            if scope.path in paths:
                 return scope
             scope = scope.parent
         return None

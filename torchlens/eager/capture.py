@@ -392,7 +392,7 @@ class EagerCapture(OpReporter):
             session = self.session
             if not unwinding and isinstance(module, _ScriptModule) and self._opaque_call("scripted", args, output):
                 self.scripted += 1
-            scope = session.open_scope(self.scopes.path_of(module))
+            scope = session.open_scope(self.scopes.paths_of(module))
             if scope is not None:
                 session.exit(scope, unwinding)
         except Exception as exc:  # (a stop: on_nonfinite="raise" at the scripted call's outputs)

@@ -43,6 +43,14 @@ def relative_stack(table: ScopeTable, stack, frame_path: str) -> Tuple[Tuple[str
     for key, (path, cls) in (stack or {}).items():
         base_key, _, call = str(key).partition("@")
         name = table.name_of_id(int(base_key)) if base_key.isdigit() else None
+        if name is None and str(path).startswith("G["):
+            # a module kept in a global, not part of the model (transformers' kernel-hub wrappers of
+            # functions such as `apply_rotary_pos_emb`): named as eager names it, `attn.<Func>`
+            label = f"<{getattr(cls, '__name__', cls)}>"
+            caller, relative = (entries[-1][0], entries[-1][1]) if entries else ("", True)
+            entries.append((f"{caller}.{label}" if caller else label, relative, f"@{call}" if call else "",
+                            getattr(cls, "__name__", str(cls))))
+            continue
         if name is None:
             name = clean_module_path(path)
             name = prefix + name if name else frame_path
