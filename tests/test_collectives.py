@@ -97,6 +97,13 @@ def _scenarios(rank: int, workdir: str) -> dict:
             x[0, 0] = float("nan")
         rec = tl.record(PoisonedOnRankOne(async_op), x, on_nonfinite="track")
         result[f"poisoned_async={async_op}"] = [(f.text, f.kind.name) for f in rec.findings]
+    # compiled: dynamo turns the c10d all_reduce into a functional one, its wait and a copy back
+    torch._dynamo.reset()
+    lines = []
+    compiled = tl.compile(PoisonedOnRankOne(False), compiler="aot_eager", on_nonfinite="track", narrate=lines.append)
+    compiled(x)
+    torch._dynamo.reset()
+    result["poisoned_compiled"] = lines, [(f.text, f.kind.name) for f in compiled.torchlens.last_recording.findings]
     torch.set_grad_enabled(True)
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
@@ -162,6 +169,19 @@ def test_a_nan_another_rank_sent_is_carried_in_not_born_sync_and_async(job):
         assert rank1[key][0] == ["NaN in the input x (nan=1)", "NONFINITE_INPUT"], rank1[key]
         assert all(kind != "CARRIED_IN" for _, kind in rank1[key])  # rank 1 sent it: nothing carried in
         assert rank0[key] == [["NaN carried in by #3 all_reduce from its group of 2 (nan=1)", "CARRIED_IN"]], rank0[key]
+
+
+@pytest.mark.slow
+def test_a_compiled_collective_says_its_group_and_carries_in_what_another_rank_sent(job):
+    """In the graph the all-reduce is a functional collective whose values arrive at `wait_tensor`:
+    its line says its group, and the NaN rank 1 sent is carried in on rank 0, as eager says."""
+    (lines0, findings0), (lines1, findings1) = (rank["poisoned_compiled"] for rank in job)
+    for lines in (lines0, lines1):
+        assert _line(lines, "all_reduce").endswith("group of 2, async"), lines
+    assert findings0 == [["NaN carried in by #3 all_reduce from its group of 2 (nan=1)", "CARRIED_IN"]], lines0
+    assert lines0[-1].endswith("first non-finite: NaN carried in by #3 all_reduce from its group of 2 (nan=1)")
+    assert findings1[0] == ["NaN in the input x (nan=1)", "NONFINITE_INPUT"], findings1
+    assert all(kind != "CARRIED_IN" for _, kind in findings1)
 
 
 @pytest.mark.slow

@@ -27,8 +27,8 @@ from .torch_seams import degraded
 from .unwritten import storage_key
 from .writes import call_writes, may_return_an_alias
 
-__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "is_functional_collective", "is_wait",
-           "reads_memory", "wait_for"]
+__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "graph_label", "is_functional_collective",
+           "is_wait", "reads_memory", "wait_for"]
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
 FUNCTIONAL_NAMESPACE = "_c10d_functional"
@@ -207,12 +207,29 @@ def _functional(func, args, kwargs, out) -> Optional[Collective]:
     if not tensors:
         return None
     name = getattr(func, "__name__", "collective").split(".")[0]
+    return Collective(name, tensors, False, _functional_group_size(func, args, kwargs), True, functional=True)
+
+
+def graph_label(target, args, kwargs) -> Optional[str]:
+    """What the line of a compiled graph's functional collective says after its module
+    (`group of 2, async`: its values arrive at the graph's `wait_tensor`), None for other nodes."""
+    if not is_functional_collective(target):
+        return None
+    try:
+        size = _functional_group_size(target, args, kwargs)
+    except Exception:
+        size = None
+    return Collective("", (), False, size, True, functional=True).label
+
+
+def _functional_group_size(func, args, kwargs) -> Optional[int]:
+    """The size of the group a functional collective names by its `group_name` argument."""
     overload = func if isinstance(func, torch._ops.OpOverload) else getattr(func, func.overloads()[0])
     positions = [i for i, argument in enumerate(overload._schema.arguments) if argument.name == "group_name"]
     group = kwargs.get("group_name") if kwargs else None
     if group is None and positions and positions[0] < len(args):
         group = args[positions[0]]
-    return Collective(name, tensors, False, _group_size_by_name(group), True, functional=True)
+    return _group_size_by_name(group) if isinstance(group, str) else None
 
 
 def _flat(value) -> List[torch.Tensor]:

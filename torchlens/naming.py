@@ -53,6 +53,8 @@ def op_name(func) -> str:
 
 
 def _derive(func) -> str:
+    if isinstance(func, torch._ops.OpOverload) and func._overloadname == "default":
+        return func._opname  # `torch.ops.x.y.default` is `y`, as its packet `torch.ops.x.y` is
     name = getattr(func, "__name__", None)
     if name is None:
         name = type(func).__name__

@@ -107,15 +107,24 @@ class Pipeline:
         return event
 
     def op(self, name: str, metas, site=None, value=None, stats=None, reads=None, call: Optional[Call] = None,
-           kept=None, collective: Optional[Collective] = None, engine: Optional[str] = None) -> Event:
+           kept=None, collective: Optional[Collective] = None, engine: Optional[str] = None,
+           group: Optional[str] = None, lands: Optional[Event] = None) -> Event:
         """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
         for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
         derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
         it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
-        is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`)."""
+        is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`).
+        A compiled graph's functional collective comes with its `group` (`group of 2, async`), and the
+        graph's `wait_tensor` for it with the collective's event, which it `lands`."""
         event = self.session.op_event(name, metas, site, stats)
         event.engine = engine
+        if group is not None:
+            event.label = group
+            if self.tracker is not None:
+                self.tracker.collective(event, group.split(", ")[0])
+        if lands is not None:
+            self._land_in_graph(lands, event, value)
         if self._in_flight and call is not None:
             self._land_what_it_reads(event, name, call)
         if collective is not None:
@@ -217,6 +226,20 @@ class Pipeline:
                 attach_finding(finding, False)
         if not overwritten:
             self._keep(collective_event, value)
+
+    def _land_in_graph(self, collective_event: Event, wait: Event, value) -> None:
+        """A compiled graph's functional collective got its values at `wait` (its `wait_tensor`,
+        which returns them as they are): they are the collective's, judged now as `_land` judges
+        an eager one's, before the wait is."""
+        stats = wait.stats
+        if stats is None and value is not None and self.meter is not None:  # (live: measured here)
+            stats = self.meter.measure_output(value, True)
+        if stats is None:
+            return
+        collective_event.stats = stats
+        if self.tracker is not None:
+            for finding in self.tracker.landed(collective_event, None, (), {}, position=wait.ordinal - 0.5):
+                attach_finding(finding, False)
 
     def output(self, label: str, metas, value=None) -> Event:
         if self.tracker is not None and value is not None:

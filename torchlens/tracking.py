@@ -158,7 +158,8 @@ class Tracker:
     def landed(self, event: Event, value, args, kwargs, position: float) -> List[Finding]:
         """An asynchronous collective's values arrived (its first reader ran at `position`): they
         are written now, and judged now (at its launch they were not there to judge)."""
-        self.provenance.produced(event, value, args, kwargs, position)
+        if value is not None:  # (a compiled graph's: its plan says where its values went)
+            self.provenance.produced(event, value, args, kwargs, position)
         self._kinds.pop(id(event), None)
         return self._judge_one(event)
 

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..collectives import graph_label, is_wait
 from ..events import Scope, TensorMeta
 from ..scopes import ScopeTable
 from ..naming import USER_SPELLING, node_name
@@ -35,9 +36,10 @@ __all__ = ["GraphPlan", "build_plan", "node_op_name"]
 class PlanOp:
     """One op line of a graph: everything static about it."""
 
-    __slots__ = ("index", "node", "op", "modules", "metas", "site", "exprs", "value", "reads")
+    __slots__ = ("index", "node", "op", "modules", "metas", "site", "exprs", "value", "reads", "label", "lands")
 
-    def __init__(self, index, node, op, modules, metas, site, exprs, value=None, reads=((), 0)):
+    def __init__(self, index, node, op, modules, metas, site, exprs, value=None, reads=((), 0), label=None,
+                 lands=None):
         self.index = index      # position among the graph's ops (0-based)
         self.node = node        # the FX node's name
         self.op = op
@@ -49,6 +51,9 @@ class PlanOp:
         # What the op read, for non-finite tracking: (("op", index) | ("arg", placeholder position)
         # | None for what cannot be told, ...), and the non-finite kinds its scalar arguments carry.
         self.reads = reads
+        self.label = label  # a functional collective's group (`group of 2, async`), else None
+        # a `wait_tensor`: the index of the collective whose values arrive with it, else None
+        self.lands = lands
 
     def __repr__(self) -> str:
         return f"PlanOp({self.index} {self.op})"
@@ -156,6 +161,7 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
     """The op lines a graph narrates, in node order; `frame_scope`: the compiled frame's module."""
     ops: List[PlanOp] = []
     sources = _Sources(gm)
+    collectives: Dict[fx.Node, int] = {}  # a functional collective's node -> its op's index
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
@@ -178,11 +184,22 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
                 exprs=shapes if dynamic else None,
                 value=holder.name,
                 reads=sources.reads(node),
+                label=graph_label(node.target, node.args, node.kwargs),
+                lands=_waited_collective(node, collectives),
             )
         )
+        if ops[-1].label is not None and len(tensors) == 1:
+            collectives[node] = len(ops) - 1
         sources.produced(node, len(ops) - 1, written)
     resolver = maybe_resolver([op.exprs for op in ops if op.exprs is not None], gm)
     return GraphPlan(ops, resolver, frame_scope, sources.outputs(gm), sources.written_inputs)
+
+
+def _waited_collective(node: fx.Node, collectives: Dict[fx.Node, int]) -> Optional[int]:
+    """The index of the collective a `wait_tensor` node waits for (its values arrive with the wait)."""
+    if node.op != "call_function" or not is_wait(node.target) or not node.args:
+        return None
+    return collectives.get(node.args[0])
 
 
 class _Sources:

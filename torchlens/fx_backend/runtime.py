@@ -282,9 +282,10 @@ class CompiledPass(ForwardPass):
             reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events,
                                                                           plan.written_inputs)
             # (live: each op's value is its own, measured and noted as an eager op's would be)
+            lands = None if events is None or op.lands is None else events.get(op.lands)
             event = pipeline.op(op.op, metas, op.site, value=None if values is None else values[offset],
                                 stats=None if stats is None else stats[op.index], reads=reads,
-                                kept=None if kept is None else kept[op.index])
+                                kept=None if kept is None else kept[op.index], group=op.label, lands=lands)
             if events is not None:
                 events[op.index] = event
 
