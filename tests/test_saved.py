@@ -332,6 +332,24 @@ def test_damaged_and_malformed_files_are_trace_file_errors_never_other_exception
         tl.load(tmp_path / "missing.tl")
 
 
+def test_a_file_of_the_previous_format_version_loads_and_a_later_one_is_refused_by_name(tmp_path):
+    """Version 2 added a DTensor's placement and an engine op's engine, both optional: a version 1
+    file (neither, no dtensor_stats setting) narrates as before; a version this release does not
+    know names the versions it reads."""
+    trace = tl.trace(nan_gpt(), tokens(), value_stats="exact", on_nonfinite="track")
+    good = trace.save(tmp_path / "good.tl")
+
+    def as_version_1(doc):
+        doc["version"] = 1
+        del doc["settings"]["dtensor_stats"], doc["settings"]["narration"]
+
+    old = tl.load(_rewritten(good, tmp_path / "v1.tl", "trace.json", _edit_json(as_version_1)))
+    assert old.narrate() == trace.narrate() and old.settings.dtensor_stats == "local"
+    later = _rewritten(good, tmp_path / "v3.tl", "trace.json", _edit_json(lambda doc: doc.update(version=3)))
+    with pytest.raises(tl.errors.TraceFileError, match="reads versions 1, 2: load it with the torchlens release"):
+        tl.load(later)
+
+
 def test_a_tiny_archive_cannot_make_load_fill_memory(tmp_path):
     good = tl.record(tiny_gpt(), tokens()).save(tmp_path / "good.tl")
     row = zipfile.ZipFile(good).read("events.jsonl").splitlines()[2] + b"\n"

@@ -4,6 +4,8 @@ in one rank's weight shard is found on that rank and "carried in" on the other."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from torch import nn
 
 import torchlens as tl
 from ranks import run_ranks
+from torchlens.stats_text import fmt
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch was built without gloo")
@@ -57,6 +60,35 @@ def _scenarios(rank: int, workdir: str) -> dict:
         optimizer.step()
     result["trained_alike"] = all(torch.equal(a.full_tensor(), b.full_tensor())
                                   for a, b in zip(narrated.parameters(), reference.parameters()))
+
+    # saved and loaded: placements, local shapes and engine ops as they were
+    path = os.path.join(workdir, f"tp-{rank}.tl")
+    trace = tl.trace(model, x, value_stats="exact")
+    trace.save(path)
+    loaded = tl.load(path)
+    result["saved"] = [trace.narrate(engine_ops=True), loaded.narrate(engine_ops=True), trace.narrate(),
+                       loaded.narrate()]
+
+    # the whole tensor's statistics, asked for: the same on every rank, those of the unsharded values
+    whole = []
+    rec = tl.record(model, x, narrate=whole.append, value_stats="exact", dtensor_stats="global")
+    result["whole_equal"] = torch.equal(rec.output, plain)
+    result["whole_lines"] = whole
+    torch.manual_seed(0)
+    unsharded = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))  # the same initial weights
+    with torch.no_grad():
+        hidden, out = unsharded[0](x), unsharded(x)
+    result["whole_expected"] = [[fmt(hidden.min().item()), fmt(hidden.max().item())],
+                                [fmt(out.min().item()), fmt(out.max().item())]]
+    local = next(line for line in lines if " linear " in line and "@0" in line)
+    result["local_min"] = local.split("min=")[1].split()[0]
+    with tl.recording.Recorder(narrated, backward=True, on_nonfinite="track", value_stats="exact",
+                               dtensor_stats="global") as recorder:
+        narrated(x).square().mean().backward()
+    recording = recorder.recordings[0]
+    result["whole_step"] = [f.text for f in recording.findings] + [f.text for b in recording.backward
+                                                                    for f in b.findings]
+    result["whole_backward"] = recording.backward[0].narrate().splitlines()
 
     poisoned = _parallel_mlp(mesh)
     if rank == 1:
@@ -107,3 +139,40 @@ def test_a_nan_in_one_ranks_weight_shard_is_named_there_and_carried_in_elsewhere
     assert rank0["across"] == rank1["across"] == (
         "first on rank 1, in the forward of pass 1: NaN in 2.weight (nan=1), first read by #7 linear @2\n"
         "1 rank received non-finite values through a collective")
+
+
+@pytest.mark.slow
+def test_global_dtensor_statistics_are_the_whole_tensors_on_every_rank(job):
+    """`dtensor_stats="global"`: one collective per measured DTensor gives every rank the statistics
+    of the unsharded value (the Partial one's after its sum), said so, with outputs unchanged."""
+    rank0, rank1 = job
+    for result in job:
+        assert result["whole_equal"]
+        lines = result["whole_lines"]
+        column = next(line for line in lines if " linear " in line and "@0" in line)
+        row = next(line for line in lines if " linear " in line and "@2" in line)
+        for line, (low, high) in zip((column, row), result["whole_expected"]):
+            assert f"min={low} max={high}" in line and line.endswith("finite (global)"), (line, low, high)
+        assert "Shard(1) local [3,8]" in column  # the placement is still said
+        assert result["whole_step"] == []
+        assert any("(global)" in line for line in result["whole_backward"]), result["whole_backward"]
+    whole0, whole1 = ([line.split("] ", 1)[1] for line in result["whole_lines"] if "(global)" in line]
+                      for result in job)
+    assert len(whole0) == 2 and whole0 == whole1, (whole0, whole1)  # (the relu between is of a local tensor)
+    assert rank0["local_min"] != rank1["local_min"]  # (each rank's shard holds other values)
+
+
+def test_global_dtensor_statistics_are_refused_where_a_graph_measures():
+    with pytest.raises(tl.errors.OptionValueError, match="trace eagerly"):
+        tl.trace(nn.Linear(2, 2), torch.ones(1, 2), compiled=True, dtensor_stats="global")
+    with pytest.raises(tl.errors.OptionValueError, match="accepted are 'local' or 'global'"):
+        tl.record(nn.Linear(2, 2), torch.ones(1, 2), dtensor_stats="whole")
+
+
+@pytest.mark.slow
+def test_a_saved_trace_keeps_placements_local_shapes_and_engine_ops(job):
+    for result in job:
+        live_all, loaded_all, live, loaded = result["saved"]
+        assert loaded_all == live_all and loaded == live
+        assert "Shard(1) local [3,8]" in loaded and "[DTensor]" in loaded_all and "[DTensor]" not in loaded
+        assert "engine ops folded (6 of DTensor" in loaded.splitlines()[-1]

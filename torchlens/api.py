@@ -7,7 +7,7 @@ import inspect
 
 from torch import nn
 
-from .errors import OptionTypeError, suggest
+from .errors import OptionTypeError, OptionValueError, suggest
 from .options import COMPILE, RECORD, TRACE, check_keyword, keywords_of, make_settings
 from .results import Recording, Trace
 from .eager.capture import outside_dynamo
@@ -24,28 +24,29 @@ _COMPILED_ONLY = tuple(name for name in keywords_of(COMPILE) if name not in _TRA
 
 @outside_dynamo
 def record(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None, backward: bool = False,
-           **kwargs) -> Recording:
+           dtensor_stats: str = "local", **kwargs) -> Recording:
     """Run `model(*args, **kwargs)` once and record every op; narrate it live if asked.
 
     `narrate=` takes True (stderr), a path, a text stream, a callable taking one line, a Logger, a
     selector such as `tl.in_module("encoder.layer.3")`, or `tl.options.NarrationOptions(...)`.
     `value_stats=` is "off", "reuse", "sampled" or "exact"; `on_nonfinite=` None, "track" or
     "raise". `backward=True` also narrates the backward you run later through the graph this
-    forward built (`recording.backward`, docs/backward.md). Other keyword arguments go to the
-    model's forward.
+    forward built (`recording.backward`, docs/backward.md). `dtensor_stats="global"` measures a
+    DTensor's whole value, at one collective per measured DTensor, instead of this rank's shard
+    (docs/distributed.md). Other keyword arguments go to the model's forward.
 
     If the forward raises, the exception propagates unchanged, with `exc.partial_trace` attached.
     """
     check_model(model, "tl.record")
     _check_forward_kwargs(model, kwargs, _RECORD_KEYWORDS, "tl.record")
-    settings = make_settings(narrate, value_stats, on_nonfinite, backward=backward)
+    settings = make_settings(narrate, value_stats, on_nonfinite, backward=backward, dtensor_stats=dtensor_stats)
     return run_eager(model, args, kwargs, settings)
 
 
 @outside_dynamo
 def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_nonfinite=None,
           keep_on_cpu: bool = False, max_bytes=DEFAULT_MAX_BYTES, compiled=False, backward: bool = False,
-          **kwargs) -> Trace:
+          dtensor_stats: str = "local", **kwargs) -> Trace:
     """Like `record`, and also keep a detached copy of every op's output (`trace.values`).
 
     `keep_on_cpu=True` copies values to host memory; `max_bytes` (default 2 GiB, None for no
@@ -64,6 +65,10 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
     _check_forward_kwargs(model, kwargs, _TRACE_KEYWORDS + ("compiled",), "tl.trace")
     check_keyword("tl.trace", "keep_on_cpu", keep_on_cpu)
     check_keyword("tl.trace", "max_bytes", max_bytes)
+    check_keyword("tl.trace", "dtensor_stats", dtensor_stats)
+    if compiled is not False and dtensor_stats != "local":
+        raise OptionValueError("tl.trace(compiled=..., dtensor_stats='global'): a compiled graph measures the local "
+                               "shards it computes on; trace eagerly for a DTensor's whole value")
     if compiled is not False:
         from .fx_backend.config import OPTION_KEYS, make_config
         from .fx_backend.entry import trace_compiled
@@ -76,7 +81,7 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
                              max_bytes=max_bytes, backward=backward, **ours)
         return trace_compiled(model, args, kwargs, config, options)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
-                             max_bytes=max_bytes, backward=backward)
+                             max_bytes=max_bytes, backward=backward, dtensor_stats=dtensor_stats)
     return run_eager(model, args, kwargs, settings)
 
 

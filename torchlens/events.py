@@ -19,7 +19,7 @@ import torch
 from .stats_text import stats_text
 
 __all__ = ["ENTER", "EXIT", "GRAD", "INPUT", "NODE", "OP", "OUTPUT", "Attempt", "BackwardAttempt", "BackwardEvent",
-           "Event", "EventKind", "Scope", "Stats", "StatsGroup", "TensorMeta"]
+           "Event", "EventKind", "Scope", "ShardedMeta", "Stats", "StatsGroup", "TensorMeta"]
 
 
 class EventKind(str, enum.Enum):

@@ -71,7 +71,7 @@ class ForwardPass:
             self.session = Session(settings, root, narrator, header)
             self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
                            if settings.keep_values else None)
-            meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+            meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
             self.pipeline = Pipeline(self.session, meter, self.tensor_names, self.keeper, self.roots,
                                      held=lambda: model_tensors(model))
         except BaseException:

@@ -68,9 +68,10 @@ class Meter:
     CPU) and otherwise filled in by `flush()` at the end of the forward, one transfer per device.
     """
 
-    def __init__(self, rung: str, tracking: bool):
+    def __init__(self, rung: str, tracking: bool, dtensors: str = "local"):
         self.rung = rung
         self.tracking = tracking
+        self._whole_dtensors = dtensors == "global"  # (`dtensor_stats=`: see `_measure_whole`)
         self.pending: List[Pending] = []
         self.reads = 0  # host transfers made, for the footer and the tests
         # Statistics already taken this forward, by the elements they cover (see `_same_elements`).
@@ -96,6 +97,8 @@ class Meter:
         """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
         try:
             if tensor.__class__ is not _TENSOR and is_dtensor(tensor):
+                if self._whole_dtensors:
+                    return self._measure_whole(tensor)
                 return _of_local_shard(self.measure(tensor._local_tensor, live))
             if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
@@ -112,6 +115,21 @@ class Meter:
             return stats
         except Exception as exc:
             return Stats("na", tensor.numel(), self.rung != "off", note=f"{type(exc).__name__} measuring {tensor.dtype}")
+
+    def _measure_whole(self, tensor) -> Stats:
+        """A DTensor's statistics over its whole value (`dtensor_stats="global"`): a replicated one
+        is whole on every rank; any other is gathered (or its partial values summed) first, one
+        collective, which every rank runs as it measures the same op."""
+        if all(placement.is_replicate() for placement in tensor.placements):
+            whole = tensor._local_tensor
+        else:
+            with torch.no_grad():
+                whole = tensor.full_tensor()
+        stats = self._measure(plain_values(whole), True)
+        if stats.kind == "na" or stats.note:
+            return stats
+        stats.note = "(global)"
+        return stats
 
     def _measure(self, tensor: torch.Tensor, now: bool) -> Stats:
         reason = applicable(tensor)

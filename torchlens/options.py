@@ -13,9 +13,10 @@ from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
 from .selectors import Selector, as_selector
 from .sinks import check_writable, checked_sink, sink_kind
 
-__all__ = ["NarrationOptions", "VALUE_STATS", "ON_NONFINITE", "STATS_ON"]
+__all__ = ["NarrationOptions", "VALUE_STATS", "ON_NONFINITE", "STATS_ON", "DTENSOR_STATS"]
 
 VALUE_STATS = ("off", "reuse", "sampled", "exact")
+DTENSOR_STATS = ("local", "global")  # a DTensor's statistics: of this rank's shard, or of the whole tensor
 ON_NONFINITE = (None, "track", "raise")
 STATS_ON = ("ops", "module_outputs")
 
@@ -175,6 +176,15 @@ def check_value_stats(value) -> str:
     return value
 
 
+def check_dtensor_stats(value) -> str:
+    if not isinstance(value, str):
+        raise OptionTypeError(f"dtensor_stats= takes one of {describe_choices(DTENSOR_STATS)}, got {value!r}")
+    if value not in DTENSOR_STATS:
+        raise OptionValueError(f"dtensor_stats={value!r}{suggest(value, DTENSOR_STATS)}: accepted are "
+                               f"{describe_choices(DTENSOR_STATS)}")
+    return value
+
+
 def check_on_nonfinite(value):
     if value is not None and not isinstance(value, str):
         raise OptionTypeError(f"on_nonfinite= takes one of {describe_choices(ON_NONFINITE)}, got {value!r}")
@@ -187,10 +197,11 @@ def check_on_nonfinite(value):
 class Settings:
     """What the caller asked for, validated: the capture keywords shared by every entry point."""
 
-    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes", "backward")
+    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes", "backward",
+                 "dtensor_stats")
 
     def __init__(self, narration: Optional[NarrationOptions], value_stats="off", on_nonfinite=None,
-                 keep_values=False, keep_on_cpu=False, max_bytes=None, backward=False):
+                 keep_values=False, keep_on_cpu=False, max_bytes=None, backward=False, dtensor_stats="local"):
         self.narration = narration
         self.value_stats = value_stats
         self.on_nonfinite = on_nonfinite
@@ -198,6 +209,8 @@ class Settings:
         self.keep_on_cpu = keep_on_cpu
         self.max_bytes = max_bytes
         self.backward = backward  # narrate the backward through the graph each forward builds
+        # "global": a DTensor's statistics are the whole tensor's, at one collective per measured DTensor
+        self.dtensor_stats = dtensor_stats
 
     @property
     def sites(self) -> bool:
@@ -205,7 +218,7 @@ class Settings:
 
 
 def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=False, keep_on_cpu=False,
-                  max_bytes=None, backward=False) -> Settings:
+                  max_bytes=None, backward=False, dtensor_stats="local") -> Settings:
     """Validate the capture keywords every entry point shares and bundle them."""
     if value_stats == "reuse" and on_nonfinite is None:
         raise OptionValueError(
@@ -223,6 +236,7 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
         keep_on_cpu=keep_on_cpu,
         max_bytes=max_bytes,
         backward=check_keyword("backward", "backward", backward),
+        dtensor_stats=check_keyword("dtensor_stats", "dtensor_stats", dtensor_stats),
     )
 
 
@@ -273,6 +287,8 @@ KEYWORDS: Tuple[Keyword, ...] = (
     Keyword("keep", (RECORDER,), lambda owner, value: check_count(owner, "keep", value, none_means="every pass")),
     Keyword("tail", (RECORDER,), lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
     Keyword("backward", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_bool(owner, "backward", value)),
+    # (a compiled graph measures the local shards it computes on: "global" is eager narration's)
+    Keyword("dtensor_stats", (RECORD, TRACE, RECORDER), lambda owner, value: check_dtensor_stats(value)),
     Keyword("live", (COMPILE,), lambda owner, value: check_bool(owner, "live", value)),
     Keyword("compiler", (COMPILE,), check_compiler),
     Keyword("stats_on", (COMPILE,), check_stats_on),

@@ -13,12 +13,13 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import TraceFileError
-from ..events import Attempt, BackwardAttempt, BackwardEvent, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
-from ..options import NarrationOptions, Settings
+from ..events import (Attempt, BackwardAttempt, BackwardEvent, Event, EventKind, Scope, ShardedMeta, Stats, StatsGroup,
+                      TensorMeta)
+from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..results import Backward, PartialTrace, Recording, Trace
 from ..selectors import InModule, Selector
 from ..findings import Finding, FindingKind
-from .encode import FORMAT, VERSION
+from .encode import FORMAT, READABLE_VERSIONS
 
 __all__ = ["SavedSelection", "recording"]
 
@@ -92,12 +93,21 @@ def device(name) -> torch.device:
 
 
 def meta(doc) -> TensorMeta:
-    shape, dtype_name, device_name = _row(doc, 3, "a tensor description")
-    sizes = _expect(shape, list, "a shape")
+    sharded = isinstance(doc, list) and len(doc) == 5  # a DTensor's: placement and local shape follow
+    shape, dtype_name, device_name = _row(doc[:3] if sharded else doc, 3, "a tensor description")
+    shape = _shape(shape)
+    if not sharded:
+        return TensorMeta(shape, dtype(dtype_name), device(device_name))
+    local = _shape(doc[4])
+    return ShardedMeta(shape, dtype(dtype_name), device(device_name), _expect(doc[3], str, "a placement"),
+                       tuple(local))
+
+
+def _shape(doc):
+    sizes = _expect(doc, list, "a shape")
     for size in sizes:
         _expect(size, (int, str), "a size")
-    shape = torch.Size(sizes) if all(isinstance(size, int) for size in sizes) else tuple(sizes)
-    return TensorMeta(shape, dtype(dtype_name), device(device_name))
+    return torch.Size(sizes) if all(isinstance(size, int) for size in sizes) else tuple(sizes)
 
 
 def stats(doc):
@@ -150,6 +160,7 @@ def event(doc, tables: _Tables, backward: bool) -> Event:
         made = BackwardEvent(*args, forward=_optional(doc.get("forward"), str, "a forward op"))
     else:
         made = Event(*args)
+    made.engine = _optional(doc.get("engine"), str, "an engine")
     if doc.get("selected", True) is False:
         tables.unselected.add(selection_key(made))
     return made
@@ -229,7 +240,8 @@ def settings(doc, tables: _Tables) -> Settings:
     if narration is not None:
         _expect(narration, dict, "the narration options")
         fields = {name: narration[name] for name in ("sites", "max_lines", "prefix", "depth", "normalize",
-                                                      "tail_on_error", "on_error_only", "symbolic_shapes")
+                                                      "tail_on_error", "on_error_only", "symbolic_shapes",
+                                                      "engine_ops")
                   if name in narration}
         if narration.get("select") is not None:
             fields["select"] = selector(narration["select"])
@@ -243,9 +255,13 @@ def settings(doc, tables: _Tables) -> Settings:
     on_nonfinite = doc.get("on_nonfinite")
     if value_stats not in ("off", "sampled", "exact", "reuse") or on_nonfinite not in (None, "track", "raise"):
         raise bad(f"value_stats={value_stats!r}, on_nonfinite={on_nonfinite!r}")
+    dtensor_stats = doc.get("dtensor_stats", "local")  # (version 1: DTensors were measured by their shard)
+    if dtensor_stats not in DTENSOR_STATS:
+        raise bad(f"dtensor_stats={dtensor_stats!r}")
     return Settings(options, value_stats, on_nonfinite, keep_values=bool(doc.get("keep_values")),
                     keep_on_cpu=bool(doc.get("keep_on_cpu")),
-                    max_bytes=_optional(doc.get("max_bytes"), int, "max_bytes"), backward=bool(doc.get("backward")))
+                    max_bytes=_optional(doc.get("max_bytes"), int, "max_bytes"), backward=bool(doc.get("backward")),
+                    dtensor_stats=dtensor_stats)
 
 
 def selection_key(event) -> tuple:
@@ -274,9 +290,10 @@ def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) 
     _expect(doc, dict, "the document")
     if doc.get("format") != FORMAT:
         raise bad(f"format {doc.get('format')!r}, expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READABLE_VERSIONS:
         raise TraceFileError(f"this trace was saved in format version {doc.get('version')!r}; this torchlens "
-                             f"reads version {VERSION}: load it with the torchlens release that saved it")
+                             f"reads versions {', '.join(map(str, READABLE_VERSIONS))}: load it with the "
+                             f"torchlens release that saved it")
     cls = _CLASSES.get(doc.get("class"))
     if cls is None:
         raise bad(f"a recording of class {doc.get('class')!r}")

@@ -23,13 +23,15 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..events import BackwardAttempt, Stats, StatsGroup, TensorMeta
+from ..events import BackwardAttempt, ShardedMeta, Stats, StatsGroup, TensorMeta
 from ..selectors import InModule, _AllOf, _AnyOf, _Not
+from ..stats import is_dtensor, unwrapped
 
-__all__ = ["FORMAT", "VERSION", "document", "number", "tensors"]
+__all__ = ["FORMAT", "READABLE_VERSIONS", "VERSION", "document", "number", "tensors"]
 
 FORMAT = "torchlens-trace"
-VERSION = 1
+VERSION = 2  # 2: a DTensor's placement and local shape, an engine op's engine (version 1 files still load)
+READABLE_VERSIONS = (1, 2)
 
 _STATS_FIELDS = Stats.__slots__
 
@@ -42,9 +44,12 @@ def number(value):
 
 
 def meta_doc(meta: TensorMeta) -> list:
-    shape, dtype, device = meta
-    return [[size if isinstance(size, (int, str)) else str(size) for size in shape],
-            str(dtype).replace("torch.", ""), str(device)]
+    shape, dtype, device = meta[:3]
+    row = [[size if isinstance(size, (int, str)) else str(size) for size in shape],
+           str(dtype).replace("torch.", ""), str(device)]
+    if isinstance(meta, ShardedMeta):  # a DTensor: its placement and this rank's local shape too
+        row += [meta.placements, list(meta.local_shape)]
+    return row
 
 
 def stats_doc(stats) -> Optional[object]:
@@ -100,6 +105,7 @@ def narration_doc(options) -> Optional[dict]:
         "tail_on_error": options.tail_on_error,
         "on_error_only": options.on_error_only,
         "symbolic_shapes": options.symbolic_shapes,
+        "engine_ops": options.engine_ops,
         "select": None if options.select is None else selector_doc(options.select),
         "select_saved_as_flags": options.select is not None and selector_doc(options.select) is None,
     }
@@ -114,6 +120,7 @@ def settings_doc(settings) -> dict:
         "keep_on_cpu": bool(settings.keep_on_cpu),
         "max_bytes": settings.max_bytes,
         "backward": bool(settings.backward),
+        "dtensor_stats": settings.dtensor_stats,
     }
 
 
@@ -127,7 +134,7 @@ def _selected_by_function(settings):
 def event_doc(event, scopes: _Scopes, findings: Dict[int, int], select) -> dict:
     row = {"kind": event.kind.value, "ordinal": event.ordinal, "op": event.op, "scope": scopes.index(event.scope),
            "outputs": [meta_doc(meta) for meta in event.outputs]}
-    for name in ("site", "label"):
+    for name in ("site", "label", "engine"):
         value = getattr(event, name)
         if value is not None:
             row[name] = value
@@ -232,6 +239,10 @@ def _put(stored, how, name: str, value) -> None:
         how[name] = "left out: not a tensor"
         return
     tensor = value.detach()
+    if is_dtensor(tensor):  # the values this rank holds: each rank saves its own file
+        tensor, how[name] = unwrapped(tensor), "local shard of a DTensor"
+    elif hasattr(tensor, "trigger_wait"):  # a functional collective's output: its values, once arrived
+        tensor = tensor.trigger_wait()
     if tensor.layout is not torch.strided or tensor.is_nested:
         if tensor.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
             tensor, how[name] = tensor.to_dense(), "dense"

@@ -50,7 +50,7 @@ class BackwardRun:
         self.result = Backward(f"backward{number} of {watch.pass_name}", settings)
         watch.add_backward(self.result)
         self.ordinal = 0
-        meter = Meter(settings.value_stats, settings.on_nonfinite is not None)
+        meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
         self.meter = meter if meter.active else None
         # `tl.trace(..., backward=True)`: each node's gradients kept, within a budget of their own
         self.keeper = (ValueKeeper(self.result.values, settings.keep_on_cpu, settings.max_bytes)

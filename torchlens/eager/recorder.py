@@ -51,12 +51,14 @@ class Recorder:
     """
 
     def __init__(self, model: nn.Module, *, narrate=None, value_stats: str = "off", on_nonfinite=None,
-                 keep: Optional[int] = None, tail: Optional[int] = None, backward: bool = False):
+                 keep: Optional[int] = None, tail: Optional[int] = None, backward: bool = False,
+                 dtensor_stats: str = "local"):
         check_model(model, "Recorder")
         keep = check_keyword("Recorder", "keep", keep)
         tail = check_keyword("Recorder", "tail", tail)
         self.model = model
-        self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite, backward=backward)
+        self.settings: Settings = make_settings(narrate, value_stats, on_nonfinite, backward=backward,
+                                                dtensor_stats=dtensor_stats)
         check_selection(self.settings, [name for name, _ in model.named_modules()])
         self.recordings: Deque[Recording] = collections.deque(maxlen=keep)
         self._tail: Optional[Deque[Tuple[int, int, Event]]] = None if tail is None else collections.deque(maxlen=tail)
