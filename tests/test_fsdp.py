@@ -122,8 +122,10 @@ def _training(make, batches, stale: bool) -> dict:
     """Tracked training steps (forward and backward) against the same steps without torchlens."""
     narrated, plain = make(), make()
     results = {"findings": []}
+    rng_after = []
     with StaleMemory() if stale else _nothing():
         for model, recorder in ((narrated, True), (plain, False)):
+            torch.manual_seed(1)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             for x in batches:
                 optimizer.zero_grad()
@@ -139,6 +141,8 @@ def _training(make, batches, stale: bool) -> dict:
                 else:
                     model(x).square().mean().backward()
                 optimizer.step()
+            rng_after.append(torch.get_rng_state())
+    results["rng_equal"] = torch.equal(*rng_after)  # narration draws nothing from the generator
     results["weights_equal"] = all(torch.equal(a.full_tensor(), b.full_tensor())
                                    for a, b in zip(narrated.parameters(), plain.parameters()))
     return results
@@ -252,10 +256,11 @@ def test_tracked_fsdp2_forwards_find_nothing_on_clean_inputs_on_every_rank(two_r
 
 @pytest.mark.slow
 def test_tracked_fsdp2_training_steps_find_nothing_and_train_like_plain_fsdp2(two_ranks):
+    """Bitwise the same weights after the steps (so the same gradients), and the same RNG state."""
     for result in two_ranks:
         assert result["mlp_training"]["findings"] == [], result["mlp_training"]["findings"][:3]
         assert result["mlp_training"]["backwards"] == 3  # each step's backward was narrated and judged
-        assert result["mlp_training"]["weights_equal"]
+        assert result["mlp_training"]["weights_equal"] and result["mlp_training"]["rng_equal"]
 
 
 @pytest.mark.slow
@@ -263,7 +268,7 @@ def test_a_llama_sharded_per_decoder_layer_is_tracked_without_false_findings(two
     for result in two_ranks:
         _check_forwards(result["llama_stale"], stale=True)
         assert result["llama_training"]["findings"] == [], result["llama_training"]["findings"][:3]
-        assert result["llama_training"]["weights_equal"]
+        assert result["llama_training"]["weights_equal"] and result["llama_training"]["rng_equal"]
 
 
 @pytest.mark.slow
