@@ -1,7 +1,8 @@
 """Distributed costs, side by side in one job of real gloo ranks on the CPU.
 
-1. An FSDP2 training step (transformers Llamas of two sizes, `fully_shard` per decoder layer and the root;
-   forward, backward, SGD step) plain, narrated by a `Recorder`, and tracked by a `Recorder` with
+1. An FSDP2 training step (transformers Llamas of two sizes and GPT-2 small's own config, 124M
+   parameters; `fully_shard` per decoder layer and the root; forward, backward, SGD step) plain,
+   narrated by a `Recorder`, and tracked by a `Recorder` with
    `backward=True, on_nonfinite="track"`: each mode a block of steps after a warm-up, fastest of
    the rounds, on every rank (rank 0 reports).
 2. A tensor-parallel MLP's forward (2 ranks), plain, narrated and tracked.
@@ -34,7 +35,23 @@ import torchlens as tl  # noqa: E402
 SIZES = {  # (hidden size, decoder layers, tokens per sequence)
     "tiny": (64, 2, 32),
     "small": (256, 4, 64),
+    "gpt2": (768, 12, 64),  # GPT-2 small's config (with --quick: one of its layers)
 }
+
+
+def _sharded(name: str, quick: bool):
+    """The model of `SIZES[name]`, sharded per layer and at the root."""
+    hidden, layers, _ = SIZES[name]
+    if name != "gpt2":
+        return _llama(hidden, layers)
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, bos_token_id=0, eos_token_id=0, n_layer=1 if quick else layers))
+    for block in model.transformer.h:
+        fully_shard(block)
+    return fully_shard(model)
 
 
 def _llama(hidden: int, layers: int):
@@ -56,9 +73,9 @@ def _step(model, optimizer, ids):
     optimizer.step()
 
 
-def _fsdp_step_times(size: str, steps: int, rounds: int) -> dict:
-    hidden, layers, tokens = SIZES[size]
-    model = _llama(hidden, layers)
+def _fsdp_step_times(size: str, steps: int, rounds: int, quick: bool) -> dict:
+    tokens = SIZES[size][2]
+    model = _sharded(size, quick)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (2, tokens), generator=torch.Generator().manual_seed(dist.get_rank()))
     modes = {
@@ -135,9 +152,9 @@ def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> Non
     result = {"world_size": world}
     try:
         if fsdp:
-            result["fsdp_step"] = {size: _fsdp_step_times(size, 2 if quick else 10, 1 if quick else 3)
-                                   for size in SIZES}
-            result["tp_forward"] = _tp_forward_times(2 if quick else 20, 1 if quick else 3)
+            result["fsdp_step"] = {size: _fsdp_step_times(size, 2 if quick else steps, 1 if quick else 3, quick)
+                                   for size, steps in (("tiny", 10), ("small", 10), ("gpt2", 4))}
+            result["tp_forward"] = _tp_forward_times(2 if quick else 50, 1 if quick else 5)
         result["across_ranks_ms"] = _across_ranks_time(5 if quick else 50) * 1e3
         dist.barrier()
     finally:
@@ -166,7 +183,8 @@ def main() -> None:
         line = f"{result['world_size']} ranks: across_ranks {result['across_ranks_ms']:.2f} ms/call"
         print(line)
         for size, rows in result.get("fsdp_step", {}).items():
-            print(f"  FSDP2 {size} Llama {SIZES[size]} step: " + _row_text(rows))
+            model = "GPT-2 small" if size == "gpt2" else f"{size} Llama"
+            print(f"  FSDP2 {model} {SIZES[size]} step: " + _row_text(rows))
         if "tp_forward" in result:
             print("  tensor-parallel MLP forward (4 blocks, width 256): " + _row_text(result["tp_forward"]))
     if args.json:
