@@ -188,7 +188,10 @@ class Pipeline:
             if self.meter is not None:
                 event.stats = Stats("na", 0, self.meter.rung != "off", note=IN_FLIGHT)
             self._observe(event, None)
-            self._in_flight.append((event, collective, written))
+            if self.meter is not None or tracker is not None or self.keeper is not None:
+                # (its values are wanted when they arrive; a narration of metadata only wants none,
+                # and waits for nothing torch would not have waited for)
+                self._in_flight.append((event, collective, written))
         else:
             self._observe(event, value)
             if tracker is not None:
