@@ -76,6 +76,25 @@ class PoisonedOnRankOne(nn.Module):
         return y + 1
 
 
+class ReadAfterTheWait(nn.Module):
+    """After the wait, the all-reduced values are read by an op that may return its argument
+    (`to` another dtype: a copy) or by one that reads and writes them in place (`div_`, as DDP
+    averages), or overwritten unread (`copy_`)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        y = x * 2
+        dist.all_reduce(y, async_op=True).wait()
+        if self.how == "to":
+            return y.to(torch.float64) + 1
+        if self.how == "div_":
+            return y.div_(2) + 1
+        return y.copy_(torch.zeros_like(y)) + 1
+
+
 def _scenarios(rank: int, workdir: str) -> dict:
     result = {}
     torch.manual_seed(0)
@@ -97,6 +116,9 @@ def _scenarios(rank: int, workdir: str) -> dict:
             x[0, 0] = float("nan")
         rec = tl.record(PoisonedOnRankOne(async_op), x, on_nonfinite="track")
         result[f"poisoned_async={async_op}"] = [(f.text, f.kind.name) for f in rec.findings]
+    for how in ("to", "div_", "copy_"):
+        rec = tl.record(ReadAfterTheWait(how), x, on_nonfinite="track", value_stats="exact")
+        result[f"read_by_{how}"] = [(f.text, f.kind.name) for f in rec.findings], rec.narrate().splitlines()[-1]
     # compiled: dynamo turns the c10d all_reduce into a functional one, its wait and a copy back
     torch._dynamo.reset()
     lines = []
@@ -169,6 +191,22 @@ def test_a_nan_another_rank_sent_is_carried_in_not_born_sync_and_async(job):
         assert rank1[key][0] == ["NaN in the input x (nan=1)", "NONFINITE_INPUT"], rank1[key]
         assert all(kind != "CARRIED_IN" for _, kind in rank1[key])  # rank 1 sent it: nothing carried in
         assert rank0[key] == [["NaN carried in by #3 all_reduce from its group of 2 (nan=1)", "CARRIED_IN"]], rank0[key]
+
+
+@pytest.mark.slow
+def test_what_reads_the_collective_after_the_wait_lands_it_and_only_an_overwrite_does_not(job):
+    """A copy (`to` float64) or an in-place op that reads (`div_`) is where the values arrived: rank 0
+    is told the NaN was carried in, not born at the copy nor first seen at the division; `copy_`
+    overwrites them unread, and the footer says so."""
+    rank0, rank1 = job
+    carried = ["NaN carried in by #3 all_reduce from its group of 2 (nan=1)", "CARRIED_IN"]
+    for how in ("to", "div_"):
+        findings, footer = rank0[f"read_by_{how}"]
+        assert findings == [carried], (how, findings)
+        assert "overwritten" not in footer, (how, footer)
+        assert rank1[f"read_by_{how}"][0][0] == ["NaN in the input x (nan=1)", "NONFINITE_INPUT"]
+    findings, footer = rank0["read_by_copy_"]
+    assert findings == [] and "1 op not measured (1 overwritten by #5 before it was read)" in footer, footer
 
 
 @pytest.mark.slow

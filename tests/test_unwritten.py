@@ -8,7 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 import torchlens as tl
+from fake_engine import ENGINE_FILE, EngineMemory
 
 
 @pytest.fixture
@@ -97,24 +100,8 @@ def test_compiled_graphs_leave_unwritten_memory_unread_exactly_where_eager_does(
     assert rec.findings == () == eager.findings
 
 
-class EngineMemory:
-    """What an engine such as FSDP2 keeps outside the model: a flat buffer whose storage it frees
-    after a forward and gets back before the next (`resize_`), holding whatever bytes were there.
-    Here those bytes are 0xFF: a NaN in float32, every time."""
-
-    def __init__(self, numel: int):
-        self.flat = torch.zeros(numel)
-
-    def give_back(self) -> None:
-        storage = self.flat.untyped_storage()
-        size = storage.nbytes()
-        storage.resize_(0)
-        storage.resize_(size)
-        storage.fill_(0xFF)
-
-
 class Unshards(nn.Module):
-    """Views the engine's memory, copies values into the views, then reads them (FSDP2's copy-out)."""
+    """The engine unshards into memory it got back (FSDP2's copy-out), then the model reads it."""
 
     def __init__(self, engine: EngineMemory, again: bool = False):
         super().__init__()
@@ -123,18 +110,26 @@ class Unshards(nn.Module):
         self.table = torch.arange(8.0)  # a plain tensor attribute: the model's own, measured when viewed
         self.register_buffer("scale", torch.full((8,), 2.0))
 
-    def _unshard(self, x):
-        self.engine.give_back()
-        view = self.engine.flat.view(2, 4)  # stale bytes: nothing wrote them yet
-        torch.mul(x, 1.0, out=view)  # now every byte of it is written
-        return self.engine.flat.view(8)
-
     def forward(self, x):
-        unsharded = self._unshard(x)
+        unsharded = self.engine.unshard(x)
         y = unsharded * self.table[:8] + self.scale.view(8)
         if self.again:  # the engine takes the memory back and gives it again within the forward
-            y = y + self._unshard(x)
+            y = y + self.engine.unshard(x)
         return y
+
+
+@pytest.fixture
+def engine_code(tmp_path, monkeypatch):
+    """Ops called from tests/fake_engine.py are an engine's, under a process group of one."""
+    from torchlens import engines
+
+    monkeypatch.setattr(engines, "_ENGINE_FILES", ((ENGINE_FILE, "FSDP2"),) + engines._ENGINE_FILES)
+    monkeypatch.setattr(engines, "_BY_CODE", {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _view_stats(rec):
@@ -143,7 +138,7 @@ def _view_stats(rec):
 
 @pytest.mark.parametrize("options", [{"value_stats": "exact"}, {"on_nonfinite": "track", "value_stats": "exact"},
                                      {"on_nonfinite": "track"}])
-def test_a_view_of_memory_the_forward_never_saw_written_is_not_read(options):
+def test_a_view_of_memory_the_forward_never_saw_written_is_not_read(options, engine_code):
     engine = EngineMemory(8)
     model = Unshards(engine)
     x = torch.arange(8.0).view(2, 4)
@@ -160,7 +155,7 @@ def test_a_view_of_memory_the_forward_never_saw_written_is_not_read(options):
         assert (written.min, written.max) == (0.0, 7.0)
 
 
-def test_memory_given_back_again_within_the_forward_is_unread_again():
+def test_memory_given_back_again_within_the_forward_is_unread_again(engine_code):
     """Written once, then resized and viewed again: the second view's bytes are new and stale."""
     rec = tl.record(Unshards(EngineMemory(8), again=True), torch.ones(2, 4), value_stats="exact",
                     on_nonfinite="track")
@@ -169,7 +164,7 @@ def test_memory_given_back_again_within_the_forward_is_unread_again():
     assert notes == ["not seen written", "measured", "measured", "not seen written", "measured"], notes
 
 
-def test_a_nan_in_memory_the_forward_never_saw_written_is_still_found_where_torch_reads_it():
+def test_a_nan_in_memory_the_forward_never_saw_written_is_still_found_where_torch_reads_it(engine_code):
     """Not measuring a view is not hiding what it holds: the op that reads the stale bytes (here
     nothing overwrote them) computes a NaN, and tracking says it was first seen there, not born:
     what it read was not measured."""
@@ -180,9 +175,40 @@ def test_a_nan_in_memory_the_forward_never_saw_written_is_still_found_where_torc
 
         def forward(self, x):
             self.engine.give_back()
-            return x + self.engine.flat.view(2, 2)
+            return x + self.engine.view(2, 2)
 
     rec = tl.record(ReadsStale(), torch.ones(2, 2), on_nonfinite="track")
     assert [f.text for f in rec.findings] == [
         "NaN first seen at #3 add (nan=4); not everything it read was measured, so it may have come from earlier"]
     assert rec.findings[0].kind is tl.FindingKind.FIRST_SEEN
+
+
+TABLE = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])  # kept outside the model, set before the forward
+
+
+class ReadsAGlobalTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x) * TABLE[0].nan_to_num(0)
+
+
+def test_a_nan_in_a_tensor_the_model_keeps_outside_itself_is_found_where_it_views_it():
+    """Only an engine's own views of memory the pass did not see written are left unread: the
+    model's view of a table it keeps in a global is of values its program wrote, and a NaN there
+    is named although `nan_to_num` removes it before anything else reads it; compiled alike."""
+    import torch._dynamo
+
+    expected = ["NaN in a [2,2] tensor no narrated op produced (nan=1), first read by #3 getitem"]
+    rec = tl.record(ReadsAGlobalTable(), torch.ones(1, 2), on_nonfinite="track")
+    assert [f.text for f in rec.findings] == expected
+    assert not rec.narrate().splitlines()[-1].endswith("no non-finite values")
+    torch._dynamo.reset()
+    try:
+        compiled = tl.compile(ReadsAGlobalTable(), compiler="eager", on_nonfinite="track")
+        compiled(torch.ones(1, 2))
+        assert [f.text for f in compiled.torchlens.last_recording.findings] == expected
+    finally:
+        torch._dynamo.reset()

@@ -120,23 +120,38 @@ def wait_for(collective: "Collective") -> None:
             wait(tensor)
 
 
-def reads_memory(name: str, func, args, kwargs, tensors) -> Optional[str]:
-    """How a call uses the memory of `tensors` (an asynchronous collective's output): "read" when
-    it reads it (torch reads only what has arrived: it was waited on), "written" when it writes
-    into it (what it held before is then gone), None when it does not touch it or only views it."""
+def reads_memory(name: str, func, args, kwargs, tensors, out=None) -> Optional[str]:
+    """How a call that returned `out` used the memory of `tensors` (an asynchronous collective's
+    output): "read" when it read it (torch reads only what has arrived: it was waited on),
+    "written" when it wrote all it will use of it without reading it (what it held is then gone),
+    None when it did not touch it or only viewed it."""
     keys = {key for tensor in tensors for key in _memory_keys(tensor)}
     touched = [argument for argument in tensor_arguments(args, kwargs) if keys.intersection(_memory_keys(argument))]
     if not touched:
         return None
     if is_wait(func):
         return "read"
+    if name.endswith("_like"):  # `zeros_like(y)`, `empty_like(y)`: its shape and dtype, not its values
+        return None
     if getattr(func, "__module__", None) == C10D_MODULE:  # another collective: it sends what it reads
         collective = collective_call(func, args, kwargs, None)
         written = collective.tensors if collective is not None and collective.written else ()
-        return "written" if any(t is w for t in touched for w in written) else "read"
+        overwrites = collective is not None and collective.name not in _READ_BEFORE_WRITTEN
+        return "written" if overwrites and any(t is w for t in touched for w in written) else "read"
     if call_writes(name, args, kwargs) and _writes_one_of(args, kwargs, touched):
-        return "written"
-    return None if may_return_an_alias(name) else "read"
+        # `y.copy_(...)`, `out=y` never read what `y` held; `y.div_(2)` reads it, then writes
+        overwrites = (kwargs.get("out") is not None) or name in _OVERWRITING_IN_PLACE
+        return "written" if overwrites else "read"
+    if may_return_an_alias(name) and any(keys.intersection(_memory_keys(tensor)) for tensor in _flat(out)):
+        return None  # a view of it (`view`, `to` of its own dtype): nothing read
+    return "read"  # (`to`, `contiguous`, `reshape` that copied it read it)
+
+
+# in-place ops whose result does not depend on what their tensor held
+_OVERWRITING_IN_PLACE = frozenset(("copy_", "fill_", "zero_", "set_", "normal_", "uniform_", "bernoulli_",
+                                   "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"))
+# c10d collectives that reduce or send the tensor they write into: they read it first
+_READ_BEFORE_WRITTEN = frozenset(("all_reduce", "all_reduce_coalesced", "reduce", "broadcast"))
 
 
 def _memory_keys(tensor) -> List[int]:

@@ -126,13 +126,13 @@ class Pipeline:
         if lands is not None:
             self._land_in_graph(lands, event, value)
         if self._in_flight and call is not None:
-            self._land_what_it_reads(event, name, call)
+            self._land_what_it_reads(event, name, call, value)
         if collective is not None:
             return self._collective(event, metas, value, call, collective)
         tracker = self.tracker
         written = call.written_into(name) if call is not None else None
         if self.unwritten is not None and value is not None:
-            self._follow_memory(name, value, call, written)
+            self._follow_memory(name, value, call, written, engine)
         lazy = None
         if tracker is not None and call is not None:
             # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
@@ -172,7 +172,7 @@ class Pipeline:
         written = call.written_into(event.op)
         tracker, unwritten = self.tracker, self.unwritten
         if unwritten is not None:
-            self._follow_memory(event.op, value, call, None if collective.in_flight else written)
+            self._follow_memory(event.op, value, call, None if collective.in_flight else written, event.engine)
             if collective.in_flight:
                 unwritten.in_flight(collective.tensors)
         if tracker is not None:
@@ -203,11 +203,12 @@ class Pipeline:
             self.roots.note(event, value)
         return event
 
-    def _land_what_it_reads(self, event: Event, name: str, call: Call) -> None:
-        """The asynchronous collectives whose output this op reads have arrived (it was waited
-        on, or torch would not read it): measured and judged now, before this op is."""
+    def _land_what_it_reads(self, event: Event, name: str, call: Call, value) -> None:
+        """The asynchronous collectives whose output this op (which returned `value`) read have
+        arrived (it was waited on, or torch would not read it): measured and judged now, before
+        this op is."""
         for entry in list(self._in_flight):
-            read = reads_memory(name, call.func, call.args, call.kwargs or {}, entry[1].tensors)
+            read = reads_memory(name, call.func, call.args, call.kwargs or {}, entry[1].tensors, value)
             if read is not None:
                 self._in_flight.remove(entry)
                 self._land(entry, event, overwritten=read == "written")
@@ -274,9 +275,12 @@ class Pipeline:
             raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
         return event
 
-    def _follow_memory(self, name: str, value, call: Optional[Call], written) -> None:
-        """Remember what an uninitialized op allocated, which outputs view memory the pass never saw
-        written, and what ops wrote into either."""
+    def _follow_memory(self, name: str, value, call: Optional[Call], written, engine: Optional[str] = None) -> None:
+        """Remember what an uninitialized op allocated, which outputs of a distributed `engine`'s
+        own ops view memory the pass never saw written, and what ops wrote into either. (An engine
+        gives memory its bytes back outside any op, as FSDP2 does its unsharded parameters; the
+        model's own code viewing a tensor the pass did not see made, a table kept in a global,
+        views values the program wrote before: those are measured.)"""
         unwritten = self.unwritten
         if name.startswith(UNINITIALIZED):
             unwritten.allocated(value)
@@ -286,8 +290,12 @@ class Pipeline:
         args, kwargs = call.args, call.kwargs or {}
         wrote = written is not None and (written[0] or written[1])
         if wrote or may_return_an_alias(name) or returns_an_argument(value, args, kwargs):
-            for tensor in self.seen.unseen_views(value, args, kwargs):
-                unwritten.unseen(tensor)
+            unseen = self.seen.unseen_views(value, args, kwargs)
+            if engine is None:
+                self.seen.saw(value)
+            else:
+                for tensor in unseen:
+                    unwritten.unseen(tensor)
         else:  # fresh memory the op wrote
             self.seen.saw(value)
         if unwritten and wrote:
