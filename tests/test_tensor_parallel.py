@@ -29,6 +29,25 @@ def _parallel_mlp(mesh) -> nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+class ShardedScale(nn.Module):
+    """A parameter used as rank 1's shard of a DTensor, holding a NaN on rank 1 only."""
+
+    def __init__(self, mesh, rank: int):
+        super().__init__()
+        self.mesh = mesh
+        self.pre = nn.Linear(4, 4)
+        scale = torch.ones(2, 4)
+        if rank == 1:
+            scale[0, 0] = float("nan")
+        self.scale = nn.Parameter(scale)
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Shard
+
+        hidden = DTensor.from_local(self.pre(x), self.mesh, [Shard(0)])
+        return (hidden * DTensor.from_local(self.scale, self.mesh, [Shard(0)])).sum().full_tensor()
+
+
 def _scenarios(rank: int, workdir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,6 +108,17 @@ def _scenarios(rank: int, workdir: str) -> dict:
     result["whole_step"] = [f.text for f in recording.findings] + [f.text for b in recording.backward
                                                                     for f in b.findings]
     result["whole_backward"] = recording.backward[0].narrate().splitlines()
+
+    # whole-tensor statistics in a backward whose NaN is on one rank only: every rank measures the
+    # same DTensors (a rank measuring one more would wait forever in its extra collective)
+    torch.manual_seed(0)
+    sharded = ShardedScale(mesh, rank)
+    with tl.recording.Recorder(sharded, backward=True, on_nonfinite="track", value_stats="exact",
+                               dtensor_stats="global") as recorder:
+        sharded(torch.randn(2, 4)).backward()
+    after = torch.full((3,), float(rank + 10))
+    dist.all_reduce(after)  # the job's next collective: both ranks got here, in step
+    result["one_rank_nan_backward"] = [f.text for b in recorder.recordings[0].backward for f in b.findings], after.tolist()
 
     poisoned = _parallel_mlp(mesh)
     if rank == 1:
@@ -160,6 +190,10 @@ def test_global_dtensor_statistics_are_the_whole_tensors_on_every_rank(job):
                       for result in job)
     assert len(whole0) == 2 and whole0 == whole1, (whole0, whole1)  # (the relu between is of a local tensor)
     assert rank0["local_min"] != rank1["local_min"]  # (each rank's shard holds other values)
+    for result in job:  # the NaN is rank 1's, but the whole tensors hold it on both ranks
+        findings, after = result["one_rank_nan_backward"]
+        assert after == [21.0] * 3
+        assert findings == ["NaN gradient born at ~4 MulBackward0, the backward of #5 mul (nan=1)"], findings
 
 
 def test_global_dtensor_statistics_are_refused_where_a_graph_measures():

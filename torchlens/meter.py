@@ -116,6 +116,12 @@ class Meter:
         except Exception as exc:
             return Stats("na", tensor.numel(), self.rung != "off", note=f"{type(exc).__name__} measuring {tensor.dtype}")
 
+    def measures_collectively(self, tensors) -> bool:
+        """Whether measuring these tensors takes a collective (`dtensor_stats="global"` and a DTensor
+        among them): then every rank must measure them, whatever its own values say."""
+        return self._whole_dtensors and any(tensor.__class__ is not _TENSOR and is_dtensor(tensor)
+                                            for tensor in tensors)
+
     def _measure_whole(self, tensor) -> Stats:
         """A DTensor's statistics over its whole value (`dtensor_stats="global"`): a replicated one
         is whole on every rank; any other is gathered (or its partial values summed) first, one

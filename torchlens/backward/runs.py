@@ -112,12 +112,17 @@ class BackwardRun:
         findings = ()
         if tracker is not None:
             direct = self._received.pop(record.key, None) if event.kind is NODE else None
-            if direct is None and received is not None and event.stats is not None and settled(event) and held(event):
+            tensors = tuple(g for g in received if isinstance(g, _Tensor)) if received is not None else ()
+            # a DTensor measured whole is a collective: every rank measures it, whatever it holds
+            collective = self.meter.measures_collectively(tensors)
+            if direct is None and received is not None and event.stats is not None and settled(event) and (
+                    held(event) or collective):
                 # at hand: measured only when it produced one, and only if the node left it as it was
                 # received (a backward may reuse its incoming gradient's memory); the meter shares
                 # the statistics of a gradient measured as an earlier node's output
-                tensors = tuple(g for g in received if isinstance(g, _Tensor))
                 direct = self.meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
+                if not held(event):
+                    direct = None
             findings = tracker.judge(event, record, positions, direct)
             if event.kind is NODE and record is not None and record.leaf is not None:
                 tracker.accumulated(event, record)
