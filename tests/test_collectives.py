@@ -146,6 +146,17 @@ def _scenarios(rank: int, workdir: str) -> dict:
     clean = tl.record(ddp, torch.ones(3, 4), on_nonfinite="track")
     result["across_clean"] = str(tl.debug.across_ranks(clean))
     tl.trace(ddp.module, x, on_nonfinite="track").save(os.path.join(workdir, f"trace-{rank}.tl"))
+    # gradients accumulated over two backwards (no zero_grad), the first's NaN rank 0's own
+    torch.manual_seed(0)
+    linear = nn.Linear(2, 2)
+    with tl.recording.Recorder(linear, backward=True, on_nonfinite="track") as recorder:
+        poisoned = torch.ones(1, 2)
+        if rank == 0:
+            poisoned[0, 0] = float("nan")
+        linear(poisoned).sum().backward()
+        linear(torch.ones(1, 2)).sum().backward()
+    result["accumulated"] = [[(f.text, f.kind.name) for b in r.backward for f in b.findings]
+                             for r in recorder.recordings]
     # replicas that drifted apart: rank 1's first weight nudged after DDP synchronised them
     torch.manual_seed(0)
     replica = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
@@ -237,6 +248,17 @@ def test_the_rank_ddp_poisoned_through_its_gradient_all_reduce_is_told_so(job):
     assert "first non-finite gradient: NaN in the gradients of 4 parameters" in rank0["ddp_footer"]
     assert rank1["ddp_forward"][0] == "NaN in the input inputs[0] (nan=1)"  # where it came from
     assert all(kind != "CARRIED_IN" for _, kind in rank1["ddp_backward"]), rank1["ddp_backward"]
+
+
+@pytest.mark.slow
+def test_a_nan_a_gradient_held_before_the_backward_is_not_said_to_be_carried_in(job):
+    """Accumulating gradients, the second backward adds a finite gradient to rank 0's NaN `.grad`:
+    nothing outside the graph wrote it, so nothing was carried in (the first backward named the birth)."""
+    rank0, rank1 = job
+    first, second = rank0["accumulated"]
+    assert [kind for _, kind in first] == ["GRADIENT_BORN"], first
+    assert second == [], second
+    assert rank1["accumulated"] == [[], []]
 
 
 @pytest.mark.slow

@@ -56,6 +56,8 @@ class BackwardRun:
         self.keeper = (ValueKeeper(self.result.values, settings.keep_on_cpu, settings.max_bytes)
                        if self.result.values is not None else None)
         self.tracker = GradTracker() if settings.on_nonfinite is not None else None
+        if self.tracker is not None and watch.parameters:  # (given under a process group only)
+            self.tracker.note_gradients_before(watch.parameters)
         self.thread = threading.get_ident()
         # (record, metadata of what it received, their versions) of the node running now
         self.in_flight: Optional[tuple] = None

@@ -41,6 +41,7 @@ class GradTracker:
         self.leaves: List[str] = []  # leaves whose accumulated gradient was non-finite
         self._queue: list = []
         self._accumulated: list = []  # (record, event) of the leaves whose gradient was added finite
+        self._nonfinite_before: set = set()  # ids of the parameters whose `.grad` was so as the backward began
 
     def judge(self, event, record: Optional[NodeRecord], positions, direct) -> List[Finding]:
         """Take `event` in (and any before it still waiting for statistics); the findings made now.
@@ -62,6 +63,14 @@ class GradTracker:
             self._accumulated.append((record, event))
 
 
+    def note_gradients_before(self, parameters) -> None:
+        """As the backward begins: which of the model's `parameters` ((name, weak reference))
+        already hold a non-finite `.grad` (accumulated from an earlier backward: no `zero_grad`, or
+        DDP's `no_sync`). Finding it non-finite after this backward is then no sign of a collective.
+        One flag per gradient, read in one transfer per device."""
+        candidates = [(id(tensor), None, tensor) for tensor in (ref() for _, ref in parameters)]
+        self._nonfinite_before = {key for key, _, _ in _not_all_finite(_gradients(candidates))}
+
     def written_after(self, parameters=()) -> List[Finding]:
         """After the backward and whatever ran at its end (DDP's gradient all-reduce, FSDP2's
         reduce-scatter into the sharded parameters): the leaves whose gradient the graph added
@@ -74,6 +83,8 @@ class GradTracker:
         if not self.findings:
             seen = {id(leaf) for _, _, leaf in candidates}
             candidates += [(name, None, ref()) for name, ref in parameters if id(ref()) not in seen]
+        before = self._nonfinite_before  # (non-finite already: this backward added to it, nobody else wrote it)
+        candidates = [candidate for candidate in candidates if id(candidate[2]) not in before]
         changed = []
         for name, event, grad in _not_all_finite(_gradients(candidates)):
             kinds = _bits(bool(torch.isnan(grad).any()), bool(torch.isposinf(grad).any()),
