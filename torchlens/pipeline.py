@@ -32,6 +32,7 @@ from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
 from .collectives import Collective, reads_memory, wait_for
+from .engines import distributed
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
 
@@ -72,10 +73,11 @@ class Pipeline:
         # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
         self.kept_inputs = InputKeeper() if self.tracker is not None else None
         # Memory that holds no values yet (`empty`'s, an engine's that the pass never saw written),
-        # never measured; and the memory the pass saw hold values: its ops' outputs, its inputs and
-        # `held()`, the tensors the model holds (see `torchlens.unwritten`)
+        # never measured; and, where an engine may run, the memory the pass saw hold values: its
+        # ops' outputs, its inputs and `held()`, the tensors the model holds (see `torchlens.unwritten`)
         self.unwritten = UnwrittenMemory() if self.meter is not None else None
-        self.seen = SeenMemory(held) if self.meter is not None else None
+        # (only an engine's ops view memory the pass never saw written: kept under a process group)
+        self.seen = SeenMemory(held) if self.meter is not None and distributed() else None
         self.keeper = keeper
         self.roots = roots
         self.raising = settings.on_nonfinite == "raise"
@@ -289,15 +291,17 @@ class Pipeline:
             return
         args, kwargs = call.args, call.kwargs or {}
         wrote = written is not None and (written[0] or written[1])
-        if wrote or may_return_an_alias(name) or returns_an_argument(value, args, kwargs):
-            unseen = self.seen.unseen_views(value, args, kwargs)
-            if engine is None:
-                self.seen.saw(value)
-            else:
-                for tensor in unseen:
-                    unwritten.unseen(tensor)
-        else:  # fresh memory the op wrote
-            self.seen.saw(value)
+        seen = self.seen
+        if seen is not None:  # (an engine may run: there is a process group)
+            if wrote or may_return_an_alias(name) or returns_an_argument(value, args, kwargs):
+                unseen = seen.unseen_views(value, args, kwargs)
+                if unseen and engine is None:  # the model's own view: of values its program wrote
+                    seen.saw(unseen)
+                else:
+                    for tensor in unseen:
+                        unwritten.unseen(tensor)
+            else:  # fresh memory the op wrote
+                seen.saw(value)
         if unwritten and wrote:
             unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs))
 
