@@ -62,7 +62,6 @@ class GradTracker:
         if record is not None and record.leaf is not None and held(event) == 0:
             self._accumulated.append((record, event))
 
-
     def note_gradients_before(self, parameters) -> None:
         """As the backward begins: which of the model's `parameters` ((name, weak reference))
         already hold a non-finite `.grad` (accumulated from an earlier backward: no `zero_grad`, or
