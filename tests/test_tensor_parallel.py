@@ -29,6 +29,56 @@ def _parallel_mlp(mesh) -> nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+def _parallel_llama(mesh) -> nn.Module:
+    """A transformers Llama with the usual TP plan: q/k/v, gate and up column-wise, o and down
+    row-wise (each rank computes its share of the heads)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    plan = {}
+    for index in range(config.num_hidden_layers):
+        layer = f"model.layers.{index}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[layer + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[layer + name] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def _llama_scenarios(mesh, rank: int) -> dict:
+    """A tracked forward and a tracked training step of the TP Llama, against plain ones."""
+    result = {}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))  # the same on both ranks
+    model = _parallel_llama(mesh)
+    with torch.no_grad():
+        plain = model(ids).logits
+        lines = []
+        rec = tl.record(model, ids, narrate=lines.append, value_stats="exact", on_nonfinite="track")
+    result["equal"] = torch.equal(rec.output.logits, plain)
+    result["findings"] = [f.text for f in rec.findings]
+    result["lines"] = lines
+    narrated, reference = _parallel_llama(mesh), _parallel_llama(mesh)
+    for net, tracked in ((narrated, True), (reference, False)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        if tracked:
+            with tl.recording.Recorder(net, backward=True, on_nonfinite="track") as recorder:
+                net(ids, labels=ids).loss.backward()
+            recording = recorder.recordings[0]
+            result["step_findings"] = [f.text for f in recording.findings] + [
+                f.text for b in recording.backward for f in b.findings]
+        else:
+            net(ids, labels=ids).loss.backward()
+        optimizer.step()
+    result["trained_alike"] = all(torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a,
+                                              b.full_tensor() if hasattr(b, "full_tensor") else b)
+                                  for a, b in zip(narrated.parameters(), reference.parameters()))
+    return result
+
+
 class ShardedScale(nn.Module):
     """A parameter used as rank 1's shard of a DTensor, holding a NaN on rank 1 only."""
 
@@ -120,6 +170,8 @@ def _scenarios(rank: int, workdir: str) -> dict:
     dist.all_reduce(after)  # the job's next collective: both ranks got here, in step
     result["one_rank_nan_backward"] = [f.text for b in recorder.recordings[0].backward for f in b.findings], after.tolist()
 
+    result["llama"] = _llama_scenarios(mesh, rank)
+
     poisoned = _parallel_mlp(mesh)
     if rank == 1:
         with torch.no_grad():
@@ -210,3 +262,16 @@ def test_a_saved_trace_keeps_placements_local_shapes_and_engine_ops(job):
         assert loaded_all == live_all and loaded == live
         assert "Shard(1) local [3,8]" in loaded and "[DTensor]" in loaded_all and "[DTensor]" not in loaded
         assert "engine ops folded (6 of DTensor" in loaded.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_transformers_llama_under_its_tp_plan_is_tracked_without_false_findings(job):
+    """q/k/v and gate/up column-wise, o and down row-wise: the tracked forward and training step
+    find nothing, return what plain TP returns and train alike; the projections say their placement."""
+    for result in job:
+        llama = result["llama"]
+        assert llama["equal"] and llama["findings"] == [], llama["findings"][:3]
+        assert llama["step_findings"] == [] and llama["trained_alike"], llama["step_findings"][:3]
+        q_proj = next(line for line in llama["lines"] if " linear " in line and "q_proj" in line)
+        assert "[2,8,32] f32 cpu Shard(2) local [2,8,16]" in q_proj and q_proj.endswith("(local shard)"), q_proj
+        assert llama["lines"][-1].endswith("no non-finite values"), llama["lines"][-1]
