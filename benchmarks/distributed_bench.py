@@ -103,13 +103,12 @@ def _fsdp_step_times(size: str, steps: int, rounds: int, quick: bool) -> dict:
     return {name: {"ms": value * 1e3, "multiplier": value / best["plain"]} for name, value in best.items()}
 
 
-def _tp_forward_times(calls: int, rounds: int) -> dict:
-    """A tensor-parallel MLP's forward (column-wise then row-wise, four blocks), no_grad."""
+def _tp_forward_times(calls: int, rounds: int, width: int = 256) -> dict:
+    """A tensor-parallel MLP's forward (column-wise then row-wise, four blocks of `width`), no_grad."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    width = 256
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
                             for _ in range(4)])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -155,6 +154,8 @@ def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> Non
             result["fsdp_step"] = {size: _fsdp_step_times(size, 2 if quick else steps, 1 if quick else 3, quick)
                                    for size, steps in (("tiny", 10), ("small", 10), ("gpt2", 4))}
             result["tp_forward"] = _tp_forward_times(2 if quick else 50, 1 if quick else 5)
+            if not quick:  # (GPT-2 small's width: the layers tensor parallel is for are wide)
+                result["tp_forward_768"] = _tp_forward_times(20, 5, width=768)
         result["across_ranks_ms"] = _across_ranks_time(5 if quick else 50) * 1e3
         dist.barrier()
     finally:
@@ -187,6 +188,8 @@ def main() -> None:
             print(f"  FSDP2 {model} {SIZES[size]} step: " + _row_text(rows))
         if "tp_forward" in result:
             print("  tensor-parallel MLP forward (4 blocks, width 256): " + _row_text(result["tp_forward"]))
+        if "tp_forward_768" in result:
+            print("  tensor-parallel MLP forward (4 blocks, width 768): " + _row_text(result["tp_forward_768"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"quick": args.quick, "results": results}, f, indent=1)
