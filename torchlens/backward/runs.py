@@ -114,17 +114,16 @@ class BackwardRun:
         findings = ()
         if tracker is not None:
             direct = self._received.pop(record.key, None) if event.kind is NODE else None
-            tensors = tuple(g for g in received if isinstance(g, _Tensor)) if received is not None else ()
-            # a DTensor measured whole is a collective: every rank measures it, whatever it holds
-            collective = self.meter.measures_collectively(tensors)
-            if direct is None and received is not None and event.stats is not None and settled(event) and (
-                    held(event) or collective):
+            if direct is None and received is not None and event.stats is not None and settled(event):
                 # at hand: measured only when it produced one, and only if the node left it as it was
                 # received (a backward may reuse its incoming gradient's memory); the meter shares
-                # the statistics of a gradient measured as an earlier node's output
-                direct = self.meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
-                if not held(event):
-                    direct = None
+                # the statistics of a gradient measured as an earlier node's output. A DTensor
+                # measured whole is a collective: then every rank measures it, whatever it holds.
+                nonfinite = held(event)
+                if nonfinite or self.meter.measures_collectively(received):
+                    tensors = tuple(g for g in received if isinstance(g, _Tensor))
+                    measured = self.meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
+                    direct = measured if nonfinite else None
             findings = tracker.judge(event, record, positions, direct)
             if event.kind is NODE and record is not None and record.leaf is not None:
                 tracker.accumulated(event, record)
