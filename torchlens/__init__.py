@@ -6,23 +6,26 @@
 See the README and docs/ for the guide.
 """
 
-from . import debug, errors, options, recording
+from . import debug, errors, options, recording, watching
 from .api import compile, load, record, trace
 from .events import Attempt, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
 from .findings import Finding, FindingKind
 from .fx_backend.registration import register_without_entry_point as _register
 from .recording import PartialTrace, Recording, Trace
 from .selectors import in_module
+from .watching import watch
 
 # `compile` is left out of __all__ so that `from torchlens import *` does not shadow the builtin.
 __all__ = [
     "record",
     "trace",
     "load",
+    "watch",
     "in_module",
     "options",
     "recording",
     "debug",
+    "watching",
     "errors",
     "Recording",
     "Trace",

@@ -1,0 +1,318 @@
+"""`tl.watch`: the cheap per-step check, the exact replay of a faulty step, and what it decides.
+
+Each scenario trains a model with an unchanged loop (forward, backward, `optimizer.step()`,
+`zero_grad`) and plants one fault at a known step; the watch must catch that step, before the
+optimizer changes a weight, and name where the value was born.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchlens as tl
+from torchlens.errors import NonFiniteError, OptionTypeError, OptionValueError
+
+
+class SqrtNet(nn.Module):
+    """`where(h > 0, sqrt(h), 0)` on `|fc(x)|`: finite forwards; where `h == 0` (an all-zero input
+    with a zero bias), the backward makes `0 * inf = NaN`, which reaches the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(self.drop(x)).abs()
+        return torch.where(h > 0, h.sqrt(), torch.zeros_like(h)).sum()
+
+
+def _zero_input_step(model):
+    """What makes SqrtNet's backward NaN: a zero input and a zero bias."""
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    return torch.zeros(3, 4)
+
+
+def _state(model, optimizer):
+    return ([p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict()["state"]))
+
+
+def _same_state(a, b) -> bool:
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    if not all(torch.equal(x, y) for x, y in zip(params_a, params_b)):
+        return False
+    if opt_a.keys() != opt_b.keys():
+        return False
+    return all(torch.equal(opt_a[k][name], opt_b[k][name]) for k in opt_a for name in opt_a[k])
+
+
+def _train(model, optimizer, inputs, plant=None):
+    """The plain loop; `plant(step, model)` may replace the step's input."""
+    for step, x in enumerate(inputs):
+        if plant is not None:
+            planted = plant(step, model)
+            x = x if planted is None else planted
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _inputs(n, shape=(3, 4), seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=generator) for _ in range(n)]
+
+
+def test_a_backward_born_nan_is_caught_at_its_step_before_the_update_and_the_sqrt_is_named(tmp_path):
+    torch.manual_seed(0)
+    model = SqrtNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sink = io.StringIO()
+    inputs = _inputs(5)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=sink) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for step, x in enumerate(inputs):
+                if step == 3:
+                    x = _zero_input_step(model)
+                    before = _state(model, optimizer)
+                model(x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    fault = caught.value.fault
+    assert fault.step == 3 and step == 3
+    assert _same_state(before, _state(model, optimizer)), "the update ran although the step was faulty"
+    assert fault.reproduced is True and fault.replay == 1 and fault.phase == "backward"
+    assert "SqrtBackward0" in fault.finding and "sqrt" in fault.finding and "test_watch.py:" in fault.finding
+    assert "non-finite gradients in 2 of 2 parameters (fc.weight, fc.bias)" in fault.what
+    assert str(fault) in str(caught.value)
+    assert sink.getvalue() == f"!! watch: {fault}\n"
+    assert all(p.grad is not None and not torch.isfinite(p.grad).all() for p in model.parameters()), \
+        "the replay must put the step's own gradients back"
+    assert (tmp_path / "step-3" / "replay.html").read_text().startswith("<!DOCTYPE html>")
+    loaded = tl.load(fault.trace)
+    assert loaded.backward[0].first_nonfinite.op == "SqrtBackward0"
+    assert watch.faults == [fault] and watch.steps == 4
+
+
+def test_healthy_training_under_the_watch_is_bitwise_plain_training_and_finds_nothing(tmp_path):
+    def run(watched: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        watch = tl.watch(model, optimizer, out=tmp_path) if watched else None
+        held = []
+        for x in _inputs(14, (5, 8)):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if watch is not None:
+                held.append(watch.held_bytes)
+            optimizer.step()
+            optimizer.zero_grad()
+        if watch is not None:
+            assert watch.faults == [] and watch.steps == 14
+            assert max(held) < 8 << 10, "a healthy step keeps references and RNG states, not copies"
+            watch.close()
+        return [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+    plain, watched = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], watched[0]))
+    assert torch.equal(plain[1], watched[1]), "the watch must not draw from the global generator"
+    assert not list(tmp_path.iterdir()), "a healthy run writes nothing"
+
+
+def test_skip_leaves_weights_and_optimizer_state_as_they_were_and_training_goes_on(tmp_path):
+    torch.manual_seed(0)
+    model = SqrtNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    states = {}
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, x in enumerate(_inputs(6)):
+            if step == 2:
+                x = _zero_input_step(model)
+            states[step] = _state(model, optimizer)
+            model(x).backward()
+            optimizer.step()
+            if step == 2:
+                assert all(p.grad is None for p in model.parameters())
+            optimizer.zero_grad()
+        states["end"] = _state(model, optimizer)
+    assert [f.step for f in watch.faults] == [2]
+    assert _same_state(states[2], states[3]), "a skipped step changed the weights or the optimizer's state"
+    assert not _same_state(states[3], states[4]), "training must go on after a skip"
+    assert all(torch.isfinite(p).all() for p in states["end"][0])
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 5
+
+
+class OnceNaN(nn.Module):
+    """A NaN that appears once (the 3rd call): what a flaky kernel or a bit flip looks like."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.fc(x)
+        if self.calls == 3:
+            y = y * torch.tensor(float("nan"))
+        return y.pow(2).mean()
+
+
+def test_a_fault_no_replay_reproduces_is_called_transient_and_its_inputs_are_saved(tmp_path):
+    torch.manual_seed(0)
+    model = OnceNaN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = _inputs(5)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        _train(model, optimizer, inputs)
+    [fault] = watch.faults
+    assert fault.step == 2 and fault.reproduced is False and fault.replays == 2
+    assert "transient" in str(fault) and "not reproduced in 2 replays" in str(fault)
+    assert "non-finite outputs in the forward" in fault.what
+    assert model.calls == 5 + 2, "two replays of the one forward"
+    saved = torch.load(fault.inputs, weights_only=False)
+    assert torch.equal(saved[0]["args"][0], inputs[2])
+
+
+class AccumulatedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.fc(x).abs().sqrt().sum()  # at fc(x) == 0 the backward makes 0 * inf = NaN
+
+
+def test_gradient_accumulation_replays_every_micro_batch_and_names_the_failing_one(tmp_path):
+    torch.manual_seed(0)
+    model = AccumulatedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    micro = [torch.rand(2, 4) for _ in range(8)]
+    micro[6] = torch.zeros(2, 4)  # fc(x) == 0 exactly
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step in range(2):
+            for i in range(4):
+                (model(micro[step * 4 + i]) / 4).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.micro_batches == 4 and fault.micro_batch == 3
+    assert fault.reproduced and "micro-batch 3 of 4" in str(fault) and "SqrtBackward0" in fault.finding
+
+
+class LogitsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.fc(x).abs().sqrt()
+
+
+def test_a_loss_computed_outside_the_model_is_replayed_from_the_gradient_into_the_output(tmp_path):
+    torch.manual_seed(0)
+    model = LogitsNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.tensor([1, 2, 0])
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, x in enumerate(_inputs(4)):
+            if step == 1:
+                with torch.no_grad():
+                    model.fc.bias.zero_()
+                x = torch.zeros(3, 4)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced and "SqrtBackward0" in fault.finding
+
+
+def test_without_the_gradient_into_the_output_the_fault_is_not_called_transient(tmp_path):
+    torch.manual_seed(0)
+    model = LogitsNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None, max_bytes=0) as watch:
+        F.cross_entropy(model(torch.zeros(3, 4)), torch.tensor([1, 2, 0])).backward()
+        optimizer.step()
+    [fault] = watch.faults
+    assert fault.reproduced is None and "over max_bytes=0" in fault.why
+    assert "not replayed to its birth" in str(fault)
+
+
+def test_check_outputs_screens_the_outputs_alone(tmp_path):
+    torch.manual_seed(0)
+    model = SqrtNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, check="outputs", on_fault="report", narrate=None) as watch:
+        _train(model, optimizer, _inputs(3), plant=lambda step, m: _zero_input_step(m) if step == 1 else None)
+    assert watch.faults == [], "a gradient-only fault is not what check='outputs' looks at"
+    model2 = OnceNaN()
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    with tl.watch(model2, optimizer2, out=tmp_path, check="outputs", on_fault="skip", narrate=None) as watch:
+        _train(model2, optimizer2, _inputs(4))
+    assert [f.step for f in watch.faults] == [2]
+
+
+def test_a_learning_rate_that_makes_training_diverge_is_caught_at_the_first_non_finite_step(tmp_path):
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        return model, torch.optim.SGD(model.parameters(), lr=2e6)
+
+    data = [(x, x.sum(1, keepdim=True)) for x in _inputs(40, (6, 4))]
+    model, optimizer = model_and_optimizer()
+    first = None
+    for step, (x, y) in enumerate(data):  # without the watch: where the gradients first go non-finite
+        F.mse_loss(model(x), y).pow(4).backward()
+        if first is None and not all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            first = step
+        optimizer.step()
+        optimizer.zero_grad()
+    assert first is not None and first > 0
+    model, optimizer = model_and_optimizer()
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for x, y in data:
+                F.mse_loss(model(x), y).pow(4).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert caught.value.fault.step == first and watch.faults == [caught.value.fault]
+    assert all(torch.isfinite(p).all() for p in model.parameters()), "the diverging update must not have run"
+
+
+def test_bad_arguments_are_typed_errors_that_name_the_fix():
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(OptionValueError, match="did you mean 'raise'"):
+        tl.watch(model, optimizer, on_fault="rais")
+    with pytest.raises(OptionValueError, match="'grads' or 'outputs'"):
+        tl.watch(model, optimizer, check="everything")
+    with pytest.raises(OptionTypeError, match="torch.optim.Optimizer"):
+        tl.watch(model, "adam")
+    with pytest.raises(tl.errors.ModelTypeError):
+        tl.watch(lambda x: x, optimizer)
+    with pytest.raises(OptionValueError, match="at least 1"):
+        tl.watch(model, optimizer, replays=0)
+
+
+def test_close_removes_every_hook_and_a_closed_watch_sees_nothing(tmp_path):
+    model = SqrtNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = tl.watch(model, optimizer, out=tmp_path)
+    assert model._forward_hooks and model._forward_pre_hooks and optimizer._optimizer_step_pre_hooks
+    out = model(_inputs(1)[0])
+    watch.close()
+    watch.close()
+    assert not model._forward_hooks and not model._forward_pre_hooks and not optimizer._optimizer_step_pre_hooks
+    out.backward()  # the hook on the output of a forward watched before close() does nothing now
+    _train(model, optimizer, [_zero_input_step(model)])
+    assert watch.faults == [] and watch.held_bytes == 0

@@ -1,0 +1,14 @@
+"""`tl.watch`: an always-on training watch, and the exact replay of the step that failed.
+
+- `checks`: the cheap screen a healthy step pays for;
+- `steps`: what a step keeps (references) so that it can be replayed;
+- `replay`: the replay under tracking, the user's state put back around it;
+- `faults`: `Fault`, and what a fault leaves on disk;
+- `watch`: the hooks and the policy (`on_fault=`);
+- `callbacks`: thin adapters for transformers' `Trainer` and PyTorch Lightning.
+"""
+
+from .faults import Fault
+from .watch import Watch, watch
+
+__all__ = ["Fault", "Watch", "watch"]

@@ -1,0 +1,127 @@
+"""A `Fault`: the step a watch caught, what its replay found, and what it left on disk."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch
+
+from ..errors import ReproError, warn_safely
+from .replay import Outcome
+
+__all__ = ["Fault"]
+
+
+class Fault:
+    """One faulty step.
+
+    - `step`: the training step, counted from 0 (each `optimizer.step()`, and each step a
+      `GradScaler` skipped); `rank`: this process's rank under a process group, else None.
+    - `what`: what the cheap check saw ("non-finite gradients in 2 parameters (fc.weight, fc.bias)",
+      "non-finite outputs in forward 2 of 4").
+    - `reproduced`: True when a replay found it again, False when no replay did (a **transient**
+      fault: a nondeterministic kernel, a race, the hardware; the step's inputs are saved),
+      None when the replays could not tell (`why` says why, e.g. the backward was not replayed).
+    - `replay`: which replay reproduced it (1-based), `replays`: how many ran.
+    - `finding`: the first finding's text (where the value was born), `birth_rank`: under a
+      process group, the rank it was born on (`tl.debug.across_ranks` over the replays).
+    - `html`, `trace`, `repro`, `inputs`: paths of the replay's page, its saved trace, the one-op
+      repro directory (a forward birth only), the step's inputs; None where there is none.
+    - `recording`: the replayed pass that holds the finding (a `Recording`), in memory.
+    """
+
+    def __init__(self, step: int, what: str, rank: Optional[int] = None):
+        self.step = step
+        self.what = what
+        self.rank = rank
+        self.reproduced: Optional[bool] = None
+        self.why: Optional[str] = None
+        self.replay: Optional[int] = None
+        self.replays = 0
+        self.finding: Optional[str] = None
+        self.micro_batch: Optional[int] = None
+        self.micro_batches = 0
+        self.phase: Optional[str] = None
+        self.compiled_only = False
+        self.birth_rank: Optional[int] = None
+        self.notes: List[str] = []
+        self.recording = None
+        self.html: Optional[str] = None
+        self.trace: Optional[str] = None
+        self.repro: Optional[str] = None
+        self.inputs: Optional[str] = None
+
+    def take(self, outcome: Outcome, replays: int) -> None:
+        """Take what the replay that reproduced the fault (or the last one) found."""
+        self.replays = replays
+        self.notes = list(outcome.notes)
+        if outcome.finding is not None:
+            self.finding = outcome.finding.text + _location(outcome.finding.event)
+            self.recording, self.micro_batch, self.phase = outcome.recording, outcome.micro_batch, outcome.phase
+        elif outcome.nonfinite_gradients:
+            self.finding = (f"non-finite gradients in {outcome.nonfinite_gradients} parameters, "
+                            f"with no finding in what was narrated")
+        self.compiled_only = outcome.compiled and outcome.reproduced
+
+    def __str__(self) -> str:
+        rank = f"rank {self.rank} " if self.rank is not None else ""
+        head = f"{rank}step {self.step}: {self.what}"
+        if self.reproduced:
+            where = self.finding or "non-finite values"
+            if self.micro_batch is not None and self.micro_batches > 1:
+                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
+            if self.birth_rank is not None and self.birth_rank != self.rank:
+                where = f"born on rank {self.birth_rank}: {where}"
+            how = "compiled, after the eager replays found nothing" if self.compiled_only else ""
+            text = f"{head}; {where}; reproduced in replay {self.replay} of {self.replays}" + (f" ({how})" if how else "")
+        elif self.reproduced is False:
+            text = (f"{head}; transient: not reproduced in {self.replays} replay{'s' if self.replays != 1 else ''} "
+                    f"(a nondeterministic kernel, a race or the hardware)")
+        else:
+            text = f"{head}; not replayed to its birth: {self.why}"
+        for note in self.notes:
+            text += f"; {note}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"<Fault step={self.step} reproduced={self.reproduced}>"
+
+    def write(self, directory: str, forwards) -> None:
+        """Leave the replay's page, its trace, the one-op repro and the step's inputs in `directory`.
+        A file that cannot be written is said, not raised: the fault itself is the news."""
+        os.makedirs(directory, exist_ok=True)
+        self.inputs = _attempt("saving the step's inputs", lambda: _save_inputs(forwards, os.path.join(directory, "inputs.pt")))
+        if self.recording is None:
+            return
+        self.html = _attempt("writing the replay's page", lambda: self.recording.to_html(os.path.join(directory, "replay.html")))
+        self.trace = _attempt("saving the replay", lambda: self.recording.save(os.path.join(directory, "replay.tl")))
+        if self.phase == "forward":
+            try:
+                self.repro = os.path.dirname(self.recording.repro(os.path.join(directory, "repro")))
+            except ReproError:
+                self.repro = None
+
+
+def _location(event) -> str:
+    """` @module file:line` of the op (or the forward op of the backward node) a finding is at."""
+    if event is None:
+        return ""
+    scope = getattr(event, "scope", None)
+    path = getattr(scope, "path", "") if scope is not None else ""
+    parts = ([f"@{path}"] if path else []) + ([event.site] if getattr(event, "site", None) else [])
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def _save_inputs(forwards, path: str) -> str:
+    torch.save([{"args": f.args, "kwargs": f.kwargs, "rng_cpu": f.rng.cpu, "rng_cuda": f.rng.cuda}
+                for f in forwards], path)
+    return path
+
+
+def _attempt(what: str, write):
+    try:
+        return write()
+    except Exception as exc:
+        warn_safely(f"torchlens watch: {what} failed ({type(exc).__name__}: {exc})")
+        return None

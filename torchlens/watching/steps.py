@@ -1,0 +1,119 @@
+"""What a healthy step keeps so that a faulty one can be replayed exactly: references, not copies.
+
+For each forward of the step (each micro-batch, under gradient accumulation): its arguments (held,
+with their version counters, to tell later whether the caller changed them in place), the random
+generators' states when it began (the CPU generator's and every initialised CUDA device's: small
+host tensors), the autocast and training modes it ran under, the screen of its outputs, and the
+gradient its backward sent into its outputs. That gradient is how the replay runs the backward
+without knowing the loss: a loss the model returns (a 0-dim output, transformers' `.loss`) gets
+a scalar, kept always; the gradient into the other outputs (a loss computed outside the model) is
+kept within the watch's byte bound, and not kept at all when a loss output received one (it then
+flows from that loss, and the replay recomputes it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .checks import floating_leaves, screen_sums
+
+__all__ = ["RandomState", "StepRecord", "WatchedForward", "autocast_state", "tensor_versions"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class RandomState:
+    """The default generators' states: the CPU one and each initialised CUDA device's."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cpu.numel() + sum(s.numel() for s in (self.cuda or ()))
+
+
+def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
+    """(device type, enabled, dtype) of autocast for the CPU and CUDA, as the forward saw it."""
+    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in _AUTOCAST_DEVICES)
+
+
+@contextlib.contextmanager
+def autocast_as(state):
+    """Run under the autocast `state` recorded (enabled or not, per device type)."""
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in state:
+            if device == "cuda" and not torch.cuda.is_available():
+                if enabled:
+                    raise RuntimeError("the step ran under CUDA autocast, and CUDA is not available")
+                continue
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
+
+
+def tensor_versions(value) -> Tuple[Tuple[torch.Tensor, int], ...]:
+    """(tensor, version counter) of each tensor in `value` (a forward's arguments)."""
+    return tuple((leaf, leaf._version) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+class WatchedForward:
+    """One forward of a step, as the replay needs it (see the module's docstring)."""
+
+    __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "sums", "received",
+                 "received_bytes", "dropped", "loss_fed", "__weakref__")
+
+    def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...]):
+        self.number = number  # 1-based, within the step
+        self.args = args
+        self.kwargs = kwargs
+        self.versions = tensor_versions((args, kwargs))
+        self.rng = RandomState()
+        self.autocast = autocast_state()
+        self.modes = modes
+        self.sums: Optional[torch.Tensor] = None  # the outputs' screen
+        # graph task id -> {output position: the gradient it received} (a dict: insertion is run order)
+        self.received: Dict[int, Dict[int, torch.Tensor]] = {}
+        self.received_bytes = 0
+        self.dropped: Optional[str] = None  # why an output's gradient was not kept
+        self.loss_fed: set = set()  # graph tasks in which a loss output received its gradient
+
+    def changed_inputs(self) -> int:
+        """How many of its argument tensors were modified in place after it ran."""
+        return sum(1 for tensor, version in self.versions if tensor._version != version)
+
+    def screen(self, output) -> List[torch.Tensor]:
+        leaves = floating_leaves(output)
+        self.sums = screen_sums(leaves)
+        return leaves
+
+
+class StepRecord:
+    """The forwards since the step began, and how the step's gradients looked after its last
+    backward (to tell, at the next forward, that they were reset without an optimizer step: a step
+    a GradScaler skipped, or a `zero_grad` before a step was taken)."""
+
+    __slots__ = ("forwards", "after_backward", "backwards")
+
+    def __init__(self):
+        self.forwards: List[WatchedForward] = []
+        self.after_backward: Optional[Tuple[int, int, int]] = None  # (param index, id(grad), grad version)
+        self.backwards = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes this step keeps alive that plain training would have freed: the gradients
+        into the outputs, and the generators' states."""
+        return sum(f.received_bytes + f.rng.nbytes for f in self.forwards)

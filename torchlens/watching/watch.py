@@ -1,0 +1,503 @@
+"""`tl.watch`: a training watch cheap enough to leave on, that replays the step that failed.
+
+How a step is watched (see docs/watch.md):
+
+1. each forward of the model (called with gradients enabled) keeps references to its arguments
+   and the random generators' states, and screens its outputs (one sum per output, on the device);
+2. each backward into its outputs keeps the gradient it sent in (see `steps`);
+3. at `optimizer.step()` (a step pre-hook, so before any weight changes) the gradients are screened
+   too, and the step's screens are read as one number: the step's only host read. A finite number
+   is a healthy step and ends it; under a process group the ranks agree with one small all-reduce;
+4. otherwise the fault is confirmed and the step replayed under tracking (`replay`), and the watch
+   raises from `optimizer.step()`, skips the update, or only reports, as `on_fault=` says.
+
+A step ends at `optimizer.step()`, or, when the gradients were reset without one (a step a
+`GradScaler` skipped for overflowing gradients, or a `zero_grad` before any step), at the next
+forward: told by the gradients' identity and version counter, recorded after each backward. Such a
+step is judged by its outputs alone (its gradients were never used), and, given `scaler=`, by the
+scale: one that fell below 1 means the gradients overflow unscaled, a fault.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import NonFiniteError, OptionTypeError, OptionValueError, describe_choices, suggest
+from ..guard import internal_error, is_stop
+from ..ranks import rank_and_world_size
+from ..sinks import checked_sink, open_sink
+from ..structure import check_model
+from .checks import Screen, nonfinite_positions, screen_sums
+from .faults import Fault
+from .replay import replay_step
+from .steps import StepRecord, WatchedForward
+
+__all__ = ["Watch", "watch"]
+
+ON_FAULT = ("raise", "skip", "report")
+CHECKS = ("grads", "outputs")
+DEFAULT_MAX_BYTES = 64 << 20
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str = "raise", check: str = "grads",
+          narrate=True, replays: int = 2, max_bytes: int = DEFAULT_MAX_BYTES, scaler=None,
+          compiler="inductor") -> "Watch":
+    """Watch every training step of `model` stepped by `optimizer` (one, or a list of them).
+
+    ::
+
+        watch = tl.watch(model, optimizer)          # or: with tl.watch(model, optimizer) as watch:
+        for x, y in loader:                         # the training loop, unchanged
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()                        # raises tl.errors.NonFiniteError on a fault,
+            optimizer.zero_grad()                   # its `.fault` naming where the value was born
+        watch.close()
+
+    A healthy step costs a sum per output and per gradient and one host read. On the first
+    non-finite output or gradient, before the optimizer changes a weight, the step is replayed
+    exactly under tracking (up to `replays` times: a fault no replay reproduces is transient),
+    and `on_fault` decides: "raise" (from `optimizer.step()`, weights untouched), "skip" (the
+    gradients cleared, so the update changes nothing, and training goes on) or "report".
+    `check="outputs"` screens the forwards' outputs only. The fault's line goes to `narrate`
+    (any narration sink; None for none); its page, trace, repro and inputs to `out`/step-N/.
+    `max_bytes` bounds the gradient kept per step for a loss computed outside the model;
+    `scaler` (a `GradScaler`) lets a collapsing scale count as a fault; `compiler` is what
+    replays a compiled model whose eager replays find nothing.
+    """
+    return Watch(model, optimizer, out=out, on_fault=on_fault, check=check, narrate=narrate, replays=replays,
+                 max_bytes=max_bytes, scaler=scaler, compiler=compiler)
+
+
+def _choice(name: str, value, choices) -> str:
+    if not isinstance(value, str):
+        raise OptionTypeError(f"tl.watch {name}= takes {describe_choices(choices)}, got {value!r}")
+    if value not in choices:
+        raise OptionValueError(f"tl.watch {name}={value!r}{suggest(value, choices)}: accepted are {describe_choices(choices)}")
+    return value
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionTypeError(f"tl.watch {name}= takes an integer, got {value!r}")
+    if value < minimum:
+        raise OptionValueError(f"tl.watch {name}={value}: it must be at least {minimum}")
+    return value
+
+
+def _optimizers(optimizer) -> List[torch.optim.Optimizer]:
+    """The torch optimizers to hook: one, or several; a wrapper exposing `.optimizer` (accelerate's
+    `AcceleratedOptimizer`, Lightning's) is unwrapped to the optimizer whose `step` runs."""
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not items:
+        raise OptionValueError("tl.watch needs the optimizer that steps the model (or a list of them); got none")
+    found = []
+    for item in items:
+        inner = item
+        while not hasattr(inner, "register_step_pre_hook") and hasattr(inner, "optimizer"):
+            inner = inner.optimizer
+        while type(inner).__name__ in ("AcceleratedOptimizer", "LightningOptimizer") and hasattr(inner, "optimizer"):
+            inner = inner.optimizer
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise OptionTypeError(f"tl.watch takes a torch.optim.Optimizer (or a list of them) as the optimizer, "
+                                  f"got {type(item).__name__}")
+        found.append(inner)
+    return found
+
+
+def _eager_module(model: nn.Module):
+    """(the module a replay runs, whether `model` is compiled): `torch.compile`'s wrapper and DDP's
+    are looked through (a replay runs locally, without DDP's gradient all-reduce)."""
+    compiled = False
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model, compiled = model._orig_mod, True
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+                getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model, compiled
+
+
+class _Unwatched:
+    """Stands for a forward the watch does not keep (no gradient mode: evaluation)."""
+
+
+_UNWATCHED = _Unwatched()
+
+
+class Watch:
+    """A training watch (`tl.watch`). `faults` lists the `Fault`s caught, `steps` counts the steps
+    ended; `close()` (or leaving its `with` block) removes every hook it added."""
+
+    def __init__(self, model: nn.Module, optimizer, *, out="torchlens-watch", on_fault="raise", check="grads",
+                 narrate=True, replays=2, max_bytes=DEFAULT_MAX_BYTES, scaler=None, compiler="inductor"):
+        check_model(model, "tl.watch")
+        self.on_fault = _choice("on_fault", on_fault, ON_FAULT)
+        self.check = _choice("check", check, CHECKS)
+        self.replays = _count("replays", replays, 1)
+        self.max_bytes = _count("max_bytes", max_bytes, 0)
+        if not isinstance(out, (str, os.PathLike)):
+            raise OptionTypeError(f"tl.watch out= takes a directory path, got {out!r}")
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise OptionTypeError(f"tl.watch scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.out = os.fspath(out)
+        self.model = model
+        self.optimizers = _optimizers(optimizer)
+        self.scaler = scaler
+        self.compiler = compiler
+        self._sink = open_sink(checked_sink(narrate)) if narrate not in (None, False) else None
+        self._eager, self._compiled = _eager_module(model)
+        self._modules = list(self._eager.modules())
+        self._params = self._watched_parameters()
+        names = {id(p): name for name, p in self._eager.named_parameters(remove_duplicate=False)}
+        self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self._params)]
+        self.faults: List[Fault] = []
+        self.steps = 0
+        self.false_alarms = 0  # screens that overflowed on finite values (confirmed finite)
+        self._step = StepRecord()
+        self._open = None  # the forward running now
+        self._depth = 0  # nested calls of the model inside its own forward
+        self._tasks = set()  # graph tasks whose end-of-backward callback is queued
+        self._paused = False
+        self._collapsed = False
+        self._replayer = None  # `tl.compile` of the model, made at the first compiled replay
+        self._false_output_alarm = False
+        self._thread = threading.get_ident()
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
+        ]
+        self._handles += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
+        self._closed = False
+
+    def _watched_parameters(self) -> List[torch.Tensor]:
+        seen, params = set(), []
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in seen and p.requires_grad:
+                        seen.add(id(p))
+                        params.append(p)
+        return params
+
+    # -- the context manager and closing --------------------------------------------------------
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Remove the hooks and let go of the step's references. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._step = StepRecord()
+        self._open = None
+        if self._sink is not None:
+            self._sink.close()
+
+    @property
+    def held_bytes(self) -> int:
+        """What the current step keeps alive that plain training would have freed (bytes)."""
+        return self._step.held_bytes
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Watch {state}: {self.steps} steps, {len(self.faults)} faults>"
+
+    # -- the hooks --------------------------------------------------------------------------------
+
+    def _ours(self) -> bool:
+        return not (self._closed or self._paused) and threading.get_ident() == self._thread
+
+    def _before_forward(self, module, args, kwargs):
+        if not self._ours():
+            return None
+        if self._open is not None:
+            self._depth += 1
+            return None
+        try:
+            self._end_reset_step()
+            if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+                self._open = _UNWATCHED
+                return None
+            self._open = WatchedForward(len(self._step.forwards) + 1, args, kwargs,
+                                        tuple(m.training for m in self._modules))
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            self._fail("starting a watched forward", exc)
+        return None
+
+    def _after_forward(self, module, args, kwargs, output):
+        if not self._ours() or self._open is None:
+            return None
+        if self._depth:
+            self._depth -= 1
+            return None
+        forward, self._open = self._open, None
+        if forward is _UNWATCHED:
+            return None
+        import sys
+
+        if sys.exc_info()[1] is not None:  # the forward raised: no step will use it
+            return None
+        try:
+            leaves = forward.screen(output)
+            self._step.forwards.append(forward)
+            ref = weakref.ref(forward)
+            for position, leaf in enumerate(leaves):
+                if leaf.requires_grad:
+                    leaf.register_hook(functools.partial(self._received, ref, position, leaf.dim() == 0))
+        except Exception as exc:
+            self._fail("screening a forward's outputs", exc)
+        return None
+
+    def _received(self, ref, position: int, is_loss: bool, grad):
+        """A backward sent `grad` into output `position` of a watched forward: keep it (see `steps`)."""
+        forward = ref()
+        if forward is None or self._closed or self._paused or grad is None:
+            return None
+        try:
+            task = _graph_task_id()
+            if task not in self._tasks:
+                self._tasks.add(task)
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if is_loss:
+                forward.loss_fed.add(task)
+            elif task in forward.loss_fed:
+                return None  # it flows from a loss output, whose gradient is kept
+            else:
+                size = grad.numel() * grad.element_size()
+                if self._step.held_bytes + size > self.max_bytes:
+                    forward.dropped = (f"the gradient into an output of forward {forward.number} "
+                                       f"({size / 2 ** 20:.1f} MiB) is over max_bytes={self.max_bytes}")
+                    return None
+                forward.received_bytes += size
+            forward.received.setdefault(task, {})[position] = grad
+        except Exception as exc:
+            self._fail("keeping an output's gradient", exc)
+        return None
+
+    def _backward_done(self) -> None:
+        """Autograd finished a backward into the model: note how the gradients look now."""
+        self._tasks.discard(_graph_task_id())
+        step = self._step
+        step.backwards += 1
+        for index, p in enumerate(self._params):
+            if p.grad is not None:
+                step.after_backward = (index, weakref.ref(p.grad), p.grad._version)
+                return
+
+    def _end_reset_step(self) -> None:
+        """At a forward: end a step whose gradients were reset without an optimizer step."""
+        after = self._step.after_backward
+        if after is None:
+            return
+        index, grad_ref, version = after
+        grad = self._params[index].grad
+        if grad is not None and grad_ref() is grad and grad._version == version:
+            return  # still accumulating: the next micro-batch of the same step
+        step, self._step = self._step, StepRecord()
+        fault = self._judge(step, outputs_only=True)
+        if fault is None and self.scaler is not None:
+            fault = self._scale_fault(step)
+        self.steps += 1
+        if fault is not None:
+            self._act(fault, clear=False)
+
+    def _before_step(self, optimizer, args, kwargs):
+        if not self._ours() or not self._step.forwards:
+            return None  # nothing since the last step (a second optimizer of the same step)
+        step, self._step = self._step, StepRecord()
+        fault = None
+        try:
+            fault = self._judge(step, outputs_only=self.check == "outputs")
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            self._fail("checking the step", exc)
+        self.steps += 1
+        if fault is not None:
+            self._act(fault, clear=self.on_fault == "skip")
+        return None
+
+    # -- judging a step -----------------------------------------------------------------------------
+
+    def _judge(self, step: StepRecord, outputs_only: bool) -> Optional[Fault]:
+        """The step's screens read as one number; on an alarm, the fault confirmed and replayed."""
+        if not step.forwards:
+            return None
+        screen = Screen()
+        for forward in step.forwards:
+            screen.add(forward.sums)
+        grads = [] if outputs_only else [p.grad for p in self._params if p.grad is not None]
+        screen.add(screen_sums(grads))
+        alarm = screen.alarm()
+        if not self._agree(alarm):
+            return None
+        with_grad = [(i, p) for i, p in enumerate(self._params) if p.grad is not None] if grads else []
+        bad_grads = [with_grad[i][0] for i in nonfinite_positions([p.grad for _, p in with_grad])]
+        bad_forwards = [f.number for f in step.forwards
+                        if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
+        if not self._agree(torch.tensor(int(bool(bad_grads or bad_forwards)))):
+            self.false_alarms += 1
+            return None
+        rank, world = rank_and_world_size()
+        fault = Fault(self.steps, self._what(bad_grads, bad_forwards, step), rank if world > 1 else None)
+        fault.micro_batches = len(step.forwards)
+        self._replay(fault, step, gradients=bool(bad_grads), prefer=None if bad_forwards else "backward")
+        if fault.reproduced is False and not bad_grads and self._false_output_alarm:
+            self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
+            return None
+        directory = os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}")
+        fault.write(directory, step.forwards)
+        return fault
+
+    def _what(self, bad_grads: Sequence[int], bad_forwards: Sequence[int], step: StepRecord) -> str:
+        parts = []
+        if bad_forwards:
+            n = len(step.forwards)
+            which = (f"forward {bad_forwards[0]} of {n}" if len(bad_forwards) == 1 and n > 1
+                     else f"{len(bad_forwards)} of {n} forwards" if n > 1 else "the forward")
+            parts.append(f"non-finite outputs in {which}")
+        if bad_grads:
+            named = ", ".join(self._names[i] for i in bad_grads[:3]) + (", ..." if len(bad_grads) > 3 else "")
+            parts.append(f"non-finite gradients in {len(bad_grads)} of {len(self._params)} parameters ({named})")
+        if not parts:
+            parts.append("non-finite values on another rank")
+        return " and ".join(parts)
+
+    def _scale_fault(self, step: StepRecord) -> Optional[Fault]:
+        """A step the scaler skipped: a fault only when the scale fell below 1 (once, until it recovers)."""
+        if not step.forwards:
+            return None
+        scale = float(self.scaler.get_scale())
+        if scale >= 1.0:
+            self._collapsed = False
+            return None
+        if self._collapsed:
+            return None
+        self._collapsed = True
+        rank, world = rank_and_world_size()
+        fault = Fault(self.steps, f"the GradScaler's scale collapsed to {scale:g}: the gradients overflow even "
+                                  f"unscaled", rank if world > 1 else None)
+        fault.micro_batches = len(step.forwards)
+        self._replay(fault, step, gradients=True, prefer="backward")
+        directory = os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}")
+        fault.write(directory, step.forwards)
+        return fault
+
+    def _replay(self, fault: Fault, step: StepRecord, gradients: bool, prefer: Optional[str] = None) -> None:
+        """Replay the step (eagerly, then compiled for a compiled model) until a replay reproduces it."""
+        self._false_output_alarm = False
+        self._paused = True
+        outcome = None
+        try:
+            for attempt in range(1, self.replays + 1):
+                outcome = replay_step(self._eager, step.forwards, self._params, self._modules, attempt,
+                                      prefer=prefer)
+                if self._reproduced(fault, outcome, attempt):
+                    return
+            if self._compiled and rank_and_world_size()[1] == 1:
+                compiled = self._compiled_replayer()
+                outcome = replay_step(self._eager, step.forwards, self._params, self._modules, self.replays + 1,
+                                      compiled=compiled, prefer=prefer)
+                if self._reproduced(fault, outcome, self.replays + 1):
+                    return
+            fault.replays = outcome.attempt
+            fault.notes = list(outcome.notes)
+            if gradients and any(f.dropped for f in step.forwards):
+                fault.why = next(f.dropped for f in step.forwards if f.dropped)
+            elif gradients and not any(f.received for f in step.forwards):
+                fault.why = "no backward reached the model's outputs, so the gradients were not replayed"
+            elif any(f.changed_inputs() for f in step.forwards):
+                fault.why = "the step's inputs were changed in place after its forward, so the replay is not the step"
+            else:  # (outputs that differ from the step's are what a transient fault looks like)
+                fault.reproduced = False
+                self._false_output_alarm = not gradients and outcome.nonfinite_outputs == 0 and outcome.exact
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            fault.why = f"the replay raised {type(exc).__name__}: {exc}"
+        finally:
+            self._paused = False
+
+    def _reproduced(self, fault: Fault, outcome, attempt: int) -> bool:
+        """Whether `outcome` reproduced the fault: under a process group, on any rank (the ranks
+        agree through `tl.debug.across_ranks`, which also names the rank of birth)."""
+        if rank_and_world_size()[1] > 1 and outcome.recorder is not None:
+            from ..debug.across_ranks import across_ranks
+
+            report = across_ranks(outcome.recorder)
+            reproduced = self._agree(torch.tensor(int(outcome.reproduced))) or report.first_rank is not None
+            if not reproduced:
+                return False
+            fault.take(outcome, self.replays)
+            fault.birth_rank = report.first_rank
+            if report.first_rank is not None and report.finding and outcome.finding is None:
+                fault.finding, fault.phase = report.finding, None
+        else:
+            if not outcome.reproduced:
+                return False
+            fault.take(outcome, self.replays if not outcome.compiled else self.replays + 1)
+        fault.reproduced, fault.replay = True, attempt
+        return True
+
+    def _compiled_replayer(self):
+        if self._replayer is None:
+            from ..api import compile as tl_compile
+
+            self._replayer = tl_compile(self._eager, on_nonfinite="track", backward=True, compiler=self.compiler)
+        return self._replayer
+
+    def _agree(self, flag: Optional[torch.Tensor]) -> bool:
+        """Whether `flag` (0/1) is set on any rank: one small all-reduce under a process group
+        of several ranks, then the step's host read."""
+        if rank_and_world_size()[1] > 1:
+            import torch.distributed as dist
+
+            from ..debug.across_ranks import _device
+
+            value = (flag if flag is not None else torch.zeros((), dtype=torch.int64)).to(_device(None)).reshape(1)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            return bool(value.item())
+        return flag is not None and bool(flag)
+
+    # -- acting on a fault ----------------------------------------------------------------------------
+
+    def _act(self, fault: Fault, clear: bool) -> None:
+        self.faults.append(fault)
+        line = f"!! watch: {fault}"
+        if self._sink is not None:
+            try:
+                self._sink.write(line)
+            except Exception as exc:
+                internal_error("writing the watch's line", exc)
+        if clear:  # the update then changes nothing: no parameter has a gradient to apply
+            for p in self._params:
+                p.grad = None
+        if self.on_fault == "raise":
+            error = NonFiniteError(f"torchlens watch: {fault}")
+            error.fault = fault
+            raise error
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        """An internal failure: said once, and the watch closed (a watch that cannot watch claims nothing)."""
+        internal_error(f"the training watch ({what})", exc)
+        self.close()
