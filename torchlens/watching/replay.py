@@ -128,7 +128,7 @@ def replay_step(model: nn.Module, forwards: List[WatchedForward], params: List[t
                     module.training = training
                 forward.rng.restore()
                 with autocast_as(forward.autocast), torch.enable_grad():
-                    output = (compiled or model)(*forward.args, **forward.kwargs)
+                    output = (compiled if compiled is not None else model)(*forward.args, **forward.kwargs)
                 if compiled is not None:
                     outcome.recordings.append(compiled.torchlens.last_recording)
                 leaves = floating_leaves(output)

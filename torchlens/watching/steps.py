@@ -105,10 +105,11 @@ class StepRecord:
     backward (to tell, at the next forward, that they were reset without an optimizer step: a step
     a GradScaler skipped, or a `zero_grad` before a step was taken)."""
 
-    __slots__ = ("forwards", "after_backward", "backwards")
+    __slots__ = ("forwards", "after_backward", "backwards", "losses")
 
     def __init__(self):
         self.forwards: List[WatchedForward] = []
+        self.losses: List[torch.Tensor] = []  # the screens of the losses a GradScaler scaled
         self.after_backward: Optional[Tuple[int, int, int]] = None  # (param index, id(grad), grad version)
         self.backwards = 0
 

@@ -34,7 +34,7 @@ from ..guard import internal_error, is_stop
 from ..ranks import rank_and_world_size
 from ..sinks import checked_sink, open_sink
 from ..structure import check_model
-from .checks import Screen, nonfinite_positions, screen_sums
+from .checks import Screen, floating_leaves, nonfinite_positions, screen_sums
 from .faults import Fault
 from .replay import replay_step
 from .steps import StepRecord, WatchedForward
@@ -127,6 +127,37 @@ def _eager_module(model: nn.Module):
             return model, compiled
 
 
+class _ScalerHooks:
+    """`scaler.scale` and `scaler.update` wrapped on the instance: `scaled(loss)` sees each loss
+    the scaler scales (the loss itself, even one computed outside the model), `updated()` runs
+    once `update` returns. `remove()` puts the originals back (a handle, like the hooks')."""
+
+    def __init__(self, scaler, scaled, updated):
+        self.scaler = scaler
+        self.wrappers = {"scale": self._wrap(scaler.scale, before=scaled),
+                         "update": self._wrap(scaler.update, after=updated)}
+        for name, wrapper in self.wrappers.items():
+            setattr(scaler, name, wrapper)
+
+    @staticmethod
+    def _wrap(original, before=None, after=None):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if before is not None and args:
+                before(args[0])
+            result = original(*args, **kwargs)
+            if after is not None:
+                after()
+            return result
+
+        return wrapper
+
+    def remove(self) -> None:
+        for name, wrapper in self.wrappers.items():
+            if self.scaler.__dict__.get(name) is wrapper:
+                delattr(self.scaler, name)
+
+
 class _Unwatched:
     """Stands for a forward the watch does not keep (no gradient mode: evaluation)."""
 
@@ -177,6 +208,8 @@ class Watch:
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
         self._handles += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
+        if scaler is not None:
+            self._handles.append(_ScalerHooks(scaler, self._scaled, self._after_scaler_update))
         self._closed = False
 
     def _watched_parameters(self) -> List[torch.Tensor]:
@@ -313,29 +346,50 @@ class Watch:
         grad = self._params[index].grad
         if grad is not None and grad_ref() is grad and grad._version == version:
             return  # still accumulating: the next micro-batch of the same step
-        step, self._step = self._step, StepRecord()
-        fault = self._judge(step, outputs_only=True)
-        if fault is None and self.scaler is not None:
-            fault = self._scale_fault(step)
-        self.steps += 1
-        if fault is not None:
-            self._act(fault, clear=False)
+        self._end_skipped_step()
+
+    def _end_skipped_step(self) -> None:
+        """End a step no optimizer step took: judged by its outputs (its gradients were never
+        applied), and by the scaler's scale."""
+        self._end_step(outputs_only=True, skipped=True)
+
+    def _scaled(self, loss) -> None:
+        """The scaler is about to scale `loss`: screen it with the step's outputs (a step the
+        scaler then skips is a fault when the loss itself was not finite)."""
+        if not self._ours():
+            return
+        try:
+            self._step.losses.append(screen_sums(floating_leaves(loss)))
+        except Exception as exc:
+            self._fail("screening the scaled loss", exc)
+
+    def _after_scaler_update(self) -> None:
+        """`scaler.update()` returned: a step the scaler skipped (no optimizer step since its
+        backward) ends here, not at the next forward, so that a fault raises from this call."""
+        step = self._step
+        if self._ours() and step.forwards and step.backwards:
+            self._end_skipped_step()
 
     def _before_step(self, optimizer, args, kwargs):
         if not self._ours() or not self._step.forwards:
             return None  # nothing since the last step (a second optimizer of the same step)
+        self._end_step(outputs_only=self.check == "outputs", skipped=False)
+        return None
+
+    def _end_step(self, outputs_only: bool, skipped: bool) -> None:
         step, self._step = self._step, StepRecord()
         fault = None
         try:
-            fault = self._judge(step, outputs_only=self.check == "outputs")
+            fault = self._judge(step, outputs_only)
+            if fault is None and skipped and self.scaler is not None:
+                fault = self._scale_fault(step)
         except Exception as exc:
             if is_stop(exc):
                 raise
             self._fail("checking the step", exc)
         self.steps += 1
         if fault is not None:
-            self._act(fault, clear=self.on_fault == "skip")
-        return None
+            self._act(fault, clear=self.on_fault == "skip" and not skipped)
 
     # -- judging a step -----------------------------------------------------------------------------
 
@@ -344,8 +398,8 @@ class Watch:
         if not step.forwards:
             return None
         screen = Screen()
-        for forward in step.forwards:
-            screen.add(forward.sums)
+        for sums in [forward.sums for forward in step.forwards] + step.losses:
+            screen.add(sums)
         grads = [] if outputs_only else [p.grad for p in self._params if p.grad is not None]
         screen.add(screen_sums(grads))
         alarm = screen.alarm()
@@ -355,13 +409,15 @@ class Watch:
         bad_grads = [with_grad[i][0] for i in nonfinite_positions([p.grad for _, p in with_grad])]
         bad_forwards = [f.number for f in step.forwards
                         if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
-        if not self._agree(torch.tensor(int(bool(bad_grads or bad_forwards)))):
+        bad_losses = sum(1 for sums in step.losses if sums is not None and not bool(torch.isfinite(sums).all()))
+        if not self._agree(torch.tensor(int(bool(bad_grads or bad_forwards or bad_losses)))):
             self.false_alarms += 1
             return None
         rank, world = rank_and_world_size()
-        fault = Fault(self.steps, self._what(bad_grads, bad_forwards, step), rank if world > 1 else None)
+        fault = Fault(self.steps, self._what(bad_grads, bad_forwards, bad_losses, step), rank if world > 1 else None)
         fault.micro_batches = len(step.forwards)
-        self._replay(fault, step, gradients=bool(bad_grads), prefer=None if bad_forwards else "backward")
+        self._replay(fault, step, gradients=bool(bad_grads or bad_losses),
+                     prefer=None if bad_forwards else "backward")
         if fault.reproduced is False and not bad_grads and self._false_output_alarm:
             self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
             return None
@@ -369,8 +425,8 @@ class Watch:
         fault.write(directory, step.forwards)
         return fault
 
-    def _what(self, bad_grads: Sequence[int], bad_forwards: Sequence[int], step: StepRecord) -> str:
-        parts = []
+    def _what(self, bad_grads: Sequence[int], bad_forwards: Sequence[int], bad_losses: int, step: StepRecord) -> str:
+        parts = ["a non-finite loss (given to scaler.scale)"] if bad_losses else []
         if bad_forwards:
             n = len(step.forwards)
             which = (f"forward {bad_forwards[0]} of {n}" if len(bad_forwards) == 1 and n > 1
