@@ -1,0 +1,96 @@
+"""`tl.watch` under DDP on real gloo ranks: the ranks agree a step is faulty (one small all-reduce),
+each replays locally without DDP's gradient all-reduce, and every rank names the rank of birth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchlens as tl
+from torchlens.errors import NonFiniteError
+
+from ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+class ZeroSqrt(nn.Module):
+    """`sqrt(|fc(x)|)`: an all-zero input makes the backward's `0 * inf = NaN`."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.fc(x).abs().sqrt()).sum()
+
+
+def _batches(rank: int, steps: int, bad_step: int, bad_rank: int):
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.rand(3, 4, generator=generator) + 0.1 for _ in range(steps)]
+    if rank == bad_rank:
+        batches[bad_step] = torch.zeros(3, 4)
+    return batches
+
+
+def _raise_scenario(rank: int, workdir: str, bad_rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(ZeroSqrt())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fault, before, step = None, None, None
+    with tl.watch(model, optimizer, out=workdir, narrate=None) as watch:
+        try:
+            for step, x in enumerate(_batches(rank, 5, 2, bad_rank)):
+                before = [p.detach().clone() for p in model.parameters()]
+                model(x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        except NonFiniteError as exc:
+            fault = exc.fault
+    return {"step": step, "fault_step": fault.step if fault else None, "reproduced": fault.reproduced if fault else None,
+            "birth_rank": fault.birth_rank if fault else None, "rank": fault.rank if fault else None,
+            "finding": fault.finding if fault else None, "text": str(fault),
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+            "trace": fault.trace if fault else None, "faults": len(watch.faults)}
+
+
+def test_two_ddp_ranks_stop_at_the_same_step_and_both_name_the_rank_it_was_born_on(tmp_path):
+    results = run_ranks(_raise_scenario, 2, tmp_path, 1)
+    for rank, result in enumerate(results):
+        assert result["step"] == 2 and result["fault_step"] == 2 and result["faults"] == 1, result
+        assert result["unchanged"], f"rank {rank} applied the faulty update"
+        assert result["reproduced"] is True and result["birth_rank"] == 1 and result["rank"] == rank
+        assert "SqrtBackward0" in result["finding"], result
+    assert "born on rank 1" in results[0]["text"] and "born on rank" not in results[1]["text"]
+    assert results[1]["trace"].endswith("rank-1/step-2/replay.tl")
+    assert tl.load(results[1]["trace"]).backward[0].first_nonfinite.op == "SqrtBackward0"
+
+
+def _skip_scenario(rank: int, workdir: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(ZeroSqrt())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tl.watch(model, optimizer, out=workdir, on_fault="skip", narrate=None) as watch:
+        for x in _batches(rank, 6, 3, 2):
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(weights) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, weights)
+    return {"faults": [(f.step, f.birth_rank, f.reproduced) for f in watch.faults],
+            "finite": bool(torch.isfinite(weights).all()),
+            "replicas_equal": all(torch.equal(gathered[0], g) for g in gathered), "steps": watch.steps}
+
+
+def test_four_ddp_ranks_skip_the_faulty_step_together_and_stay_replicas(tmp_path):
+    results = run_ranks(_skip_scenario, 4, tmp_path)
+    for result in results:
+        assert result["faults"] == [[3, 2, True]] and result["steps"] == 6, result
+        assert result["finite"] and result["replicas_equal"], result
