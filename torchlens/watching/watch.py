@@ -170,7 +170,8 @@ class Watch:
     ended; `close()` (or leaving its `with` block) removes every hook it added."""
 
     def __init__(self, model: nn.Module, optimizer, *, out="torchlens-watch", on_fault="raise", check="grads",
-                 narrate=True, replays=2, max_bytes=DEFAULT_MAX_BYTES, scaler=None, compiler="inductor"):
+                 narrate=True, replays=2, max_bytes=DEFAULT_MAX_BYTES, scaler=None, compiler="inductor",
+                 step_hook: bool = True, close_on_raise: bool = False):
         check_model(model, "tl.watch")
         self.on_fault = _choice("on_fault", on_fault, ON_FAULT)
         self.check = _choice("check", check, CHECKS)
@@ -207,7 +208,10 @@ class Watch:
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
         ]
-        self._handles += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
+        # a framework's loop cannot go on after the error leaves it: its adapter closes the watch then
+        self._close_on_raise = close_on_raise
+        if step_hook:  # (False: the caller calls `check_step()`, see there)
+            self._handles += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
         if scaler is not None:
             self._handles.append(_ScalerHooks(scaler, self._scaled, self._after_scaler_update))
         self._closed = False
@@ -371,10 +375,18 @@ class Watch:
             self._end_skipped_step()
 
     def _before_step(self, optimizer, args, kwargs):
-        if not self._ours() or not self._step.forwards:
-            return None  # nothing since the last step (a second optimizer of the same step)
-        self._end_step(outputs_only=self.check == "outputs", skipped=False)
+        self.check_step()
         return None
+
+    def check_step(self) -> None:
+        """Judge the step now, as the hook on `optimizer.step()` does (and act on a fault: raise,
+        clear the gradients or report). For a loop whose optimizer runs the forward and backward
+        inside `step(closure)` (PyTorch Lightning, LBFGS), where that hook runs before them: make
+        the watch with `Watch(..., step_hook=False)` and call this after the backward, before the
+        update (Lightning's `on_before_optimizer_step`)."""
+        if not self._ours() or not self._step.forwards:
+            return  # nothing since the last step (a second optimizer of the same step)
+        self._end_step(outputs_only=self.check == "outputs", skipped=False)
 
     def _end_step(self, outputs_only: bool, skipped: bool) -> None:
         step, self._step = self._step, StepRecord()
@@ -551,6 +563,8 @@ class Watch:
         if self.on_fault == "raise":
             error = NonFiniteError(f"torchlens watch: {fault}")
             error.fault = fault
+            if self._close_on_raise:
+                self.close()
             raise error
 
     def _fail(self, what: str, exc: Exception) -> None:
