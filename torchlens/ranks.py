@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 from .errors import OptionValueError
 
-__all__ = ["expand_path", "shared_sink_tag", "template_fields", "world_size"]
+__all__ = ["expand_path", "rank_and_world_size", "shared_sink_tag", "template_fields", "world_size"]
 
 FIELDS = ("rank", "world_size")
 _FORMATTER = string.Formatter()

@@ -24,7 +24,7 @@ import torch
 
 from ..findings import FindingKind
 
-__all__ = ["RankReport", "across_ranks"]
+__all__ = ["RankReport", "across_ranks", "collective_device"]
 
 # where nothing was found: after every key a finding can have
 _NOTHING = (2 ** 40, 2 ** 20, 2 ** 40)
@@ -161,7 +161,7 @@ def _collective_report(origin: Optional[_Origin], carried: int, group, per_rank:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = _device(group)
+    device = collective_device(group)
     key = origin.key if origin is not None else _NOTHING
     # one reduction: the smallest key, lexicographically (each part is below 2**41, packed in int64 slots)
     packed = torch.tensor([_pack(key)], dtype=torch.int64, device=device)
@@ -204,7 +204,7 @@ def _unpack(value: int) -> Tuple[int, int, int]:
     return _NOTHING if key == (2 ** 20 - 1, 7, 2 ** 40 - 1) else key
 
 
-def _device(group) -> torch.device:
+def collective_device(group) -> torch.device:
     """Where the group's collectives run: the CPU for gloo, the current accelerator for NCCL."""
     import torch.distributed as dist
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..eager.recorder import Recorder
+from ..recording import Recorder
 from ..findings import Finding
 from ..options import NarrationOptions
 from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from .checks import floating_leaves, screen_sums
 
-__all__ = ["RandomState", "StepRecord", "WatchedForward", "autocast_state", "tensor_versions"]
+__all__ = ["RandomState", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 

@@ -540,9 +540,9 @@ class Watch:
         if rank_and_world_size()[1] > 1:
             import torch.distributed as dist
 
-            from ..debug.across_ranks import _device
+            from ..debug.across_ranks import collective_device
 
-            value = (flag if flag is not None else torch.zeros((), dtype=torch.int64)).to(_device(None)).reshape(1)
+            value = (flag if flag is not None else torch.zeros((), dtype=torch.int64)).to(collective_device(None)).reshape(1)
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
             return bool(value.item())
         return flag is not None and bool(flag)
