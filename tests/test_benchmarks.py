@@ -81,3 +81,22 @@ def test_quick_distributed_benchmark_times_fsdp2_steps_and_across_ranks_on_2_4_8
     for name, rows in [*results[0]["fsdp_step"].items(), ("tp", results[0]["tp_forward"])]:
         assert set(rows) == {"plain", "narrate", "track"}, name
         assert rows["plain"]["multiplier"] == 1.0 and all(row["ms"] > 0 for row in rows.values())
+
+
+def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_path):
+    report_path = tmp_path / "watch.json"
+    command = [sys.executable, str(BENCHMARKS / "watch_bench.py"), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]
+    for result in report:
+        rows = {row["mode"]: row for row in result["modes"]}
+        assert set(rows) == {"plain", "watch_outputs", "watch", "anomaly", "underflow_overflow", "track"}
+        assert all(0 < row["min_ms"] <= row["median_ms"] and row["multiplier"] > 0 for row in rows.values())
+        for mode in ("watch_outputs", "watch"):
+            # healthy steps: no fault, no false alarm, and what a step holds is the generators'
+            # states and the loss's scalar gradient, not a copy of the inputs or activations
+            assert rows[mode]["faults"] == 0, rows[mode]
+            assert 0 < rows[mode]["held_bytes"] < 16 * 1024, rows[mode]
+        assert rows["plain"]["held_bytes"] is None and rows["plain"]["multiplier"] == 1.0
