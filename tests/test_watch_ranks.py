@@ -94,3 +94,105 @@ def test_four_ddp_ranks_skip_the_faulty_step_together_and_stay_replicas(tmp_path
     for result in results:
         assert result["faults"] == [[3, 2, True]] and result["steps"] == 6, result
         assert result["finite"] and result["replicas_equal"], result
+
+
+def _fsdp_zero_sqrt():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = ZeroSqrt()
+    fully_shard(model.fc)
+    return fully_shard(model)
+
+
+def _local(model) -> list:
+    return [p.detach().to_local().clone() for p in model.parameters()]
+
+
+def _fsdp_scenario(rank: int, workdir: str) -> dict:
+    """Under FSDP2 the replay runs the model's own all-gathers and reduce-scatter (they are its
+    modules' hooks), so the rank the NaN was not born on replays the values it was sent."""
+    result = {}
+    model = _fsdp_zero_sqrt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tl.watch(model, optimizer, out=workdir + "/raise", narrate=None) as watch:
+        try:
+            for step, x in enumerate(_batches(rank, 5, 2, 1)):
+                before = _local(model)
+                model(x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        except NonFiniteError as exc:
+            fault = exc.fault
+            result["raised"] = {"step": step, "fault_step": fault.step, "birth_rank": fault.birth_rank,
+                                "finding": fault.finding, "text": str(fault),
+                                "unchanged": all(torch.equal(a, b) for a, b in zip(before, _local(model)))}
+    model = _fsdp_zero_sqrt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    states = []
+    with tl.watch(model, optimizer, out=workdir + "/skip", on_fault="skip", narrate=None) as watch:
+        for x in _batches(rank, 5, 3, 0):
+            states.append(_local(model))
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    result["skipped"] = {"faults": [(f.step, f.birth_rank, f.reproduced) for f in watch.faults],
+                         "kept": all(torch.equal(a, b) for a, b in zip(states[3], states[4])),
+                         "moved": not all(torch.equal(a, b) for a, b in zip(states[2], states[3])),
+                         "finite": all(bool(torch.isfinite(p).all()) for p in _local(model)), "steps": watch.steps}
+    return result
+
+
+def test_fsdp2_ranks_stop_together_name_the_birth_rank_and_skip_together(tmp_path):
+    results = run_ranks(_fsdp_scenario, 2, tmp_path)
+    for rank, result in enumerate(results):
+        raised = result["raised"]
+        assert raised["step"] == 2 and raised["fault_step"] == 2 and raised["birth_rank"] == 1, raised
+        assert raised["unchanged"], f"rank {rank} applied the faulty update to its shard"
+        assert "SqrtBackward0" in raised["finding"], raised
+        assert result["skipped"]["faults"] == [[3, 0, True]] and result["skipped"]["steps"] == 5, result
+        skipped = result["skipped"]
+        assert skipped["kept"] and skipped["moved"] and skipped["finite"], f"rank {rank}: {skipped}"
+    # rank 0 was sent the NaN by the reduce-scatter: the birth on rank 1 leads, what it saw follows
+    assert "born on rank 1: " in results[0]["raised"]["text"]
+    assert "; on this rank: NaN in the gradient of fc.weight after the backward" in results[0]["raised"]["text"]
+
+
+def _llama_steps(rank: int, watched: bool, workdir: str) -> tuple:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attention_dropout=0.1)
+    model = LlamaForCausalLM(config).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(10 + rank)
+    watch = tl.watch(model, optimizer, out=workdir, narrate=None) if watched else None
+    torch.manual_seed(rank)  # each rank's dropout masks its own
+    for _ in range(4):
+        ids = torch.randint(0, 64, (2, 12), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    faults = None
+    if watch is not None:
+        faults, _ = [str(f) for f in watch.faults], watch.close()
+    return [p.detach().to_local().clone() for p in model.parameters()], faults
+
+
+def _llama_scenario(rank: int, workdir: str) -> dict:
+    plain, _ = _llama_steps(rank, False, workdir)
+    watched, faults = _llama_steps(rank, True, workdir)
+    return {"same": all(torch.equal(a, b) for a, b in zip(plain, watched)), "faults": faults}
+
+
+def test_a_transformers_llama_under_fsdp2_trains_bitwise_as_plain_under_the_watch(tmp_path):
+    pytest.importorskip("transformers")
+    for rank, result in enumerate(run_ranks(_llama_scenario, 2, tmp_path)):
+        assert result["faults"] == [], f"rank {rank}: {result['faults']}"
+        assert result["same"], f"rank {rank}: the watch changed FSDP2 training (dropout on)"

@@ -518,8 +518,13 @@ class Watch:
                 return False
             fault.take(outcome, self.replays)
             fault.birth_rank = report.first_rank
-            if report.first_rank is not None and report.finding and outcome.finding is None:
-                fault.finding, fault.phase = report.finding, None
+            born_elsewhere = report.first_rank is not None and report.first_rank != rank_and_world_size()[0]
+            if report.finding and (outcome.finding is None or born_elsewhere):
+                # the birth, not what reached this rank (FSDP2's reduce-scatter runs in the replay
+                # too, so a rank replays the values another rank sent it)
+                if fault.finding is not None:
+                    fault.notes.insert(0, f"on this rank: {fault.finding}")
+                fault.finding, fault.phase, fault.micro_batch = report.finding, None, None
         else:
             if not outcome.reproduced:
                 return False
