@@ -316,3 +316,61 @@ def test_close_removes_every_hook_and_a_closed_watch_sees_nothing(tmp_path):
     out.backward()  # the hook on the output of a forward watched before close() does nothing now
     _train(model, optimizer, [_zero_input_step(model)])
     assert watch.faults == [] and watch.held_bytes == 0
+
+
+class TwoPartNet(nn.Module):
+    """SqrtNet's body with a head of its own, for a loop that steps the two with two optimizers."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = SqrtNet()
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x).reshape(1, 1)).sum()
+
+
+def _two_optimizer_run(tmp_path, on_fault=None, plant_at=None):
+    """AdamW over two param groups of the body (its own lr and weight decay each), SGD with momentum
+    for the head, a StepLR schedule on the AdamW, `clip_grad_norm_` before the updates."""
+    torch.manual_seed(0)
+    model = TwoPartNet()
+    body = torch.optim.AdamW([{"params": [model.body.fc.weight], "lr": 1e-2, "weight_decay": 0.1},
+                              {"params": [model.body.fc.bias], "lr": 5e-3, "weight_decay": 0.0}])
+    head = torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(body, step_size=2, gamma=0.5)
+    watch = tl.watch(model, [body, head], out=tmp_path, on_fault=on_fault, narrate=None) if on_fault else None
+    states = []
+    for step, x in enumerate(_inputs(8)):
+        if step == plant_at:
+            x = _zero_input_step(model.body)
+        states.append((_state(model, body), _state(model, head)))
+        model(x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a NaN gradient makes every gradient NaN
+        body.step()
+        head.step()
+        schedule.step()
+        body.zero_grad()
+        head.zero_grad()
+    states.append((_state(model, body), _state(model, head)))
+    if watch is not None:
+        watch.close()
+    return model, watch, states, body
+
+
+def test_two_optimizers_param_groups_a_schedule_and_clipping_are_one_step_each(tmp_path):
+    _, _, plain, _ = _two_optimizer_run(tmp_path)
+    _, healthy, watched, _ = _two_optimizer_run(tmp_path, on_fault="raise")
+    assert healthy.faults == [] and healthy.steps == 8, "the second optimizer's step is the same training step"
+    assert all(_same_state(a, b) for pa, pb in zip(plain, watched) for a, b in zip(pa, pb)), \
+        "two optimizers under the watch must train bitwise as without it"
+
+    model, watch, states, body = _two_optimizer_run(tmp_path, on_fault="skip", plant_at=3)
+    [fault] = watch.faults
+    assert fault.step == 3 and watch.steps == 8 and fault.reproduced and "SqrtBackward0" in fault.finding
+    assert "in 4 of 4 parameters" in fault.what, "clipping spread the NaN to every gradient, the head's too"
+    assert all(_same_state(a, b) for a, b in zip(states[3], states[4])), \
+        "neither optimizer may update on the skipped step"
+    assert not _same_state(states[4][0], states[5][0]), "training goes on after the skip"
+    assert body.param_groups[1]["lr"] == 5e-3 * 0.5 ** 4, "the schedule is the user's: it stepped every step"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
