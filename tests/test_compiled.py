@@ -450,3 +450,32 @@ def test_a_graph_called_twice_in_one_pass_numbers_each_call_on():
         text = lines.last_pass()
         assert ordinals(text) == list(range(1, 8)), text
         assert op_lines(text) == op_lines(eager_text(model, torch.randn(2, 4)))
+
+
+@pytest.mark.parametrize("backend", ["tl.compile", "string"])
+def test_a_compiled_forward_keeps_nothing_of_its_callers_alive(backend):
+    """The pass reads the compile wrapper's frame while the call runs; once it ends, the callers'
+    locals (a batch, a model's activations, anything a training loop holds) are theirs to free."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    torch.manual_seed(0)
+    model = Tiny()
+    compiled = (tl.compile(model, narrate=io.StringIO(), compiler="eager") if backend == "tl.compile" else
+                torch.compile(model, backend="torchlens", options={"narrate": io.StringIO(), "compiler": "eager"}))
+
+    def caller():
+        held = Held()
+        compiled(torch.randn(1, 2)).sum()
+        return weakref.ref(held)
+
+    caller()  # the first call compiles
+    gc.collect()
+    gc.disable()  # freed when the call returns, not at a collection
+    try:
+        assert caller()() is None, "a caller's local outlived its call"
+    finally:
+        gc.enable()

@@ -375,6 +375,9 @@ class CompiledPass(ForwardPass):
 
     def close(self) -> None:
         self.pop_mode()
+        # the wrapper's frame links the caller's whole stack: a pass kept after its call (by a
+        # recording, a backward) must not keep every caller's locals alive
+        self.call = _NO_CALL
         if self._fast_paths_kept:
             self._fast_paths_kept = False
             release_fast_paths()
