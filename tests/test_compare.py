@@ -168,6 +168,7 @@ def test_to_rows_gives_plain_dicts():
         "status": "both", "module": "", "op": "input", "ordinal_a": 1, "ordinal_b": 1,
         "shapes_match": True, "dtypes_match": True, "max_abs": 0.0, "max_rel": 0.0,
         "rtol": 1e-5, "atol": 1e-5, "verdict": "within", "reason": "", "depth": 0, "within_tolerance": True,
+        "judgement": None, "closer": None, "ulps_a": None, "ulps_b": None, "allowed": None,
     }
     diverged = next(row for row in rows if row["verdict"] == "diverged")
     assert (diverged["module"], diverged["op"]) == ("blocks.1.fc1", "linear")

@@ -550,3 +550,20 @@ def test_a_conv_net_nan_is_highlighted_in_its_residual_block(browser, tmp_path):
     assert row.text.split()[:2] == [f"#{first.ordinal}", "conv2d"] and row.is_displayed()
     assert module_row(browser, "block.conv2").is_displayed()  # its modules opened on load
     assert not visible(browser, op_xpath("#2"))  # the stem, which held no NaN, stays folded
+
+
+def test_a_comparison_judged_against_float64_leads_with_the_first_real_divergence(browser, tmp_path):
+    from test_compare_reference import _pair
+
+    model, flipped, x = _pair(flip=True)
+    ref = tl.debug.reference(model, x)
+    report = tl.debug.compare(tl.trace(model, x), tl.trace(flipped, x), reference=ref)
+    open_page(browser, _written(report, tmp_path / "compare.html"))
+    real = report.first_real
+    row = browser.find_element("css selector", ".crow.first-real")
+    assert row.text.split()[:4] == [f"#{real.ordinal_a}", f"#{real.ordinal_b}", real.op, real.module]
+    assert row.is_displayed() and in_viewport(browser, row)
+    assert "real: a " in row.text and "a nearer float64" in row.text
+    headline = browser.find_element("xpath", "//button[starts-with(., 'first real divergence: ')]")
+    assert headline.text == report.verdict()
+    assert len(browser.find_elements("css selector", ".crow.real")) == report.counts["real"]

@@ -21,6 +21,11 @@ one machine against another) are compared in three steps:
    Ops present in one trace only are counted and listed, but they are structure, not numerics:
    they never make a first divergence.
 
+With `reference=` (a float64 run, `tl.debug.reference`), each row whose two sides differ is also
+judged against it: which side is nearer float64, by how many ulps of each side's dtype, and
+whether the divergence is rounding or real (`torchlens.debug.rounding`); `first_real` is the first
+real one.
+
 Tolerances default per dtype (see `DEFAULT_TOLERANCES`). When the two sides differ in floating
 precision (fp32 against bf16 autocast), the looser dtype's tolerance applies, to that op and to
 every floating op after it, since the rounding the lower precision brings in is what such a
@@ -39,6 +44,8 @@ from ..errors import CompareInputError, OptionTypeError, OptionValueError
 from ..events import Event
 from ..grammar import dtype_name, shape_text
 from ..results import PartialTrace, Recording, Trace
+from .reference import Reference
+from .rounding import REAL, ROUNDING, judge
 
 __all__ = ["DEFAULT_TOLERANCES", "CompareReport", "CompareRow", "align", "compare", "tolerance_for"]
 
@@ -87,10 +94,15 @@ class CompareRow:
     - `depth`: the op's module depth, as narration indents it.
     - `verdict`: "within", "diverged", "not comparable" or "unchecked" (a side kept no value);
       None for one-sided rows. `reason` says why a row is not comparable or unchecked.
+    - With a reference (`compare(..., reference=)`), for a row whose sides differ: `judgement`
+      ("rounding" or "real"), `closer` ("a", "b", or None when both are as far from float64),
+      `ulps_a`, `ulps_b` (each side's distance from float64 in ulps of its own dtype), `allowed`
+      (the most ulps rounding allows there). None otherwise.
     """
 
     __slots__ = ("status", "module", "op", "ordinal_a", "ordinal_b", "shapes_match", "dtypes_match",
-                 "max_abs", "max_rel", "rtol", "atol", "verdict", "reason", "depth")
+                 "max_abs", "max_rel", "rtol", "atol", "verdict", "reason", "depth", "judgement", "closer",
+                 "ulps_a", "ulps_b", "allowed")
 
     def __init__(self, status: str, module: str, op: str, ordinal_a: Optional[int], ordinal_b: Optional[int],
                  shapes_match: Optional[bool] = None, dtypes_match: Optional[bool] = None,
@@ -111,6 +123,11 @@ class CompareRow:
         self.verdict = verdict
         self.reason = reason
         self.depth = 0  # the module depth narration indents the op by (module calls from the root)
+        self.judgement: Optional[str] = None
+        self.closer: Optional[str] = None
+        self.ulps_a: Optional[float] = None
+        self.ulps_b: Optional[float] = None
+        self.allowed: Optional[float] = None
 
     @property
     def ordinal(self) -> int:
@@ -148,14 +165,20 @@ class CompareReport:
     - `counts`: matched, within_tolerance, diverged, not_comparable, unchecked, only_a, only_b.
     - `str(report)` / `table(...)`: the text report, led by the first divergence.
     - `to_rows()`: the rows as plain dicts; `plot(path)`: max abs difference per op.
+    - `first_real`: with `reference=`, the first row judged real (one side far beyond rounding of
+      float64), or None when every divergence is rounding; `judged` says whether there was a
+      reference.
     - `gradients`: when both traces kept a backward (`tl.trace(..., backward=True)`), the same
       report for their first backwards, node by node in the order they ran (`~N`), None
       otherwise; `first_gradient_divergence` is its first divergence.
     """
 
-    def __init__(self, rows: List[CompareRow], gradients: Optional["CompareReport"] = None, tag: str = "#"):
+    def __init__(self, rows: List[CompareRow], gradients: Optional["CompareReport"] = None, tag: str = "#",
+                 judged: bool = False):
         self.rows = rows
         self.first_divergence: Optional[CompareRow] = next((row for row in rows if row.diverged), None)
+        self.judged = judged
+        self.first_real: Optional[CompareRow] = next((row for row in rows if row.judgement == REAL), None)
         self.gradients = gradients
         self.tag = tag  # how a row's position is written: `#N` for ops, `~N` for backward nodes
         self.noun = "op" if tag == "#" else "node"
@@ -176,11 +199,37 @@ class CompareReport:
             "unchecked": verdicts.count(UNCHECKED),
             "only_a": statuses.count(ONLY_A),
             "only_b": statuses.count(ONLY_B),
+            **({"rounding": sum(row.judgement == ROUNDING for row in self.rows),
+                "real": sum(row.judgement == REAL for row in self.rows)} if self.judged else {}),
         }
 
     def to_rows(self) -> List[dict]:
         """Every row as a plain dict (the `CompareRow` fields plus `within_tolerance`)."""
         return [row.to_dict() for row in self.rows]
+
+    def verdict(self) -> str:
+        """With a reference, the line that leads the report: the first real divergence, which side
+        is off and by how much, or that every divergence is rounding. '' without a reference."""
+        if not self.judged:
+            return ""
+        rounding, real = self.counts["rounding"], self.counts["real"]
+        row = self.first_real
+        if row is None:
+            if not rounding:
+                return "no real divergence: the two sides are equal wherever float64 was compared"
+            first = next(r for r in self.rows if r.judgement)
+            return (f"no real divergence: all {rounding} {self.noun}s whose sides differ are within rounding of "
+                    f"float64 (the first: {self.tag}{first.ordinal} {first.where}, a {_ulps(first.ulps_a)}, "
+                    f"b {_ulps(first.ulps_b)})")
+        off = {"a": "b", "b": "a"}.get(row.closer)
+        if off is None:
+            who = f"both sides are off float64 (a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)})"
+        else:
+            far, near = (row.ulps_a, row.ulps_b) if off == "a" else (row.ulps_b, row.ulps_a)
+            who = f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}"
+        return (f"first real divergence: {self.tag}{row.ordinal} {row.where}: {who}, where rounding allows "
+                f"{_ulps(row.allowed)}; {rounding} other divergence{'s' if rounding != 1 else ''} "
+                f"judged rounding, {real - 1} more real")
 
     def summary(self) -> str:
         """One line naming the first divergence: op, module, ordinals and how far apart."""
@@ -205,7 +254,7 @@ class CompareReport:
         stops after N row lines with a note of how many were left out (None shows them all).
         """
         counts = self.counts
-        lines = [
+        lines = ([self.verdict()] if self.judged else []) + [
             self.summary(),
             f"{len(self.rows)} aligned {self.noun}s: {counts['matched']} in both ({counts['within_tolerance']} within "
             f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
@@ -275,21 +324,31 @@ class CompareReport:
         counts = self.counts
         first = f"first divergence {self.tag}{self.first_divergence.ordinal} {self.first_divergence.where}" \
             if self.first_divergence else "no divergence"
+        if self.first_real is not None:
+            first += f"; first real {self.tag}{self.first_real.ordinal} {self.first_real.where}"
+        elif self.judged:
+            first += "; no real divergence"
         if self.gradients is not None:
             first += f"; gradients: {self.gradients!r}"
         return (f"<CompareReport: {counts['matched']} matched, {counts['diverged'] + counts['not_comparable']} "
                 f"diverged, {counts['only_a']} only in a, {counts['only_b']} only in b; {first}>")
 
 
-def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float] = None) -> CompareReport:
+def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float] = None,
+            reference: Optional[Reference] = None) -> CompareReport:
     """Align two traces op by op and compare the values each op produced.
 
     Pass two results of `tl.trace(...)` (or partial traces of failed `tl.trace` runs, which kept
     values up to the failure). `rtol=` / `atol=` override the per-dtype defaults
     (`DEFAULT_TOLERANCES`); relative differences are taken against trace_b's values.
+    `reference=tl.debug.reference(model, *inputs)` judges each row whose sides differ against
+    float64: which side is nearer, and whether the divergence is rounding or real (`first_real`).
     """
     values_a = _kept_values(trace_a, "trace_a")
     values_b = _kept_values(trace_b, "trace_b")
+    if reference is not None and not isinstance(reference, Reference):
+        raise CompareInputError(f"tl.debug.compare(reference=...) takes what tl.debug.reference(model, *inputs) "
+                                f"returns, got {type(reference).__name__}")
     rtol, atol = _check_tolerance(rtol, "rtol"), _check_tolerance(atol, "atol")
     tolerance = _Tolerance(rtol, atol)
     rows = []
@@ -302,7 +361,44 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
             tolerance.observe(event_a.outputs, event_b.outputs)
             rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
         rows[-1].depth = (event_b or event_a).scope.depth
-    return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol, tolerance.floor))
+    if reference is not None:
+        _judge_rows(rows, trace_a, trace_b, values_a, values_b, reference)
+    return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol, tolerance.floor),
+                         judged=reference is not None)
+
+
+def _judge_rows(rows: List[CompareRow], trace_a, trace_b, values_a, values_b, reference: Reference) -> None:
+    """Judge each compared row whose sides differ against the float64 reference's op.
+
+    The reference's ops are paired with each trace's as the traces are with each other, on
+    module, op and output shapes (its dtypes are float64's); a row takes the reference op paired
+    with its a side, or with its b side when a's has none."""
+    ref_values = reference.trace.values or {}
+    by_a = _reference_pairs(trace_a.ops, reference.trace.ops)
+    by_b = _reference_pairs(trace_b.ops, reference.trace.ops)
+    for row in rows:
+        if row.status != BOTH or row.verdict not in (WITHIN, DIVERGED) or not row.max_abs:
+            continue
+        ref = by_a.get(row.ordinal_a) or by_b.get(row.ordinal_b)
+        kept = ref_values.get(ref.ordinal) if ref is not None else None
+        a, b = values_a[row.ordinal_a], values_b[row.ordinal_b]
+        if not any(value is not None and (value.is_floating_point() or value.is_complex()) for value in a):
+            continue  # integer outputs (an argmax, indices): no ulps to judge them by
+        if kept is None or any(v is None for v in kept) or len(kept) != len(a) or \
+                any(tuple(r.shape) != tuple(x.shape) for r, x in zip(kept, a)):
+            continue
+        verdict = judge(a, b, kept, reference.terms.get(ref.ordinal, 1))
+        row.judgement, row.closer, row.allowed = verdict.verdict, verdict.closer, verdict.allowed
+        row.ulps_a, row.ulps_b = verdict.a.ulps, verdict.b.ulps
+
+
+def _reference_pairs(ops: Sequence[Event], reference_ops: Sequence[Event]) -> Dict[int, Event]:
+    pairs = _align(list(ops), list(reference_ops), (_shape_key, _name_key))
+    return {op.ordinal: ref for op, ref in pairs if op is not None and ref is not None}
+
+
+def _shape_key(event: Event) -> tuple:
+    return (event.module, event.op, tuple(tuple(meta.shape) for meta in event.outputs))
 
 
 def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[float],
@@ -610,10 +706,18 @@ def _row_lines(rows: List[CompareRow], elide: bool, tag: str = "#") -> List[str]
         lines.append(line(
             _ordinal(row.ordinal_a, tag), _ordinal(row.ordinal_b, tag),
             row.verdict or ("only in a" if row.status == ONLY_A else "only in b"),
-            _number(row.max_abs), _number(row.max_rel), row.op, row.module or "(root)", row.reason))
+            _number(row.max_abs), _number(row.max_rel), row.op, row.module or "(root)", _judgement_text(row) or row.reason))
     if hidden:
         lines.append(_elision(hidden, tag))
     return lines
+
+
+def _judgement_text(row: CompareRow) -> str:
+    """`rounding: a 3.2 ulps, b 5 ulps` (`real` rows name the nearer side), '' for unjudged rows."""
+    if row.judgement is None:
+        return ""
+    nearer = f", {row.closer} nearer" if row.judgement == REAL and row.closer else ""
+    return f"{row.judgement}: a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}{nearer}"
 
 
 def _rows_to_show(rows: List[CompareRow]) -> List[bool]:
@@ -622,7 +726,7 @@ def _rows_to_show(rows: List[CompareRow]) -> List[bool]:
     A single hidden row between two shown ones is shown anyway: a count line would take its place
     and say less.
     """
-    notable = [row.verdict != WITHIN for row in rows]
+    notable = [row.verdict != WITHIN or row.judgement == REAL for row in rows]
     shown = [notable[i] or (i > 0 and notable[i - 1]) or (i + 1 < len(rows) and notable[i + 1])
              for i in range(len(rows))]
     for i in range(1, len(rows) - 1):
@@ -638,6 +742,14 @@ def _elision(count: int, tag: str = "#") -> str:
 
 def _ordinal(ordinal: Optional[int], tag: str = "#") -> str:
     return "-" if ordinal is None else f"{tag}{ordinal}"
+
+
+def _ulps(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf ulps"
+    return f"{value:.3g} ulps" if value < 1e4 else f"{value:.2e} ulps"
 
 
 def _number(value: Optional[float]) -> str:

@@ -9,7 +9,10 @@ report's.
 
 Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `dp` its depth, `v` verdict ("within",
 "diverged", "not comparable", "unchecked", or "only in a" / "only in b"), `d` max abs difference,
-`r` max rel difference, `at` atol, `rt` rtol, `why` the reason a row is not comparable or unchecked.
+`r` max rel difference, `at` atol, `rt` rtol, `why` the reason a row is not comparable or unchecked;
+with a float64 reference, `j` the judgement ("rounding" or "real"), `c` the side nearer float64,
+`ua`, `ub` each side's ulps from it, `al` the ulps rounding allows. A table with a reference has
+`verdict` (the report's leading line) and `real` (the index of the first real divergence, or null).
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ def _table(report, title: str) -> dict:
     tally = (f"{len(report.rows)} aligned {noun}s: {counts['matched']} in both ({counts['within_tolerance']} within "
              f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
              f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b")
+    if report.judged:
+        tally += f"; against float64: {counts['rounding']} rounding, {counts['real']} real"
     first = report.first_divergence
-    return {
+    table = {
         "title": title,
         "tag": report.tag,
         "summary": report.summary(),
@@ -46,6 +51,11 @@ def _table(report, title: str) -> dict:
         "first": None if first is None else report.rows.index(first),
         "rows": [_row(row) for row in report.rows],
     }
+    if report.judged:
+        real = report.first_real
+        table["verdict"] = report.verdict()
+        table["real"] = None if real is None else report.rows.index(real)
+    return table
 
 
 def _row(row) -> dict:
@@ -58,7 +68,12 @@ def _row(row) -> dict:
             out[key] = value
     if getattr(row, "depth", None):
         out["dp"] = row.depth
-    for key, value in (("d", row.max_abs), ("r", row.max_rel), ("at", row.atol), ("rt", row.rtol)):
+    if row.judgement is not None:
+        out["j"] = row.judgement
+        if row.closer:
+            out["c"] = row.closer
+    for key, value in (("d", row.max_abs), ("r", row.max_rel), ("at", row.atol), ("rt", row.rtol),
+                       ("ua", row.ulps_a), ("ub", row.ulps_b), ("al", row.allowed)):
         if value is not None:
             out[key] = number(value)  # whole (the page rounds once, as the text report does); JSON has no inf
     return out

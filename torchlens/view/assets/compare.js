@@ -89,9 +89,18 @@ function rowElement(row, tag, previous) {
   line.appendChild(cell("verdict", row.v));
   line.appendChild(errorCell(row.d, row.at, "max abs diff", "atol"));
   line.appendChild(errorCell(row.r, row.rt, "max rel diff", "rtol"));
-  line.appendChild(cell("why", row.why));
+  line.appendChild(cell("why", row.j ? judgementText(row) : row.why));
+  if (row.j === "real") line.classList.add("real");
   row.el = line;
   return line;
+}
+
+/* A judged row's note: rounding or real, each side's ulps from float64, the nearer side. */
+function judgementText(row) {
+  const ulps = function (value) { return value === undefined ? "-" : Number(value).toPrecision(3) + " ulps"; };
+  let text = row.j + ": a " + ulps(row.ua) + ", b " + ulps(row.ub) + " (allowed " + ulps(row.al) + ")";
+  if (row.j === "real" && row.c) text += ", " + row.c + " nearer float64";
+  return text;
 }
 
 /* The op and module columns as wide as their longest entry (within reason), in characters. */
@@ -108,6 +117,15 @@ function columnWidths(box, rows) {
 function tableElement(table) {
   const box = el("section", "table");
   box.appendChild(el("h2", null, table.title));
+  if (table.verdict !== undefined) {
+    const verdict = el("p", "summary " + (table.real === null ? "ok" : "bad"));
+    if (table.real === null) {
+      verdict.textContent = table.verdict;
+    } else {
+      verdict.appendChild(button(table.verdict, function () { focusRow(table.rows[table.real]); }, "jump"));
+    }
+    box.appendChild(verdict);
+  }
   const summary = el("p", "summary " + (table.first === null ? "ok" : "bad"));
   if (table.first === null) {
     summary.textContent = table.summary;
@@ -138,6 +156,7 @@ function tableElement(table) {
   box.appendChild(grid);
   const first = table.first === null ? null : table.rows[table.first];
   if (first) first.el.classList.add("first");
+  if (table.real !== undefined && table.real !== null) table.rows[table.real].el.classList.add("first-real");
   return box;
 }
 
@@ -176,13 +195,16 @@ function main() {
   toggle.appendChild(document.createTextNode(" only rows not within tolerance"));
   head.bar.appendChild(toggle);
   const lead = TABLES.find(function (table) { return table.first !== null; });
+  const real = TABLES.find(function (table) { return table.real !== undefined && table.real !== null; });
+  if (real) head.bar.appendChild(button("first real divergence", function () { focusRow(real.rows[real.real]); }, "bad"));
   if (lead) head.bar.appendChild(button("first divergence", function () { focusRow(lead.rows[lead.first]); }, "bad"));
   head.bar.appendChild(count);
 
   const body = el("main");
   for (const table of TABLES) body.appendChild(tableElement(table));
   app.appendChild(body);
-  if (lead) bringIntoView(lead.rows[lead.first].el);
+  if (real) bringIntoView(real.rows[real.real].el);
+  else if (lead) bringIntoView(lead.rows[lead.first].el);
   timings.firstRender = performance.now() - T0;
 }
 
