@@ -166,6 +166,22 @@ def _probe_resolve_process_group():
     return _missing(distributed_c10d, "_resolve_process_group")
 
 
+def _probe_compiler_bisector():
+    import inspect
+
+    from torch._inductor import compiler_bisector
+
+    missing = (_missing(compiler_bisector, "BACKENDS", "ConfigChange")
+               or _missing(compiler_bisector.CompilerBisector, "do_bisect", "get_backend", "get_config_change"))
+    if missing:
+        return missing
+    if "get_backend" not in compiler_bisector.CompilerBisector.__dict__:
+        return "CompilerBisector.get_backend is not its own classmethod"
+    if "CompilerBisector.get_backend()" not in inspect.getsource(torch.compile):
+        return "torch.compile no longer reads the bisector's backend"
+    return None
+
+
 SEAMS = (
     Seam("mode filter", "dynamo's SymbolicTorchFunctionState.__init__ and utils.set_torch_function_mode_stack",
          "compiled_regions._install_filter",
@@ -210,6 +226,9 @@ SEAMS = (
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
     Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "collectives",
          "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
+    Seam("compiler bisector", "torch._inductor.compiler_bisector.CompilerBisector (do_bisect, get_backend read by "
+         "torch.compile, get_config_change) and its BACKENDS", "debug.bisect",
+         "tl.debug.bisect cannot bisect a compiled divergence; it says so", _probe_compiler_bisector),
 )
 
 _by_name: Dict[str, Seam] = {seam.name: seam for seam in SEAMS}
