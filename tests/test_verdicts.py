@@ -780,15 +780,41 @@ def test_a_fast_path_run_between_compiled_graphs_is_kept():
     assert torch.overrides.has_torch_function is torch._C._has_torch_function
 
 
-def test_compiled_raise_stops_at_a_nan_input_with_its_partial_trace():
+def _compiled_raising(model, spelling):
+    torch._dynamo.reset()
+    if spelling == "tl.compile":
+        return tl.compile(model, on_nonfinite="raise", compiler="eager")
+    return torch.compile(model, backend="torchlens", options={"on_nonfinite": "raise", "compiler": "eager"})
+
+
+@pytest.mark.parametrize("spelling", ["tl.compile", "string backend"])
+def test_compiled_raise_stops_at_a_nan_input_with_its_partial_trace(spelling):
+    """The string backend first sees the model while dynamo compiles its first call: the stop is
+    not raised inside the compile (dynamo would wrap it in BackendCompilerFailed)."""
     class Log(nn.Module):
         def forward(self, x):
             return x.log()
 
+    compiled = _compiled_raising(Log(), spelling)
     with pytest.raises(tl.errors.NonFiniteError, match=r"NaN in the input x \(nan=1\)") as info:
-        tl.compile(Log(), on_nonfinite="raise", compiler="eager")(torch.tensor([1.0, float("nan")]))
+        compiled(torch.tensor([1.0, float("nan")]))
     assert [e.op for e in info.value.partial_trace.ops] == ["input"]
     assert torch.overrides.has_torch_function is torch._C._has_torch_function
+    assert torch.equal(compiled(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 2.0]).log()), "the next call runs"
+
+
+@pytest.mark.parametrize("spelling", ["tl.compile", "string backend"])
+def test_compiled_raise_on_a_first_call_of_a_transformers_model_with_nan_embeddings(spelling):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaModel(config).eval()
+    embeds = torch.randn(1, 6, 32)
+    embeds[0, 2, 5] = float("nan")
+    with pytest.raises(tl.errors.NonFiniteError, match=r"NaN in the input inputs_embeds") as info:
+        _compiled_raising(model, spelling)(inputs_embeds=embeds)
+    assert info.value.partial_trace is not None and not isinstance(info.value, torch._dynamo.exc.BackendCompilerFailed)
 
 
 def test_a_failed_op_on_a_nested_tensor_is_still_named():

@@ -46,6 +46,10 @@ class CompiledGraph:
         self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
 
     def __call__(self, *args):
+        if self.runtime.stop_pending:
+            stop = self.runtime.pending_stop()
+            if stop is not None:
+                raise stop
         run = active_pass()
         if run is None:
             return self._call_alone(args)

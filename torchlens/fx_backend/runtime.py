@@ -60,6 +60,8 @@ class CompiledRuntime:
         self.passes = 0
         self.last_recording: Optional[Recording] = None
         self.last_graph_calls = 0
+        self._pending_stop: tuple = (None, None)  # (a stop, the call it belongs to): see `pending_stop`
+        self.stop_pending = False
         # `backward=True`: the backwards through the graphs of this model's forwards (see `backward`)
         self.backward = BackwardNarration(config.settings, None) if config.settings.backward else None
 
@@ -89,12 +91,27 @@ class CompiledRuntime:
         """
         if active_pass() is not None:
             return
-        forward = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
+        try:
+            forward = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
+        except Exception as exc:  # a stop (on_nonfinite="raise": a NaN in the inputs), its partial trace attached
+            self._pending_stop, self.stop_pending = (exc, call), True  # raised in the compile, dynamo would wrap it
+            dynamo_seams.when_call_ends(call, self.pending_stop)  # a call that ran no graph drops it
+            return
         if forward is None:
             return
         forward.mode_pushed = dynamo_seams.adopt_mode_for_this_compile(forward.mode)
         if not dynamo_seams.when_call_ends(call, forward.cleanup):
             forward.call = call._replace(frame=None)  # ended when the next call begins
+
+    def pending_stop(self) -> Optional[BaseException]:
+        """The stop the first call's pass raised while dynamo compiled it, to be raised by the
+        first graph that call runs: out of the compile, it reaches the user as it is, not wrapped in
+        `BackendCompilerFailed`. None when there is none, or its call has ended."""
+        stop, call = self._pending_stop
+        self._pending_stop, self.stop_pending = (None, None), False
+        if stop is None:
+            return None
+        return stop if call.running() else None
 
     def start(self, call: Optional[dynamo_seams.CompiledCall], push_mode: bool) -> Optional["CompiledPass"]:
         """The one way a compiled pass begins: for a wrapper `call` in progress, or (None) for a
