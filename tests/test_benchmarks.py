@@ -100,3 +100,17 @@ def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_
             assert rows[mode]["faults"] == 0, rows[mode]
             assert 0 < rows[mode]["held_bytes"] < 16 * 1024, rows[mode]
         assert rows["plain"]["held_bytes"] is None and rows["plain"]["multiplier"] == 1.0
+
+
+def test_quick_bisect_benchmark_names_the_planted_addmm_on_a_transformers_gpt2(tmp_path):
+    pytest.importorskip("transformers")
+    report_path = tmp_path / "bisect.json"
+    command = [sys.executable, str(BENCHMARKS / "bisect_bench.py"), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounding, planted = json.loads(report_path.read_text())["results"]
+    assert rounding["verdict"] == "rounding" and rounding["runs"] == 0, rounding
+    assert (planted["verdict"], planted["backend"], planted["subsystem"]) == \
+        ("compiler", "aot_eager_decomp_partition", "decomposition"), planted
+    assert (planted["op"], planted["module"]) == ("addmm", "transformer.h.0.mlp.c_fc"), planted
+    assert "(aten.addmm.default)" in planted["report"] and planted["seconds"] > 0
