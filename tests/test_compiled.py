@@ -479,3 +479,46 @@ def test_a_compiled_forward_keeps_nothing_of_its_callers_alive(backend):
         assert caller()() is None, "a caller's local outlived its call"
     finally:
         gc.enable()
+
+
+class JaggedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, nt):
+        return (self.norm(self.fc(nt)).relu() * 2).sqrt()
+
+
+def _jagged(nan: bool = False):
+    generator = torch.Generator().manual_seed(1)
+    parts = [torch.randn(2, 4, generator=generator), torch.randn(3, 4, generator=generator)]
+    if nan:
+        parts[1][2, 1] = float("nan")
+    return torch.nested.nested_tensor(parts, layout=torch.jagged)
+
+
+@pytest.mark.parametrize("options", [{"value_stats": "exact"}, {"on_nonfinite": "track", "value_stats": "reuse"}],
+                         ids=["exact", "track"])
+def test_a_jagged_nested_tensor_is_narrated_compiled_as_eager(options):
+    """A jagged dimension's size is a nested int (`j1`), not a number: shown as eager shows it."""
+    torch.manual_seed(0)
+    model = JaggedBlock()
+
+    def transcript(lines):
+        return [re.sub(r"\bj\d+\b", "jN", line) for line in lines if not line.startswith("--")]
+
+    for nan in (False, True):
+        eager, compiled = [], []
+        expected = tl.record(model, _jagged(nan), narrate=eager.append, **options)
+        torch._dynamo.reset()
+        runner = tl.compile(model, narrate=compiled.append, compiler="eager", **options)
+        out = runner(_jagged(nan))
+        assert transcript(compiled) == transcript(eager)
+        assert any(" layer_norm " in line and "[2,j" in line for line in compiled)
+        assert torch.equal(out.values(), expected.output.values()) or nan
+        if "on_nonfinite" in options:
+            first = runner.torchlens.last_recording.first_nonfinite
+            assert (first.op if first else None) == (expected.first_nonfinite.op if nan else None) == \
+                ("input" if nan else None)

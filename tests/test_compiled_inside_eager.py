@@ -311,3 +311,24 @@ def test_a_model_compiled_lazily_inside_its_forward_is_one_op(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["[('compiled', 'b'), ('add', '')]"] * 2
+
+
+class ViewOnly(nn.Module):
+    def forward(self, x):
+        return x[:, 1:].t()  # the graph's only ops return a view of its input
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.no_grad, torch.inference_mode],
+                         ids=["grad", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("compiler", list(COMPILERS))
+def test_a_graph_whose_only_ops_return_a_view_of_its_input_is_one_op(compiler, mode):
+    torch._dynamo.reset()
+    with mode():
+        x = torch.randn(2, 3)
+        recording = tl.record(COMPILERS[compiler](ViewOnly()), x)
+    assert [event.op for event in recording.ops] == ["input", "compiled"]
+    assert tuple(recording.ops[-1].outputs[0].shape) == (2, 2) and torch.equal(recording.output, x[:, 1:].t())
+    own = tl.compile(ViewOnly(), compiler="eager")
+    with mode():
+        own(x)
+    assert [event.op for event in own.torchlens.last_recording.ops] == ["input", "getitem", "t"]

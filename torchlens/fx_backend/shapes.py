@@ -68,6 +68,9 @@ class ShapeResolver:
                 for size in shape:
                     if isinstance(size, int):
                         dims.append(str(size))
+                    elif isinstance(size, sympy.Symbol) and size in sources:
+                        used.add(size)  # read as it is: an int, or a jagged tensor's nested int (`j1`)
+                        dims.append(_printer.doprint(size))
                     elif size.free_symbols <= set(sources):
                         used |= size.free_symbols
                         dims.append(f"int({_printer.doprint(size)})")
