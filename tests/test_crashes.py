@@ -225,6 +225,41 @@ def test_an_index_error_dynamo_passes_on_while_tracing_is_located_not_called_pyt
     assert "no torch call was in flight" not in tail[-1]
 
 
+class BreaksThenFails(nn.Module):
+    """A graph break (a print) between two blocks; `inner` fails on a [*,3] input. Each forward
+    counts itself, as code with side effects (a step counter, an RNG draw, I/O) does."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(3, 3)
+        self.inner = Inner()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.pre(x)
+        print("between the blocks")  # a graph break: the rest is a resume function
+        return self.inner(h)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_tracing_error_after_a_graph_break_is_located_without_running_the_code_before_it_again(training, capsys):
+    model = BreaksThenFails().train(training)
+    compiled = tl.compile(model, compiler="eager")
+    exc = _fail(lambda: compiled(torch.randn(2, 3)))
+    assert isinstance(exc, torch._dynamo.exc.TorchRuntimeError)
+    assert model.calls == 1 and capsys.readouterr().out.count("between the blocks") == 1, \
+        "the code before the graph break ran twice"
+    partial = exc.partial_trace
+    assert [(e.op, e.scope.path) for e in partial.ops] == [("input", ""), ("linear", "pre")]
+    tail = partial.narrate(last=2).splitlines()
+    assert tail[-2].startswith("-- located from dynamo's trace, after a graph break: the forward was not run again")
+    assert tail[-1].startswith("!! attempted #3 linear @inner.fc") and "inputs: [2,3] f32 cpu, [4,4] f32 cpu" in tail[-1]
+    assert tail[-1].endswith("(not proven culprit)") and "test_crashes.py:" in tail[-1]
+    assert [line for line in partial.narrate().splitlines() if line.strip().startswith(">")] == \
+        ["> pre (Linear)", "> inner (Inner)", "  > inner.fc (Linear)"]
+
+
 class RaisesAfter(nn.Module):
     """Raises in its own Python code after its submodule returned, or inside the submodule."""
 

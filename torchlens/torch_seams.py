@@ -166,6 +166,23 @@ def _probe_resolve_process_group():
     return _missing(distributed_c10d, "_resolve_process_group")
 
 
+def _probe_traced_node():
+    import inspect
+
+    from torch._dynamo import convert_frame, exc, resume_execution, utils
+
+    missing = _missing(resume_execution, "TORCH_DYNAMO_RESUME_IN_PREFIX") or _missing(utils, "get_fake_value")
+    if missing:
+        return missing
+    if "node" not in inspect.signature(utils.get_fake_value).parameters:
+        return "get_fake_value takes no `node`"
+    if "real_stack" not in inspect.signature(exc.TorchRuntimeError).parameters:
+        return "TorchRuntimeError keeps no real_stack"
+    if "code" not in inspect.signature(convert_frame._compile).parameters:
+        return "convert_frame._compile takes no `code`"
+    return None
+
+
 def _probe_compiler_bisector():
     import inspect
 
@@ -226,6 +243,11 @@ SEAMS = (
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
     Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "collectives",
          "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
+    Seam("traced node", "torch._dynamo: resume functions' name prefix, TorchRuntimeError.real_stack, the `node` "
+         "local of utils.get_fake_value and the `code` local of convert_frame._compile in a tracing error's traceback",
+         "fx_backend.dynamo_seams.traced_frame_resumed, traced_node",
+         "a tracing error after a graph break is not located (the forward is not run again, and the tail says so)",
+         _probe_traced_node),
     Seam("compiler bisector", "torch._inductor.compiler_bisector.CompilerBisector (do_bisect, get_backend read by "
          "torch.compile, get_config_change) and its BACKENDS", "debug.bisect",
          "tl.debug.bisect cannot bisect a compiled divergence; it says so", _probe_compiler_bisector),

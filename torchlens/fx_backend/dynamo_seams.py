@@ -26,7 +26,8 @@ from ..sites import still_running
 from ..torch_seams import degraded
 
 __all__ = ["CompiledCall", "adopt_mode_for_this_compile", "call_outcome", "context_of_compiled", "current_call",
-           "hook_calls", "raised_while_tracing", "record_user_spellings", "when_call_ends"]
+           "hook_calls", "raised_while_tracing", "record_user_spellings", "traced_frame_resumed", "traced_node",
+           "when_call_ends"]
 
 _WRAPPER_NAME = "compile_wrapper"
 
@@ -119,6 +120,46 @@ def raised_while_tracing(exc: BaseException) -> bool:
         return True
     own = (torch._dynamo.exc.TorchDynamoException, AssertionError)
     return hasattr(exc, "innermost_user_frame_summary") and not isinstance(exc, own)
+
+
+def traced_frame_resumed(exc: BaseException) -> bool:
+    """Whether dynamo raised `exc` while tracing a *resume function*: the rest of a frame after a
+    graph break, whose code before the break has already run. Read from the user frames dynamo
+    attaches (`real_stack`), else from the code object its compile was given. False when neither
+    can be read: the caller then assumes nothing ran before."""
+    try:
+        from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX as prefix
+    except ImportError as missing:
+        degraded("traced node", missing)
+        return False
+    stack = getattr(exc, "real_stack", None) or ()
+    if any(getattr(frame, "name", "").startswith(prefix) for frame in stack):
+        return True
+    code = _traceback_local(exc, "_compile", "code")
+    return getattr(code, "co_name", "").startswith(prefix)
+
+
+def traced_node(exc: BaseException) -> Optional[torch.fx.Node]:
+    """The FX node dynamo was running on fake tensors when it raised `exc` while tracing (its
+    target, its inputs' fake values, its `nn_module_stack` and `stack_trace`), read from the frame
+    of dynamo's `get_fake_value` in the traceback; None if there is none (torch changed, or the
+    error came from elsewhere in the trace)."""
+    node = _traceback_local(exc, "get_fake_value", "node")
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _traceback_local(exc: BaseException, function: str, name: str):
+    """Local `name` of the innermost frame of `function` in `exc`'s traceback (or its cause's)."""
+    found = None
+    for error in (exc, exc.__cause__, exc.__context__):
+        tb = getattr(error, "__traceback__", None)
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == function:
+                found = tb.tb_frame.f_locals.get(name, found)
+            tb = tb.tb_next
+        if found is not None:
+            return found
+    return None
 
 
 def context_of_compiled(compiled) -> Optional[Any]:

@@ -7,7 +7,8 @@ Two kinds of failure reach a compiled run:
   already ran op by op, so its node in flight is read from its frame instead, with no replay;
 - dynamo raises while it traces (a shape error found on fake tensors, typically after a new input
   size forces a recompile): no graph ran, so the forward is run eagerly under capture instead,
-  which fails at the same op.
+  which fails at the same op; after a graph break, where the code before the break has run, the
+  op is read from dynamo's trace instead and nothing runs twice.
 
 Every note says how the op was located, or why it was not; a failure that was not located is never
 reported as one with no torch call in flight. Both only ever add to the session; neither may raise.
@@ -21,17 +22,19 @@ import torch
 
 from ..eager.runner import run_eager
 from ..events import INPUT, Scope, TensorMeta
+from ..naming import USER_SPELLING, node_name
 from ..options import make_settings
 from ..repro.kept import KeptCall
 from ..session import error_summary, in_chain, internal_error
 from ..sites import site_from_stack_trace
 from ..structure import module_of
+from . import dynamo_seams
 from .active import no_active_pass
 from .module_stack import relative_stack
 from .plan import node_op_name
 from .replay import locate_failure, locate_live, why_not_replay
 
-__all__ = ["graph_failed", "locate_by_running_eagerly", "place_python_failure"]
+__all__ = ["graph_failed", "locate_while_tracing", "place_python_failure"]
 
 _NOT_LOCATED = "<compiled graph>"  # the attempted call when the op inside a graph call is not known
 _TRACING = "<dynamo tracing>"  # the attempted call when the op dynamo failed to trace is not known
@@ -42,6 +45,10 @@ LIVE_TYPES = ("live mode ran this graph op by op, eagerly: the exception is the 
               "in type from what the same fault raises in an inductor-compiled graph")
 LIVE_UNREAD = "not located: the op-by-op graph's frame could not be read from the traceback"
 LIVE_OWN = "not located: the error came from torchlens's own narration call between ops, not from a model op"
+RESUMED = ("located from dynamo's trace, after a graph break: the forward was not run again (its code before "
+           "the break had run), so the ops of this frame before it are not narrated and its inputs are shapes only")
+RESUMED_NOT_READ = ("dynamo raised after a graph break, so the forward's code before the break had already run, "
+                    "and it is not run again to locate the op; dynamo's trace could not be read")
 REPLAY_VALUES = ("the values of the ops before it (statistics, kept values) are the replay's, computed again "
                  "from the graph's inputs")
 
@@ -153,8 +160,45 @@ def _graph_call(scope, arg_metas, notes) -> FailedOp:
     return FailedOp(None, _NOT_LOCATED, scope, None, arg_metas, notes)
 
 
-def locate_by_running_eagerly(run, exc: BaseException) -> None:
-    """Dynamo raised while tracing: run the forward eagerly under capture to find the op.
+def locate_while_tracing(run, exc: BaseException) -> None:
+    """Dynamo raised while tracing: find the op it was tracing.
+
+    Traced after a graph break (a resume function), the code before the break has already run:
+    the op is read from the node dynamo was running on fake tensors, and nothing runs again.
+    Otherwise no code of the forward has run yet, and the forward is run eagerly under capture
+    (`_locate_by_running_eagerly`), which also narrates the ops before the failure.
+    """
+    if dynamo_seams.traced_frame_resumed(exc):
+        node = dynamo_seams.traced_node(exc)
+        if node is not None and _at_traced_node(run, exc, node):
+            return
+        _not_located_while_tracing(run, exc, RESUMED_NOT_READ)
+        return
+    _locate_by_running_eagerly(run, exc)
+
+
+def _at_traced_node(run, exc: BaseException, node) -> bool:
+    """The node dynamo failed to trace as the attempted op: its name, its inputs' shapes (from the
+    fake values), its module and the user's line. Whether it could be read."""
+    try:
+        table = run.runtime.scopes
+        frame_scope = table.scope_of_traceback(exc.__traceback__)
+        modules = relative_stack(table, node.meta.get("nn_module_stack"), frame_scope.path)
+        scope = table.resolve(frame_scope, modules)
+        inputs = tuple(TensorMeta.of(value) for value in (arg.meta.get("example_value") for arg in node.all_input_nodes)
+                       if isinstance(value, torch.Tensor))
+        name = node.meta.get(USER_SPELLING) or node_name(node.target, node.args, node.op)
+        site = site_from_stack_trace(node.meta.get("stack_trace"))
+    except Exception as inner:
+        internal_error("reading the op dynamo failed to trace", inner)
+        return False
+    run.session.move_to(scope)
+    run.session.op_failed(name, inputs, site, exc, scope, (RESUMED,))
+    return True
+
+
+def _locate_by_running_eagerly(run, exc: BaseException) -> None:
+    """The forward, run eagerly under capture, fails at the op dynamo could not trace.
 
     The forward runs a second time (without gradients): its cost, and its effect on state a forward
     changes even in eval mode (a KV cache) are the price of the answer. Not done for a model in

@@ -36,7 +36,7 @@ from ..structure import check_selection, named_arguments
 from . import dynamo_seams
 from .config import CompileConfig
 from .active import active_pass, make_active, make_inactive
-from .failures import locate_by_running_eagerly, place_python_failure
+from .failures import locate_while_tracing, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan
 from .stats_pass import measure_returned, read_stats
@@ -375,7 +375,7 @@ class CompiledPass(ForwardPass):
                     recording = self.finish(result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
                 else:
                     if dynamo_seams.raised_while_tracing(exc):
-                        locate_by_running_eagerly(self, exc)
+                        locate_while_tracing(self, exc)
                     else:
                         place_python_failure(self, exc)
                     recording = self.fail(exc)
