@@ -18,13 +18,20 @@ def leftover_state():
     import sys
 
     from torchlens.eager.capture import captures_in_thread
+    from torchlens.eager.module_hooks import routed, shared_keys
 
     active = sys.modules.get("torchlens.fx_backend.active")
+    shared = shared_keys()  # the hooks every capture shares stay registered once dynamo is loaded
+
+    def others(hooks) -> int:
+        return sum(1 for key in hooks if key not in shared)
+
     return (
         captures_in_thread(),
-        len(_module._global_forward_pre_hooks),
-        len(_module._global_forward_hooks),
-        len(_module._global_forward_hooks_always_called),
+        routed(),
+        others(_module._global_forward_pre_hooks),
+        others(_module._global_forward_hooks),
+        others(_module._global_forward_hooks_always_called),
         len(_module._global_backward_hooks),
         len(torch.overrides._get_current_function_mode_stack()),
         torch._C._len_torch_dispatch_stack(),

@@ -309,3 +309,79 @@ def test_a_foreign_model_recorded_inside_a_forward_closes_in_the_outer_transcrip
                    ("cos", ""), ("add", "")]
     enters = sum(e.kind is tl.EventKind.ENTER for e in recording.events)
     assert enters == sum(e.kind is tl.EventKind.EXIT for e in recording.events) == 3
+
+
+def _llama_with_a_compiled_layer():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaModel(config).eval()
+    model.layers[1] = torch.compile(model.layers[1], backend="eager")
+    return model
+
+
+def _graphs_compiled(run) -> int:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    run()
+    return counters["stats"]["unique_graphs"]
+
+
+def _in_threads(work, threads: int = 8) -> list:
+    errors = []
+
+    def guarded():
+        try:
+            work()
+        except Exception as exc:  # (raised in a thread: carried to the test)
+            errors.append(exc)
+
+    started = [threading.Thread(target=guarded) for _ in range(threads)]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join()
+    return errors
+
+
+def test_captures_in_eight_threads_around_a_compiled_layer_recompile_nothing_plain_does_not(recwarn):
+    """Captures add no global hook of their own: dynamo guards a compiled frame on those hooks'
+    keys, and captures that registered their own made it recompile at every forward (threads
+    recompiled each other's frames, and dynamo raised KeyError)."""
+    model = _llama_with_a_compiled_layer()
+    ids = torch.arange(12).reshape(2, 6) % 64
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            tl.record(model, input_ids=ids)  # warm-up: the compiles a capture's first forward needs
+            expected = model(input_ids=ids).last_hidden_state  # and a plain forward's
+            recordings = []
+
+            def plain():
+                with torch.no_grad():  # (grad mode is per thread)
+                    for _ in range(50):
+                        model(input_ids=ids)
+
+            def recorded():
+                with torch.no_grad():
+                    for _ in range(50):
+                        recordings.append(tl.record(model, input_ids=ids))
+
+            assert _graphs_compiled(lambda: _in_threads(plain)) == 0
+            errors = []
+            assert _graphs_compiled(lambda: errors.extend(_in_threads(recorded))) == 0, \
+                "captures made the compiled layer recompile"
+            assert _graphs_compiled(lambda: [tl.record(model, input_ids=ids) for _ in range(10)]) == 0
+    finally:
+        torch._dynamo.reset()
+    assert errors == []
+    assert len(recordings) == 400
+    first = [(event.op, event.scope.path) for event in recordings[0].ops]
+    assert ("compiled", "layers.1") in first and ("linear", "layers.0.self_attn.q_proj") in first
+    assert all([(event.op, event.scope.path) for event in r.ops] == first for r in recordings)
+    assert all(torch.equal(r.output.last_hidden_state, expected) for r in recordings)
+    assert not [w for w in recwarn if "global hooks" in str(w.message)], \
+        "torch warns that global hooks fire an extra time for a compiled module: not for torchlens's own"

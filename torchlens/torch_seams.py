@@ -183,6 +183,20 @@ def _probe_traced_node():
     return None
 
 
+def _probe_global_hook_check():
+    import inspect
+
+    from torch._dynamo import eval_frame
+
+    module = torch.nn.modules.module
+    missing = _missing(module, "_has_any_global_hook", "_global_forward_hooks", "_global_forward_pre_hooks")
+    if missing:
+        return missing
+    if "_has_any_global_hook" not in inspect.getsource(eval_frame.OptimizedModule.__call__):
+        return "OptimizedModule.__call__ no longer asks _has_any_global_hook"
+    return None
+
+
 def _probe_compiler_bisector():
     import inspect
 
@@ -248,6 +262,9 @@ SEAMS = (
          "fx_backend.dynamo_seams.traced_frame_resumed, traced_node",
          "a tracing error after a graph break is not located (the forward is not run again, and the tail says so)",
          _probe_traced_node),
+    Seam("global hook check", "torch.nn.modules.module._has_any_global_hook, read by OptimizedModule.__call__ "
+         "to warn that global hooks fire an extra time", "eager.module_hooks",
+         "every call of a torch.compile'd module warns about torchlens's idle shared hooks", _probe_global_hook_check),
     Seam("compiler bisector", "torch._inductor.compiler_bisector.CompilerBisector (do_bisect, get_backend read by "
          "torch.compile, get_config_change) and its BACKENDS", "debug.bisect",
          "tl.debug.bisect cannot bisect a compiled divergence; it says so", _probe_compiler_bisector),

@@ -42,6 +42,7 @@ from ..engines import distributed, engine_of
 from ..writes import written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
+from .module_hooks import HOOKS, add_capture, remove_capture
 from ..mode_stack import own_work, remove_mode
 from ..structure import named_outputs
 from ..torch_seams import degraded
@@ -268,7 +269,6 @@ class EagerCapture(OpReporter):
         self.scopes = scopes
         self.thread = _get_ident()
         self._mode = CaptureMode(self)
-        self._handles = []
         self._counted = False
         self.nested = nested  # another capture was active when this forward began (see `ForwardPass`)
         self.lean = not (self.nested or self.sites or self.engines) and pipeline.lean
@@ -285,17 +285,12 @@ class EagerCapture(OpReporter):
         self._counted = True
         keep_fast_paths()
         install_for_dynamo()  # a compiled region inside this forward traces as if we were absent
-        self._handles = [
-            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
-            torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
-        ]
+        add_capture(self)  # module enter/exit through the shared global hooks (`module_hooks`)
         self._mode.__enter__()
 
     def stop(self) -> None:
         """Remove the hooks and the mode. Safe to call twice, and after a start cut short."""
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        remove_capture(self)
         self._wrapped = {}
         closers, self._closers = self._closers, {}
         for pending in closers.values():  # calls a KeyboardInterrupt cut short, say
@@ -310,7 +305,7 @@ class EagerCapture(OpReporter):
     # -- module hooks ---------------------------------------------------------------------------
 
     def _pre_hook(self, module, args):
-        if _is_compiling() or self.suspended or self.off or _get_ident() != self.thread:
+        if self.suspended or self.off:
             return None
         if self._wrapped and id(module) in self._wrapped:
             return None  # already entered, by the compiled wrapper that called it
@@ -345,14 +340,14 @@ class EagerCapture(OpReporter):
             self._close(module, unwinding(), args, output)
         return None
 
-    def _post_hook(self, module, args, output):
-        if _is_compiling() or self.suspended or self.off or _get_ident() != self.thread or id(module) in self._closers:
+    def _post_hook(self, module, args, output, unwound: bool):
+        if self.suspended or self.off or id(module) in self._closers:
             return None  # (a module with hooks of its own is closed by `_closing_hook`)
         if is_compile_wrapper(module):
             module = self._through_wrapper(module, -1)
         elif self._wrapped and id(module) in self._wrapped:
             return None  # closed by the compiled wrapper that called it
-        self._close(module, unwinding(), args, output)
+        self._close(module, unwound, args, output)
         return None
 
     def _through_wrapper(self, wrapper, step: int):
@@ -475,4 +470,4 @@ def outside_dynamo(fn):
 
 
 exclude_from_dynamo(CaptureMode.__torch_function__, EagerCapture._pre_hook, EagerCapture._post_hook,
-                    EagerCapture._closing_hook)
+                    EagerCapture._closing_hook, *HOOKS)
