@@ -120,7 +120,7 @@ def test_html_writes_the_page_beside_the_trace_or_where_asked_and_prints_its_pat
 
 def page_data(path) -> dict:
     page = pathlib.Path(path).read_text(encoding="utf-8")
-    return json.loads(re.search(r'<script type="application/json" id="torchlens-data">(.*?)</script>', page,
+    return json.loads(re.search(r'<script type="application/json" id="torchlens-data"[^>]*>(.*?)</script>', page,
                                 re.S).group(1))
 
 

@@ -17,9 +17,8 @@ from .report_page import report_data
 
 __all__ = ["MAX_ROWS", "recording_view", "report_view"]
 
-# Rows a notebook view holds, over all its parts: a GPT-2 124M forward and its backward (fewer than
-# 1,400 rows) fit whole. A row with statistics is about 130 bytes, so a view of a long run of a
-# small model is about 270 KB, whatever its length.
+# Rows a notebook view holds, over all its parts: a GPT-2 124M forward and its backward (1,375
+# rows, with statistics 275 KB) fit whole; a longer run's view is cut to that many rows.
 MAX_ROWS = 2000
 
 _NO_SCRIPT = ("the interactive view is drawn by JavaScript, which did not run here (an untrusted notebook, or a "

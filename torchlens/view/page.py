@@ -61,7 +61,7 @@ def page(title: str, data, scripts: Sequence[str]) -> str:
         f"<title>{html.escape(title)}</title>\n"
         f"<style>\nbody {{ margin: 0; }}\n{asset('view.css')}</style>\n"
         "</head>\n<body>\n"
-        + _view("torchlens-view", data, scripts, 'id="torchlens-data"', noscript)
+        + _view("torchlens-view", data, scripts, 'id="torchlens-data" class="torchlens-data"', noscript)
         + "</body>\n</html>\n"
     )
 

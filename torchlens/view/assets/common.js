@@ -11,7 +11,7 @@
 const T0 = performance.now();
 const ROOT = root;
 const EMBEDDED = ROOT.classList.contains("embedded");  // a notebook cell's output: it scrolls in its own box
-const DATA = JSON.parse(ROOT.querySelector('script[type="application/json"]').textContent);
+const DATA = JSON.parse(ROOT.querySelector(":scope > script.torchlens-data").textContent);
 const timings = { parse: performance.now() - T0 };
 window.torchlensView = ROOT.torchlensView = { timings: timings };  // (the window's: the view drawn last)
 
