@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import torchlens as tl
+from test_html_view import browser  # noqa: F401  (the headless Chromium the page's own tests drive)
 from torchlens.view.notebook import MAX_ROWS
 
 HIGHLIGHT, ATTEMPT = 2, 4  # row flags (torchlens/view/tree.py)
@@ -267,6 +268,29 @@ def test_a_recorder_pass_of_thousands_of_ops_is_cut_with_a_note_that_keeps_the_n
     assert len(markup.encode()) < 300_000 and len(page.encode()) > 600_000  # (about 130 bytes a row)
 
 
+class FrozenThenHead(nn.Module):
+    """Thousands of ops without gradients, then a head that has them: a long forward, a short backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = Unrolled(steps=1200), nn.Linear(8, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            x = self.body(x)
+        return self.head(x)
+
+
+def test_a_short_backward_is_kept_whole_and_leaves_its_share_to_the_forward():
+    recording = tl.record(FrozenThenHead(), torch.randn(2, 8), backward=True)
+    recording.output.sum().backward()
+    forward, backward = data_of(recording._repr_html_())["sections"]
+    backward_rows = list(rows(backward["tree"]))
+    assert backward_rows and not any(row.get("t") == "cut" for row in backward_rows)
+    kept = [row for row in rows(forward["tree"]) if row.get("t") != "cut"]
+    assert len(kept) == MAX_ROWS - len(backward_rows) > MAX_ROWS // 2
+
+
 def test_a_long_comparison_is_cut_around_its_first_divergence():
     x = torch.randn(2, 8)
     report = tl.debug.compare(tl.trace(Unrolled(steps=1300), x), tl.trace(Unrolled(steps=1300, shift_at=1200), x))
@@ -344,5 +368,3 @@ def test_two_views_in_one_document_draw_filter_and_scroll_on_their_own(browser, 
         "const r = arguments[0].getBoundingClientRect(), v = arguments[1].getBoundingClientRect();"
         "return r.top >= v.top && r.bottom <= v.bottom;", row, views[1])
 
-
-from test_html_view import browser  # noqa: E402,F401  (one headless Chromium, as the page's tests drive it)

@@ -11,6 +11,11 @@ the rest to the others.
 A row's place in a tree is its path of child indices, which the page follows to open the modules
 above it; cutting moves rows, so every path the data holds is moved with them (a link whose row
 was left out stays as text). Module calls keep their counts: they describe the run, not the view.
+
+A run of rows left out is one row in their place: `{"t": "cut", "o": "... 409 rows left out here"}`
+in a tree, `{"cut": 409, "o": ...}` in a table. A cut part also says how many of its rows the
+page's totals count it holds (`shown`), and the data how many rows were left out (`cut`, set by
+`notebook.py`).
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ def _kept(count: int, targets: Sequence[int], share: int) -> Set[int]:
     return keep
 
 
-def _note_row(count: int, key: str) -> dict:
-    return {key: "cut", "o": f"... {count:,} {'row' if count == 1 else 'rows'} left out here"}
+def _left_out(count: int) -> str:
+    return f"... {count:,} {'row' if count == 1 else 'rows'} left out here"
 
 
 # -- a run's module trees ------------------------------------------------------------------------
@@ -97,7 +102,7 @@ class _Pruner:
             path = old + (index,)
             if path in (self.held if "k" in kid else self.keep):
                 if left_out:
-                    kids.append(_note_row(left_out, "t"))
+                    kids.append({"t": "cut", "o": _left_out(left_out)})
                     left_out = 0
                 if "k" in kid:
                     kids.append(self.copy(kid, path, new + (len(kids),)))
@@ -107,7 +112,7 @@ class _Pruner:
             else:
                 left_out += _rows_in(kid)
         if left_out:
-            kids.append(_note_row(left_out, "t"))
+            kids.append({"t": "cut", "o": _left_out(left_out)})
         return dict(call, k=kids)
 
 
@@ -176,13 +181,13 @@ def cut_tables(tables: List[dict], limit: int) -> Tuple[int, int]:
                 left_out += 1
                 continue
             if left_out:
-                kept.append(_note_row(left_out, "cut"))
+                kept.append({"cut": left_out, "o": _left_out(left_out)})
                 left_out = 0
             if i == first:
                 table["first"] = len(kept)
             kept.append(row)
         if left_out:
-            kept.append(_note_row(left_out, "cut"))
+            kept.append({"cut": left_out, "o": _left_out(left_out)})
         table["rows"] = kept
         left_out_in_all += len(rows) - len(keep)
     return left_out_in_all, total
