@@ -245,6 +245,13 @@ class Recording:
 
         return _write_page(path, recording_page(self))
 
+    def _repr_html_(self) -> str:
+        """The `to_html` page as a notebook cell shows it: embedded in the notebook's document, at
+        most `torchlens.view.notebook.MAX_ROWS` rows, saying what it left out (docs/html-view.md)."""
+        from .view import recording_view
+
+        return recording_view(self)
+
     def __len__(self) -> int:
         return len(self.events)
 

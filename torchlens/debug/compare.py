@@ -317,6 +317,12 @@ class CompareReport:
 
         return _write_page(path, report_page(self))
 
+    def _repr_html_(self) -> str:
+        """The `to_html` page as a notebook cell shows it, bounded in rows (docs/html-view.md)."""
+        from ..view import report_view
+
+        return report_view(self)
+
     def __str__(self) -> str:
         return self.table()
 

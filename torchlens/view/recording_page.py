@@ -16,13 +16,20 @@ from ..tracking import held, unmeasured_reason
 from .page import page
 from .tree import Tree
 
-__all__ = ["recording_page"]
+__all__ = ["SCRIPTS", "recording_data", "recording_page"]
 
 TAIL_LINES = 20  # a failure's tail, as `partial_trace.narrate(last=20)` prints it
+SCRIPTS = ("common.js", "tree.js")
 
 
 def recording_page(recording) -> str:
     """The HTML page of a `Recording`, `Trace` or `PartialTrace`."""
+    title, data = recording_data(recording)
+    return page(title, data, SCRIPTS)
+
+
+def recording_data(recording):
+    """(title, data): what the page of `recording` shows, as the page's script reads it."""
     kind = type(recording).__name__
     failed_backward = getattr(recording, "failed_backward", None)
     forward_failed = hasattr(recording, "error") and failed_backward is None
@@ -33,7 +40,7 @@ def recording_page(recording) -> str:
     title = f"torchlens: {kind}" + (f" ({recording.header})" if recording.header else "")
     if forward_failed or failed_backward is not None:
         title += ", failed"
-    return page(title, {"title": title, "sections": sections}, ("common.js", "tree.js"))
+    return title, {"title": title, "sections": sections}
 
 
 def _first(run, settings):

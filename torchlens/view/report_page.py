@@ -20,18 +20,25 @@ from __future__ import annotations
 from ..archive.encode import number
 from .page import page
 
-__all__ = ["report_page"]
+__all__ = ["SCRIPTS", "report_data", "report_page"]
 
 _ONE_SIDED = {"only_a": "only in a", "only_b": "only in b"}
+SCRIPTS = ("common.js", "compare.js")
 
 
 def report_page(report) -> str:
     """The HTML page of a `CompareReport` (and of its `gradients` report, when there is one)."""
+    title, data = report_data(report)
+    return page(title, data, SCRIPTS)
+
+
+def report_data(report):
+    """(title, data): what the page of `report` shows, as the page's script reads it."""
     tables = [_table(report, "forward ops" if report.tag == "#" else "backward nodes (gradients)")]
     if report.gradients is not None:
         tables.append(_table(report.gradients, "backward nodes (gradients)"))
     title = "torchlens: compare"
-    return page(title, {"title": title, "tables": tables}, ("common.js", "compare.js"))
+    return title, {"title": title, "tables": tables}
 
 
 def _table(report, title: str) -> dict:

@@ -77,6 +77,10 @@ function cell(cls, text) {
 }
 
 function rowElement(row, tag, previous) {
+  if (row.cut) {  // rows a notebook view left out: how many, in their place
+    row.el = el("div", "crow cut", row.o);
+    return row.el;
+  }
   const line = el("div", "crow " + (VERDICT_CLASS[row.v] || ""));
   line.appendChild(cell("n", row.a === undefined ? "-" : tag + row.a));
   line.appendChild(cell("n", row.b === undefined ? "-" : tag + row.b));
@@ -107,6 +111,7 @@ function judgementText(row) {
 function columnWidths(box, rows) {
   let op = 4, module = 8;
   for (const row of rows) {
+    if (row.cut) continue;
     op = Math.max(op, row.o.length + 2 * depth(row));
     module = Math.max(module, (row.p || "(root)").length);
   }
@@ -151,7 +156,7 @@ function tableElement(table) {
   let previous = null;
   for (const row of table.rows) {
     grid.appendChild(rowElement(row, table.tag, previous));
-    previous = row.p || "";
+    if (!row.cut) previous = row.p || "";
   }
   box.appendChild(grid);
   const first = table.first === null ? null : table.rows[table.first];
@@ -170,6 +175,10 @@ function filterRows(query, outOfTolerance, count) {
   let shown = 0, total = 0;
   for (const table of TABLES) {
     for (const row of table.rows) {
+      if (row.cut) {  // shown while nothing is filtered, and never counted as a row
+        row.el.hidden = Boolean(text || outOfTolerance);
+        continue;
+      }
       const visible = (!outOfTolerance || row.v !== "within") &&
         (!text || row.o.toLowerCase().includes(text) || (row.p || "").toLowerCase().includes(text));
       row.el.hidden = !visible;
@@ -177,11 +186,12 @@ function filterRows(query, outOfTolerance, count) {
       total += 1;
     }
   }
-  count.textContent = text || outOfTolerance ? shown + " of " + plural(total, "rows") + " shown" : "";
+  count.textContent = text || outOfTolerance ?
+    shown + " of " + plural(total, "rows") + (DATA.cut ? " in this view" : "") + " shown" : "";
 }
 
 function main() {
-  const app = document.getElementById("app");
+  const app = ROOT;
   let count = null, onlyOut = null;
   const head = pageHeader(app, DATA.title, "filter by op or module path", function (value) {
     filterRows(value, onlyOut.checked, count);
@@ -203,9 +213,9 @@ function main() {
   const body = el("main");
   for (const table of TABLES) body.appendChild(tableElement(table));
   app.appendChild(body);
-  if (real) bringIntoView(real.rows[real.real].el);
-  else if (lead) bringIntoView(lead.rows[lead.first].el);
-  timings.firstRender = performance.now() - T0;
+  if (real && !EMBEDDED) bringIntoView(real.rows[real.real].el);  // a notebook view opens at its summary
+  else if (lead && !EMBEDDED) bringIntoView(lead.rows[lead.first].el);
+  drawn();
 }
 
 main();

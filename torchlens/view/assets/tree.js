@@ -71,6 +71,10 @@ function rowTag(row, section) {
 }
 
 function rowElement(row, section) {
+  if (row.t === "cut") {  // rows a notebook view left out: how many, in their place
+    row.el = el("div", "op k-cut", row.o);
+    return row.el;
+  }
   const flags = row.f || 0;
   let cls = "op k-" + (row.t || "op");
   if (flags & NONFINITE) cls += " nf";
@@ -189,7 +193,7 @@ function allCalls(fn) {
 function expandAll() {
   const start = performance.now();
   allCalls(function (call) { setOpen(call, true); });
-  void document.body.offsetHeight;  // include the layout the browser does before it paints
+  void ROOT.offsetHeight;  // include the layout the browser does before it paints
   timings.expandAll = performance.now() - start;
 }
 
@@ -207,8 +211,8 @@ function markMatches(call, query) {
     if (kid.k) {
       matches += markMatches(kid, query);
     } else {
-      kid.hit = pathHit || kid.o.toLowerCase().includes(query) ||
-        (kid.l !== undefined && kid.l.toLowerCase().includes(query));
+      kid.hit = kid.t !== "cut" && (pathHit || kid.o.toLowerCase().includes(query) ||
+        (kid.l !== undefined && kid.l.toLowerCase().includes(query)));
       if (kid.hit && kid.t !== "out" && kid.t !== "try") matches += 1;  // counted as the total counts
     }
   }
@@ -240,7 +244,7 @@ function filter(value, count) {
       allCalls(function (call) { if (call.el) setOpen(call, openBeforeFilter.has(call)); });
       openBeforeFilter = null;
     }
-    document.body.classList.remove("filtering");
+    ROOT.classList.remove("filtering");
     count.textContent = "";
     return;
   }
@@ -251,12 +255,12 @@ function filter(value, count) {
   let matches = 0, rows = 0;
   for (const section of SECTIONS) {
     matches += markMatches(section.tree, query);
-    rows += section.tree.n;
+    rows += section.shown === undefined ? section.tree.n : section.shown;  // (a cut view searches what it holds)
     if (section.tree.hits) showMatches(section.tree);
   }
-  document.body.classList.add("filtering");
-  count.textContent = matches + " of " + plural(rows, "rows") + " match";
-  void document.body.offsetHeight;
+  ROOT.classList.add("filtering");
+  count.textContent = matches + " of " + plural(rows, "rows") + (DATA.cut ? " in this view" : "") + " match";
+  void ROOT.offsetHeight;
   timings.filter = performance.now() - start;
 }
 
@@ -272,7 +276,7 @@ function target() {
 }
 
 function main() {
-  const app = document.getElementById("app");
+  const app = ROOT;
   let count = null;
   const head = pageHeader(app, DATA.title, "filter by op name or module path", function (value) {
     filter(value, count);
@@ -322,8 +326,11 @@ function main() {
   });
 
   const lead = target();
-  if (lead) bringIntoView(reveal(lead[0], lead[1]));
-  timings.firstRender = performance.now() - T0;
+  if (lead) {
+    const node = reveal(lead[0], lead[1]);
+    if (!EMBEDDED) bringIntoView(node);  // a notebook view opens at its header and summary, the row one click away
+  }
+  drawn();
 }
 
 main();
