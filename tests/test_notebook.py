@@ -16,6 +16,7 @@ from torch import nn
 
 import torchlens as tl
 from test_html_view import browser  # noqa: F401  (the headless Chromium the page's own tests drive)
+from test_html_view import rows
 from torchlens.view.notebook import MAX_ROWS
 
 HIGHLIGHT, ATTEMPT = 2, 4  # row flags (torchlens/view/tree.py)
@@ -90,14 +91,6 @@ def top_level_selectors(css: str):
 def page_of(result, tmp_path) -> str:
     with open(result.to_html(tmp_path / "page.html"), encoding="utf-8") as page:
         return page.read()
-
-
-def rows(call: dict):
-    for child in call["k"]:
-        if "k" in child:
-            yield from rows(child)
-        else:
-            yield child
 
 
 def at(tree: dict, path):

@@ -119,25 +119,19 @@ function columnWidths(box, rows) {
   box.style.setProperty("--module", Math.min(module, 56) + 1 + "ch");
 }
 
+/* A leading line: a button to the row it names (index `at`), or plain text when it names none. */
+function summaryLine(table, text, at) {
+  const line = el("p", "summary " + (at === null ? "ok" : "bad"));
+  if (at === null) line.textContent = text;
+  else line.appendChild(button(text, function () { focusRow(table.rows[at]); }, "jump"));
+  return line;
+}
+
 function tableElement(table) {
   const box = el("section", "table");
   box.appendChild(el("h2", null, table.title));
-  if (table.verdict !== undefined) {
-    const verdict = el("p", "summary " + (table.real === null ? "ok" : "bad"));
-    if (table.real === null) {
-      verdict.textContent = table.verdict;
-    } else {
-      verdict.appendChild(button(table.verdict, function () { focusRow(table.rows[table.real]); }, "jump"));
-    }
-    box.appendChild(verdict);
-  }
-  const summary = el("p", "summary " + (table.first === null ? "ok" : "bad"));
-  if (table.first === null) {
-    summary.textContent = table.summary;
-  } else {
-    summary.appendChild(button(table.summary, function () { focusRow(table.rows[table.first]); }, "jump"));
-  }
-  box.appendChild(summary);
+  if (table.verdict !== undefined) box.appendChild(summaryLine(table, table.verdict, table.real));
+  box.appendChild(summaryLine(table, table.summary, table.first));
   box.appendChild(el("p", "tally", table.tally + "."));
   box.appendChild(el("p", "tally", "Bars: log scale, from " + DECADES_BELOW + " powers of ten below the tolerance " +
     "(the black mark) to " + DECADES_ABOVE + " above. A row is within tolerance when |a-b| <= atol + rtol*|b| at " +
