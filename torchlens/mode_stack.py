@@ -75,10 +75,11 @@ def lifted_if_on_top(mode):
 
 @contextlib.contextmanager
 def only_capture_modes_lifted():
-    """With every mode on the stack a capture's, take them all off for the block (yields True);
-    otherwise change nothing (yields False): somebody else's override stays in force."""
+    """With every mode on the stack a capture's (or torchlens's float64 reference mode, which
+    keeps fast paths too), take them all off for the block (yields True); otherwise change
+    nothing (yields False): somebody else's override stays in force."""
     stack = _current()
-    if not stack or not all(is_capture(mode) for mode in stack):
+    if not stack or not all(is_capture(mode) or getattr(mode, "torchlens_keeps_fast_paths", False) for mode in stack):
         yield False
         return
     popped = [_pop() for _ in stack]

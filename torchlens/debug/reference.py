@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from typing import Dict, List, Tuple
 
@@ -37,7 +38,7 @@ from ..naming import op_name
 from ..results import Trace
 from ..structure import check_model
 
-__all__ = ["Reference", "reference", "reduction_terms"]
+__all__ = ["Reference", "random_ops", "reference", "reduction_terms"]
 
 
 class Reference:
@@ -116,7 +117,13 @@ _BIT_VIEWS = {torch.Tensor.view}
 
 class _Float64(TorchFunctionMode):
     """Keeps a run in float64: each floating dtype a call names becomes float64; records each
-    call's name and reduction length, in order (`calls`)."""
+    call's name and reduction length, in order (`calls`).
+
+    Fused fast paths (`nn.TransformerEncoderLayer`'s, `nn.MultiheadAttention`'s) look for any
+    torch-function mode and take their slow path when they find one; the runs being judged took
+    the fast path, so the reference must too (`torchlens_keeps_fast_paths`, see `fastpaths`)."""
+
+    torchlens_keeps_fast_paths = True
 
     def __init__(self):
         super().__init__()
@@ -148,6 +155,21 @@ def _terms_by_ordinal(result: Trace, calls: List[Tuple[str, int]]) -> Dict[int, 
                 position = index + 1
                 break
     return terms
+
+
+@functools.lru_cache(maxsize=None)
+def random_ops() -> frozenset:
+    """The names of ops whose values are random draws: aten's ops tagged `nondeterministic_seeded`
+    (`bernoulli`, `randn`, `native_dropout`, `lstm` with dropout...) and torch.nn.functional's
+    dropouts, whose composite kernels call them. A float64 run reproduces such an op only when it
+    draws from the generator state the runs drew from."""
+    names = {name for name in dir(torch.nn.functional) if "dropout" in name}
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket) and any(
+                torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags for overload in packet.overloads()):
+            names.add(name)
+    return frozenset(names)
 
 
 _MATMULS = {"mm", "bmm", "matmul", "mv", "dot", "vdot", "inner", "linear", "bilinear"}
