@@ -193,3 +193,74 @@ def test_inductors_divergences_on_real_models_are_rounding(build):
         report = tl.debug.compare(tl.trace(model, *inputs), tl.trace(model, *inputs, compiled=True), reference=ref)
     assert report.counts["rounding"] > 0, "inductor computed every op bit for bit as eager: nothing was judged"
     assert report.first_real is None, report.verdict()
+
+
+# -- what cannot be judged is said, never called rounding ------------------------------------------
+
+def _encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval(), torch.randn(2, 6, 32)
+
+
+def test_a_fused_fast_path_is_judged_against_its_own_float64_run():
+    """nn.TransformerEncoder under no_grad takes its fused kernel; the float64 run must take it
+    too, or the diverging fused row has nothing to be judged against."""
+    model, x = _encoder()
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.layers[1].linear2.weight.mul_(-1.0)
+        ref = tl.debug.reference(model, x)
+        report = tl.debug.compare(tl.trace(model, x), tl.trace(broken, x), reference=ref)
+    assert [event.op for event in ref.trace.ops][1:] == ["_transformer_encoder_layer_fwd"] * 2
+    real = report.first_real
+    assert (real.op, real.module, real.closer) == ("_transformer_encoder_layer_fwd", "layers.1", "a"), report.verdict()
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(16, 32), nn.Dropout(0.3), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.fc1(x)))
+
+
+def _drawn(model, x, seed):
+    torch.manual_seed(seed)
+    return tl.trace(model, x)
+
+
+def test_a_random_op_is_judged_only_where_float64_drew_what_a_run_drew():
+    torch.manual_seed(0)
+    model, x = Noisy().train(), torch.randn(8, 16)
+    a, b = _drawn(model, x, 1), _drawn(model, x, 2)
+    torch.manual_seed(1)  # the state trace a started from: float64 draws a's masks
+    report = tl.debug.compare(a, b, reference=tl.debug.reference(model, x))
+    assert (report.first_real.op, report.first_real.closer) == ("dropout", "a")
+    torch.manual_seed(3)  # a state neither started from: nothing after the dropout can be judged
+    report = tl.debug.compare(a, b, reference=tl.debug.reference(model, x))
+    assert report.first_real is None and report.counts["rounding"] == 0 and report.counts["unjudged"] == 2
+    assert all(row.judgement in (None, "unjudged") for row in report.rows)
+    line = str(report).splitlines()[0]
+    assert line.startswith("not judged against float64: 2 ops whose sides differ could not be judged (the first: "
+                           "#3 dropout @drop: the float64 run drew other random numbers than both runs at #3 dropout")
+    assert "unjudged: the float64 run drew other random numbers" in str(report)
+
+
+def test_integer_outputs_that_differ_are_unjudged_not_rounding():
+    class Picks(Mlp):
+        def forward(self, x):
+            return super().forward(x).argmax(-1)
+
+    torch.manual_seed(0)
+    model = Picks()
+    flipped = copy.deepcopy(model)
+    flipped.flip = True
+    x = torch.randn(8, 256)
+    report = tl.debug.compare(tl.trace(model, x), tl.trace(flipped, x), reference=tl.debug.reference(model, x))
+    argmax = next(row for row in report.rows if row.op == "argmax")
+    assert argmax.judgement == "unjudged" and argmax.reason == "integer outputs: no ulps to judge them by"
+    assert report.first_real.op == "linear" and report.counts["unjudged"] == 1
+    assert report.verdict().endswith("; 1 op whose sides differ could not be judged (the first: #7 argmax: integer "
+                                     "outputs: no ulps to judge them by)")

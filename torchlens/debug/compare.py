@@ -44,8 +44,8 @@ from ..errors import CompareInputError, OptionTypeError, OptionValueError
 from ..events import Event
 from ..grammar import dtype_name, shape_text
 from ..results import PartialTrace, Recording, Trace
-from .reference import Reference
-from .rounding import REAL, ROUNDING, judge
+from .reference import Reference, random_ops
+from .rounding import REAL, ROUNDING, UNJUDGED, drew_alike, judge
 
 __all__ = ["DEFAULT_TOLERANCES", "CompareReport", "CompareRow", "align", "compare", "tolerance_for"]
 
@@ -95,7 +95,9 @@ class CompareRow:
     - `verdict`: "within", "diverged", "not comparable" or "unchecked" (a side kept no value);
       None for one-sided rows. `reason` says why a row is not comparable or unchecked.
     - With a reference (`compare(..., reference=)`), for a row whose sides differ: `judgement`
-      ("rounding" or "real"), `closer` ("a", "b", or None when both are as far from float64),
+      ("rounding", "real", or "unjudged" with `reason` saying why: no float64 op to pair it with,
+      integer outputs, or after a random op where float64 drew other numbers), `closer` ("a", "b",
+      or None when both are as far from float64),
       `ulps_a`, `ulps_b` (each side's distance from float64 in ulps of its own dtype), `allowed`
       (the most ulps rounding allows there). None otherwise.
     """
@@ -200,7 +202,8 @@ class CompareReport:
             "only_a": statuses.count(ONLY_A),
             "only_b": statuses.count(ONLY_B),
             **({"rounding": sum(row.judgement == ROUNDING for row in self.rows),
-                "real": sum(row.judgement == REAL for row in self.rows)} if self.judged else {}),
+                "real": sum(row.judgement == REAL for row in self.rows),
+                "unjudged": sum(row.judgement == UNJUDGED for row in self.rows)} if self.judged else {}),
         }
 
     def to_rows(self) -> List[dict]:
@@ -209,18 +212,27 @@ class CompareReport:
 
     def verdict(self) -> str:
         """With a reference, the line that leads the report: the first real divergence, which side
-        is off and by how much, or that every divergence is rounding. '' without a reference."""
+        is off and by how much, or that every divergence judged is rounding, and how many could
+        not be judged (never "no real divergence" over rows nobody measured). '' without one."""
         if not self.judged:
             return ""
-        rounding, real = self.counts["rounding"], self.counts["real"]
+        rounding, real, unjudged = self.counts["rounding"], self.counts["real"], self.counts["unjudged"]
         row = self.first_real
+        not_judged = ""
+        if unjudged:
+            first = next(r for r in self.rows if r.judgement == UNJUDGED)
+            not_judged = (f"{unjudged} {self.noun}{'s' if unjudged != 1 else ''} whose sides differ could not be "
+                          f"judged (the first: {self.tag}{first.ordinal} {first.where}: {first.reason})")
         if row is None:
             if not rounding:
+                if unjudged:
+                    return f"not judged against float64: {not_judged}"
                 return "no real divergence: the two sides are equal wherever float64 was compared"
-            first = next(r for r in self.rows if r.judgement)
-            return (f"no real divergence: all {rounding} {self.noun}s whose sides differ are within rounding of "
+            first = next(r for r in self.rows if r.judgement == ROUNDING)
+            every = f"all {rounding}" if not unjudged else f"the {rounding} judged"
+            return (f"no real divergence: {every} {self.noun}s whose sides differ are within rounding of "
                     f"float64 (the first: {self.tag}{first.ordinal} {first.where}, a {_ulps(first.ulps_a)}, "
-                    f"b {_ulps(first.ulps_b)})")
+                    f"b {_ulps(first.ulps_b)})" + (f"; but {not_judged}" if unjudged else ""))
         off = {"a": "b", "b": "a"}.get(row.closer)
         if off is None:
             who = f"both sides are off float64 (a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)})"
@@ -229,7 +241,7 @@ class CompareReport:
             who = f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}"
         return (f"first real divergence: {self.tag}{row.ordinal} {row.where}: {who}, where rounding allows "
                 f"{_ulps(row.allowed)}; {rounding} other divergence{'s' if rounding != 1 else ''} "
-                f"judged rounding, {real - 1} more real")
+                f"judged rounding, {real - 1} more real" + (f"; {not_judged}" if unjudged else ""))
 
     def summary(self) -> str:
         """One line naming the first divergence: op, module, ordinals and how far apart."""
@@ -378,24 +390,49 @@ def _judge_rows(rows: List[CompareRow], trace_a, trace_b, values_a, values_b, re
 
     The reference's ops are paired with each trace's as the traces are with each other, on
     module, op and output shapes (its dtypes are float64's); a row takes the reference op paired
-    with its a side, or with its b side when a's has none."""
+    with its a side, or with its b side when a's has none. A row that cannot be judged says why
+    (`UNJUDGED`, `reason`), and so does every row after a random op where the reference drew other
+    numbers than both runs: from there on it computes something else than either."""
     ref_values = reference.trace.values or {}
     by_a = _reference_pairs(trace_a.ops, reference.trace.ops)
     by_b = _reference_pairs(trace_b.ops, reference.trace.ops)
+    random, drawn_apart = random_ops(), None
     for row in rows:
-        if row.status != BOTH or row.verdict not in (WITHIN, DIVERGED) or not row.max_abs:
+        if row.status != BOTH or row.verdict not in (WITHIN, DIVERGED):
             continue
         ref = by_a.get(row.ordinal_a) or by_b.get(row.ordinal_b)
         kept = ref_values.get(ref.ordinal) if ref is not None else None
         a, b = values_a[row.ordinal_a], values_b[row.ordinal_b]
-        if not any(value is not None and (value.is_floating_point() or value.is_complex()) for value in a):
-            continue  # integer outputs (an argmax, indices): no ulps to judge them by
-        if kept is None or any(v is None for v in kept) or len(kept) != len(a) or \
-                any(tuple(r.shape) != tuple(x.shape) for r, x in zip(kept, a)):
+        why = _why_unjudged(a, kept)
+        if drawn_apart is None and row.op in random:
+            if why is not None:
+                drawn_apart = (f"after #{row.ordinal} {row.op}, a random op the float64 run could not be checked at "
+                               f"({why})")
+            elif not drew_alike(a, kept) and not drew_alike(b, kept):
+                drawn_apart = (f"the float64 run drew other random numbers than both runs at #{row.ordinal} "
+                               f"{row.op}: make the reference from the generator state they started from, or "
+                               f"compare in eval()")
+        if not row.max_abs:
+            continue  # the two sides are equal: nothing to judge
+        why = drawn_apart or why
+        if why is not None:
+            row.judgement, row.reason = UNJUDGED, why
             continue
         verdict = judge(a, b, kept, reference.terms.get(ref.ordinal, 1))
         row.judgement, row.closer, row.allowed = verdict.verdict, verdict.closer, verdict.allowed
         row.ulps_a, row.ulps_b = verdict.a.ulps, verdict.b.ulps
+
+
+def _why_unjudged(values, kept) -> Optional[str]:
+    """Why a side's outputs cannot be judged against the reference's op (None when they can)."""
+    if not any(value is not None and (value.is_floating_point() or value.is_complex()) for value in values):
+        return "integer outputs: no ulps to judge them by"
+    if kept is None:
+        return "the float64 run has no op paired with it (it took another path there)"
+    if any(v is None for v in kept) or len(kept) != len(values) or \
+            any(tuple(r.shape) != tuple(x.shape) for r, x in zip(kept, values) if x is not None):
+        return "the float64 run's op there has other outputs"
+    return None
 
 
 def _reference_pairs(ops: Sequence[Event], reference_ops: Sequence[Event]) -> Dict[int, Event]:
@@ -719,9 +756,11 @@ def _row_lines(rows: List[CompareRow], elide: bool, tag: str = "#") -> List[str]
 
 
 def _judgement_text(row: CompareRow) -> str:
-    """`rounding: a 3.2 ulps, b 5 ulps` (`real` rows name the nearer side), '' for unjudged rows."""
+    """`rounding: a 3.2 ulps, b 5 ulps` (`real` rows name the nearer side), `unjudged: why`, or ''."""
     if row.judgement is None:
         return ""
+    if row.judgement == UNJUDGED:
+        return f"unjudged: {row.reason}"
     nearer = f", {row.closer} nearer" if row.judgement == REAL and row.closer else ""
     return f"{row.judgement}: a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}{nearer}"
 

@@ -33,11 +33,13 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["FLOOR_ULPS", "REAL", "ROUNDING", "SPREAD", "Error", "Judgement", "allowance", "error", "judge", "ulp"]
+__all__ = ["DRAWN_APART", "FLOOR_ULPS", "REAL", "ROUNDING", "SPREAD", "UNJUDGED", "Error", "Judgement", "allowance",
+           "drew_alike", "error", "judge", "ulp"]
 
 FLOOR_ULPS = 4.0
 SPREAD = 16.0
-ROUNDING, REAL = "rounding", "real"
+ROUNDING, REAL, UNJUDGED = "rounding", "real", "unjudged"
+DRAWN_APART = 0.1  # a random op's output this far off float64 (of its largest magnitude) drew other numbers
 
 
 def ulp(dtype: torch.dtype, magnitude: float) -> float:
@@ -119,3 +121,26 @@ def judge(values_a, values_b, references, terms: int) -> Judgement:
     allowed = allowance(terms, nearer)
     verdict = REAL if math.isinf(farther) or farther > allowed else ROUNDING
     return Judgement(verdict, closer, a, b, allowed)
+
+
+def drew_alike(values, references) -> bool:
+    """Whether a side's outputs of a random op (dropout, randn) are the reference's up to
+    rounding: off by less than `DRAWN_APART` of the output's largest magnitude. Other random
+    draws differ by whole values (an element kept on one side, zeroed on the other), never by
+    rounding."""
+    for value, ref in zip(values, references):
+        if value is None or ref is None or not (value.is_floating_point() or value.is_complex()):
+            continue
+        x, r = value.detach().to("cpu", torch.complex128 if value.is_complex() else torch.float64), \
+            ref.detach().to("cpu", torch.complex128 if ref.is_complex() else torch.float64)
+        if x.shape != r.shape:
+            return False
+        if x.numel() == 0:
+            continue
+        finite = x.isfinite() & r.isfinite()
+        if bool((x.isfinite() != r.isfinite()).any()):
+            return False
+        scale = float(r[finite].abs().max()) if bool(finite.any()) else 0.0
+        if bool(finite.any()) and float((x[finite] - r[finite]).abs().max()) > DRAWN_APART * scale:
+            return False
+    return True

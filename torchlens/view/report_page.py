@@ -10,7 +10,8 @@ report's.
 Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `dp` its depth, `v` verdict ("within",
 "diverged", "not comparable", "unchecked", or "only in a" / "only in b"), `d` max abs difference,
 `r` max rel difference, `at` atol, `rt` rtol, `why` the reason a row is not comparable or unchecked;
-with a float64 reference, `j` the judgement ("rounding" or "real"), `c` the side nearer float64,
+with a float64 reference, `j` the judgement ("rounding", "real", or "unjudged", `why` saying why), `c` the
+side nearer float64,
 `ua`, `ub` each side's ulps from it, `al` the ulps rounding allows. A table with a reference has
 `verdict` (the report's leading line) and `real` (the index of the first real divergence, or null).
 """
@@ -48,7 +49,7 @@ def _table(report, title: str) -> dict:
              f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
              f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b")
     if report.judged:
-        tally += f"; against float64: {counts['rounding']} rounding, {counts['real']} real"
+        tally += f"; against float64: {counts['rounding']} rounding, {counts['real']} real, {counts['unjudged']} unjudged"
     first = report.first_divergence
     table = {
         "title": title,

@@ -101,6 +101,7 @@ function rowElement(row, tag, previous) {
 
 /* A judged row's note: rounding or real, each side's ulps from float64, the nearer side. */
 function judgementText(row) {
+  if (row.j === "unjudged") return "unjudged: " + row.why;
   const ulps = function (value) { return value === undefined ? "-" : Number(value).toPrecision(3) + " ulps"; };
   let text = row.j + ": a " + ulps(row.ua) + ", b " + ulps(row.ub) + " (allowed " + ulps(row.al) + ")";
   if (row.j === "real" && row.c) text += ", " + row.c + " nearer float64";
