@@ -138,3 +138,19 @@ def test_a_model_whose_compiled_run_only_rounds_is_not_bisected():
     report = tl.debug.bisect(model, x)
     assert report.verdict == "rounding" and report.runs == 0, str(report)
     assert str(report).startswith("nothing to bisect: no real divergence"), str(report)
+
+
+def test_a_model_in_training_mode_is_bisected_to_how_compiled_code_draws_its_dropout_masks():
+    """Every try starts from the generator state the eager run started from, so only what draws
+    the masks otherwise is found: the decomposition of native_dropout, not 'backend eager'."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.1), nn.Linear(32, 8)).train(), torch.randn(4, 32)
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    report = tl.debug.bisect(model, x)
+    assert torch.equal(torch.rand(3), expected_draw), "the bisection consumed the user's random stream"
+    assert (report.verdict, report.backend, report.subsystem) == \
+        ("compiler", "aot_eager_decomp_partition", "decomposition"), str(report)
+    assert report.detail == "aten.native_dropout.default" and report.row.op == "dropout"
+    assert "dropout draws random numbers: compiled code draws them otherwise than eager's kernels" in str(report)

@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from ..errors import OptionValueError
+from ..generators import RandomState
 from ..structure import check_model
 from ..torch_seams import degraded
 from .compare import CompareReport, CompareRow, compare
-from .reference import reference
+from .reference import random_ops, reference
 
 __all__ = ["BisectReport", "bisect"]
 
@@ -95,7 +96,12 @@ class BisectReport:
             change = f"{self.backend} subsystem \"{self.subsystem}\", application {self.application}"
             if self.detail:
                 change += f" ({self.detail})"
-        return f"real divergence at {where} appears with {change}; {self.runs} compiled runs, {self.seconds:.0f} s"
+        text = f"real divergence at {where} appears with {change}; {self.runs} compiled runs, {self.seconds:.0f} s"
+        if row is not None and row.op in random_ops():
+            text += (f" ({row.op} draws random numbers: compiled code draws them otherwise than eager's kernels, "
+                     f"which torch does not promise to match; eval() the model, or set "
+                     f"torch._inductor.config.fallback_random = True to draw as eager does)")
+        return text
 
     def __repr__(self) -> str:
         return f"<BisectReport {self.verdict}: {self}>"
@@ -110,19 +116,34 @@ def bisect(model: nn.Module, *args, **kwargs) -> BisectReport:
     from ..api import trace
 
     started = time.perf_counter()
-    ref = reference(model, *args, **kwargs)
-    eager = trace(model, *args, **kwargs)
-    torch._dynamo.reset()
-    compared = compare(eager, trace(model, *args, compiled={"compiler": "inductor"}, **kwargs), reference=ref)
-    first = compared.first_real
-    if first is None:
-        report = BisectReport(ROUNDING, compared)
-    elif first.closer != "a":
-        report = BisectReport(EAGER if first.closer == "b" else NEITHER, compared, first)
-    else:
-        report = _run_bisector(bisector, model, args, kwargs, eager, ref, compared)
+    with _same_draws() as again:
+        ref = reference(model, *args, **kwargs)
+        eager = trace(model, *args, **kwargs)
+        torch._dynamo.reset()
+        again()
+        compiled = trace(model, *args, compiled={"compiler": "inductor"}, **kwargs)
+        compared = compare(eager, compiled, reference=ref)
+        first = compared.first_real
+        if first is None:
+            report = BisectReport(ROUNDING, compared)
+        elif first.closer != "a":
+            report = BisectReport(EAGER if first.closer == "b" else NEITHER, compared, first)
+        else:
+            report = _run_bisector(bisector, model, args, kwargs, eager, ref, compared, again)
     report.seconds = time.perf_counter() - started
     return report
+
+
+@contextlib.contextmanager
+def _same_draws():
+    """Every run of a bisection draws the random numbers the first drew (a model in training mode:
+    its dropout masks): yields `again()`, which puts the generators back to where they were at the
+    start. Afterwards the user's random stream goes on as if the bisection had not run."""
+    start = RandomState()
+    try:
+        yield start.restore
+    finally:
+        start.restore()
 
 
 def _bisector():
@@ -135,7 +156,7 @@ def _bisector():
     return CompilerBisector
 
 
-def _run_bisector(bisector, model, args, kwargs, eager, ref, compared: CompareReport) -> BisectReport:
+def _run_bisector(bisector, model, args, kwargs, eager, ref, compared: CompareReport, again) -> BisectReport:
     from ..api import trace
 
     seen: List[CompareRow] = []
@@ -145,6 +166,7 @@ def _run_bisector(bisector, model, args, kwargs, eager, ref, compared: CompareRe
         torch._dynamo.reset()
         backend = bisector.get_backend()
         runs[0] += 1
+        again()
         with _backend_kept(bisector):
             compiled = trace(model, *args, compiled={"compiler": _compiler(bisector, backend)}, **kwargs)
         real = compare(eager, compiled, reference=ref).first_real

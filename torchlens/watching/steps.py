@@ -19,30 +19,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ..generators import RandomState
 from .checks import floating_leaves, screen_sums
 
 __all__ = ["RandomState", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-class RandomState:
-    """The default generators' states: the CPU one and each initialised CUDA device's."""
-
-    __slots__ = ("cpu", "cuda")
-
-    def __init__(self):
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-
-    @property
-    def nbytes(self) -> int:
-        return self.cpu.numel() + sum(s.numel() for s in (self.cuda or ()))
 
 
 def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
