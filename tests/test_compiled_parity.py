@@ -40,45 +40,15 @@ _ORDINAL = re.compile(r"#\d+\s*")
 
 @contextlib.contextmanager
 def transformers_compile_path():
-    """transformers' `is_torchdynamo_compiling()` answers True: eager runs the compiled code path
-    (and the kernel hub's function wrappers call their function, as they do when compiling)."""
+    """transformers' `is_torchdynamo_compiling()` answers True: eager runs the compiled code path.
+    (The kernel hub's function wrappers still dispatch to a private copy of themselves eagerly and
+    call their function when compiling: narration names both one scope.)"""
     try:
         import transformers.utils.import_utils as import_utils
     except ImportError:
         yield
         return
-    with _kernel_funcs_called_directly():
-        yield from _transformers_compiling(import_utils)
-
-
-@contextlib.contextmanager
-def _kernel_funcs_called_directly():
-    """The `kernels` package's wrapper of a function (`apply_rotary_pos_emb` in transformers 5.25)
-    calls a private copy of itself in eager code and the function itself when compiling."""
-    try:
-        from kernels._internals.layer import layer
-    except ImportError:
-        yield
-        return
-    original = layer._ACTIVE_KERNEL_FUNCS
-    layer._ACTIVE_KERNEL_FUNCS = _NoKernelFuncs()
-    try:
-        yield
-    finally:
-        layer._ACTIVE_KERNEL_FUNCS = original
-
-
-class _NoKernelFuncs:
-    """A context variable that never holds a private wrapper."""
-
-    def get(self):
-        return None
-
-    def set(self, value):
-        return None
-
-    def reset(self, token):
-        pass
+    yield from _transformers_compiling(import_utils)
 
 
 def _transformers_compiling(import_utils):

@@ -103,6 +103,12 @@ class ScopeTable:
             return self.root_scope
         if name is None:
             label = f"<{type(module).__name__}>"
+            if parent.path.endswith(label):
+                # called by a module of its own class that is not part of the model either: a
+                # dispatching wrapper (transformers' kernel-hub `Func` calls a per-model copy,
+                # which compiled code calls as a function) is one scope, as dynamo records it
+                self._calls[(id(module), id(parent))] = (parent, weakref.ref(module))
+                return parent
             name = f"{parent.path}.{label}" if parent.path else label
         scope = self._child(parent, name, name, type(module).__name__)
         self._calls[(id(module), id(parent))] = (scope, weakref.ref(module))

@@ -277,6 +277,7 @@ class EagerCapture(OpReporter):
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
         self._closers = {}
         self._wrapped = {}  # id(module) -> calls in progress through its torch.compile wrapper
+        self._folded = {}  # id(module) -> calls in progress that share their caller's scope
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -374,7 +375,9 @@ class EagerCapture(OpReporter):
         try:
             session = self.session
             scope = self.scopes.module_scope(module, session.scope)
-            if scope.parent is not None:  # the root's own call is the whole pass, not a module line
+            if scope is session.scope and scope.parent is not None:  # one scope with its caller (`module_scope`)
+                self._folded[id(module)] = self._folded.get(id(module), 0) + 1
+            elif scope.parent is not None:  # the root's own call is the whole pass, not a module line
                 session.enter(scope)
         except Exception as exc:
             self.turn_off(exc, "recording a module enter")
@@ -387,6 +390,10 @@ class EagerCapture(OpReporter):
             session = self.session
             if not unwinding and isinstance(module, _ScriptModule) and self._opaque_call("scripted", args, output):
                 self.scripted += 1
+            folded = self._folded.get(id(module))
+            if folded:  # its call opened no scope of its own: its caller's closes
+                self._folded[id(module)] = folded - 1
+                return
             scope = session.open_scope(self.scopes.paths_of(module))
             if scope is not None:
                 session.exit(scope, unwinding)
