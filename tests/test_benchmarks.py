@@ -100,3 +100,19 @@ def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_
             assert rows[mode]["faults"] == 0, rows[mode]
             assert 0 < rows[mode]["held_bytes"] < 16 * 1024, rows[mode]
         assert rows["plain"]["held_bytes"] is None and rows["plain"]["multiplier"] == 1.0
+
+
+def test_quick_gc_benchmark_counts_full_collections_and_promotions(tmp_path):
+    report_path = tmp_path / "gc.json"
+    command = [sys.executable, str(BENCHMARKS / "gc_bench.py"), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["steps"] == 200
+    for mode in ("plain", "tracked"):
+        row = report[mode]
+        assert row["steps"] == 200 and row["step_ms"] > 0 and row["full_collections"] >= 0, row
+        assert row["promoted_per_step"] >= 0 and row["promoted_in_loop_per_step"] >= 0, row
+    # a tracked step leaves its recording (keep=1) and its graph's hooks alive: more than a plain one
+    assert report["tracked"]["promoted_per_step"] > report["plain"]["promoted_per_step"]
+    assert "tracked  200 steps" in done.stdout
