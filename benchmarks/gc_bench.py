@@ -11,7 +11,9 @@ This counts, over `--steps` tracked training steps of a narrow resnet18 (SGD wit
   as it runs (`promoted_in_loop_per_step`, from generation 2's size around each generation-1
   collection, in a second, untimed run), and alive at the end of a step (`promoted_per_step`,
   with automatic collections paused and the young generations collected after each step);
-- the tracked step's time beside a plain step's (the median of the medians of blocks of 50 steps).
+- the tracked step's time beside a plain step's: `step_ms`, the median of the medians of blocks of
+  50 steps (what a step costs, collections aside), and `mean_step_ms` (the run's time over its
+  steps: full collections included).
 
     python benchmarks/gc_bench.py                 # 1,000 tracked steps
     python benchmarks/gc_bench.py --quick         # 200 steps: proves it works
@@ -172,7 +174,7 @@ def run(steps: int, tracked: bool, promotions: bool = False) -> dict:
                 recorder.__exit__(None, None, None)
     blocks = [statistics.median(times[i:i + 50]) for i in range(0, len(times), 50)]
     return {"steps": steps, "full_collections": collections.full, "step_ms": 1000 * statistics.median(blocks),
-            "promoted_in_loop_per_step": collections.promoted / steps}
+            "mean_step_ms": 1000 * sum(times) / steps, "promoted_in_loop_per_step": collections.promoted / steps}
 
 
 def promoted(steps: int, tracked: bool) -> float:
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
         result["promoted_per_step"] = promoted(min(steps, 100), tracked)
         report[name] = result
         print(f"{name:8s} {steps} steps: {result['full_collections']:3d} full collections, "
-              f"{result['step_ms']:.2f} ms per step; objects promoted to generation 2 per step: "
+              f"{result['step_ms']:.2f} ms per step (mean {result['mean_step_ms']:.2f}); "
+              f"objects promoted to generation 2 per step: "
               f"{result['promoted_in_loop_per_step']:.1f} in the loop, {result['promoted_per_step']:.1f} "
               f"alive at its end", flush=True)
     if args.json:
