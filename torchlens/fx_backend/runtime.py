@@ -380,6 +380,9 @@ class CompiledPass(ForwardPass):
             release_fast_paths()
         make_inactive(self)
         self._live.clear()
+        # The call is over: its wrapper's frame (which holds the cleanup bound to this pass: a
+        # reference cycle) and its arguments are let go, and the pass is freed as it ends.
+        self.call = _NO_CALL
         super().close()
 
 
