@@ -51,7 +51,8 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels)
         self.downsample = None
         if stride != 1 or inputs != channels:
-            self.downsample = nn.Sequential(nn.Conv2d(inputs, channels, 1, stride, bias=False), nn.BatchNorm2d(channels))
+            self.downsample = nn.Sequential(nn.Conv2d(inputs, channels, 1, stride, bias=False),
+                                            nn.BatchNorm2d(channels))
 
     def forward(self, x):
         y = F.relu(self.bn1(self.conv1(x)))

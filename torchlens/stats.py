@@ -27,8 +27,9 @@ import torch
 from .events import Stats
 
 __all__ = ["INT_COUNT", "INT_VECTOR_SIZE", "SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector",
-           "exact_below", "fill", "finite_vector", "int_vector", "small_int_vector", "is_dtensor", "is_wrapped", "lean_count_vector", "measures", "plain_values",
-           "sample_indices", "shareable", "unmeasured", "unwrapped", "value_kind", "vector_dtype"]
+           "exact_below", "fill", "finite_vector", "int_vector", "is_dtensor", "is_wrapped", "lean_count_vector",
+           "measures", "plain_values", "sample_indices", "shareable", "small_int_vector", "unmeasured", "unwrapped",
+           "value_kind", "vector_dtype"]
 
 SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
@@ -338,8 +339,9 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
 
     "bool" [true count], "counts" [nan, +inf, -inf], "moments" (a `cheap_vector`, all finite),
     "moments+counts" (a `cheap_vector`, trusted only if the counts that follow are zero),
-    "finite" (a `finite_vector`), "int" (an `int_vector`), "small-int" (a `small_int_vector`), "sampled" / "sampled-moments" (a
-    `finite_vector` / `cheap_vector` of the sample, then the tensor's counts when tracking).
+    "finite" (a `finite_vector`), "int" (an `int_vector`), "small-int" (a `small_int_vector`),
+    "sampled" / "sampled-moments" (a `finite_vector` / `cheap_vector` of the sample, then the
+    tensor's counts when tracking).
     """
     _fill(stats, values, layout, tracking)
     _drop_overflowed(stats)

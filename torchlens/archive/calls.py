@@ -154,7 +154,7 @@ def loaded_call(doc, tensors: Dict[str, torch.Tensor], restored, bad) -> Tuple[s
     if error is not None and not isinstance(error, str):
         raise bad("a repro's error should be a string")
     name = doc.get("function")
-    if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name) or name.split(".")[0] not in _ROOTS):
+    if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name) and name.split(".")[0] in _ROOTS):
         raise bad(f"a repro's function {name!r} is not a torch function's name")
     func = None if name is None else NamedFunction(name)
     context = _context(doc.get("context"), bad)
