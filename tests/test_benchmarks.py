@@ -114,3 +114,19 @@ def test_quick_bisect_benchmark_names_the_planted_addmm_on_a_transformers_gpt2(t
         ("compiler", "aot_eager_decomp_partition", "decomposition"), planted
     assert (planted["op"], planted["module"]) == ("addmm", "transformer.h.0.mlp.c_fc"), planted
     assert "(aten.addmm.default)" in planted["report"] and planted["seconds"] > 0
+
+
+def test_quick_gc_benchmark_counts_full_collections_and_promotions(tmp_path):
+    report_path = tmp_path / "gc.json"
+    command = [sys.executable, str(BENCHMARKS / "gc_bench.py"), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["steps"] == 200
+    for mode in ("plain", "tracked"):
+        row = report[mode]
+        assert row["steps"] == 200 and row["step_ms"] > 0 and row["full_collections"] >= 0, row
+        assert row["promoted_per_step"] >= 0 and row["promoted_in_loop_per_step"] >= 0, row
+    # a tracked step leaves its recording (keep=1) and its graph's hooks alive: more than a plain one
+    assert report["tracked"]["promoted_per_step"] > report["plain"]["promoted_per_step"]
+    assert "tracked  200 steps" in done.stdout

@@ -332,21 +332,27 @@ def test_damaged_and_malformed_files_are_trace_file_errors_never_other_exception
         tl.load(tmp_path / "missing.tl")
 
 
-def test_a_file_of_the_previous_format_version_loads_and_a_later_one_is_refused_by_name(tmp_path):
-    """Version 2 added a DTensor's placement and an engine op's engine, both optional: a version 1
-    file (neither, no dtensor_stats setting) narrates as before; a version this release does not
-    know names the versions it reads."""
+def test_files_of_previous_format_versions_load_and_a_later_one_is_refused_by_name(tmp_path):
+    """Version 2 added a DTensor's placement and an engine op's engine, version 3 the call a repro
+    replays, all optional: a version 1 or 2 file narrates as before (its `repro()` says the file
+    kept no inputs: see test_saved_repro.py); a version this release does not know names the
+    versions it reads."""
     trace = tl.trace(nan_gpt(), tokens(), value_stats="exact", on_nonfinite="track")
     good = trace.save(tmp_path / "good.tl")
 
     def as_version_1(doc):
         doc["version"] = 1
-        del doc["settings"]["dtensor_stats"], doc["settings"]["narration"]
+        del doc["settings"]["dtensor_stats"], doc["settings"]["narration"], doc["repro"]
 
-    old = tl.load(_rewritten(good, tmp_path / "v1.tl", "trace.json", _edit_json(as_version_1)))
-    assert old.narrate() == trace.narrate() and old.settings.dtensor_stats == "local"
-    later = _rewritten(good, tmp_path / "v3.tl", "trace.json", _edit_json(lambda doc: doc.update(version=3)))
-    with pytest.raises(tl.errors.TraceFileError, match="reads versions 1, 2: load it with the torchlens release"):
+    def as_version_2(doc):
+        doc["version"] = 2
+        del doc["repro"]
+
+    for name, change in (("v1.tl", as_version_1), ("v2.tl", as_version_2)):
+        old = tl.load(_rewritten(good, tmp_path / name, "trace.json", _edit_json(change)))
+        assert old.narrate() == trace.narrate() and old.settings.dtensor_stats == "local"
+    later = _rewritten(good, tmp_path / "v4.tl", "trace.json", _edit_json(lambda doc: doc.update(version=4)))
+    with pytest.raises(tl.errors.TraceFileError, match="reads versions 1, 2, 3: load it with the torchlens release"):
         tl.load(later)
 
 

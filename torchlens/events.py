@@ -95,9 +95,45 @@ class TensorMeta(tuple):
 
     @classmethod
     def of(cls, tensor) -> "TensorMeta":
+        return cls.single(tensor)[0]
+
+    @classmethod
+    def single(cls, tensor) -> Tuple["TensorMeta"]:
+        """`(TensorMeta.of(tensor),)`: the outputs of an op that returned one tensor.
+
+        Interned: a forward repeats a few shapes many times, and a training loop repeats them every
+        step, so ops of the same shape share one description (and one tuple of it). Events then
+        hold no object of their own for it, and a long run's steps leave that many fewer objects
+        for the garbage collector to move into its older generations."""
         if tensor.__class__ is not _TENSOR and hasattr(tensor, "placements") and hasattr(tensor, "_local_tensor"):
-            return ShardedMeta.of(tensor)  # a DTensor
-        return tuple.__new__(cls, (tensor.shape, tensor.dtype, tensor.device))
+            return (ShardedMeta.of(tensor),)  # a DTensor
+        key = (tensor.shape, tensor.dtype, tensor.device)
+        try:
+            return _SINGLES[key]
+        except KeyError:
+            if len(_SINGLES) >= _INTERN_LIMIT:  # shapes that change all run long (generation): start again
+                _SINGLES.clear()
+            single = _SINGLES[key] = (tuple.__new__(cls, key),)
+            return single
+        except TypeError:  # a symbolic size cannot be hashed: described, not interned
+            return (tuple.__new__(cls, key),)
+
+    @classmethod
+    def all_of(cls, tensors) -> Tuple["TensorMeta", ...]:
+        """The descriptions of a sequence of tensors (interned, see `single`)."""
+        if len(tensors) == 1:
+            return cls.single(tensors[0])
+        return cls.interned(tuple(cls.of(tensor) for tensor in tensors))
+
+    @staticmethod
+    def interned(metas: Tuple["TensorMeta", ...]) -> Tuple["TensorMeta", ...]:
+        """`metas` (a multi-output op's), or an equal tuple already held (see `single`)."""
+        try:
+            if len(_MANY) >= _INTERN_LIMIT:
+                _MANY.clear()
+            return _MANY.setdefault(metas, metas)
+        except TypeError:
+            return metas
 
     @classmethod
     def ragged(cls, tensor) -> "TensorMeta":
@@ -162,6 +198,9 @@ def _placement_text(placement) -> str:
 
 
 _TENSOR = torch.Tensor
+_SINGLES: dict = {}  # (shape, dtype, device) -> (TensorMeta,)
+_MANY: dict = {}  # tuple of TensorMeta -> itself
+_INTERN_LIMIT = 1 << 14
 
 
 class Event:

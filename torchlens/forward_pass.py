@@ -91,7 +91,7 @@ class ForwardPass:
         with self.own_work(), guarded("recording the forward's inputs", self.session.mark_incomplete,
                                       "an internal error recording the inputs"):
             for label, tensor in inputs():
-                pipeline.input(label, (TensorMeta.of(tensor),), tensor)
+                pipeline.input(label, TensorMeta.single(tensor), tensor)
 
     def finish(self, output, notes: Callable[[], Sequence[str]] = tuple) -> Recording:
         """The recording of the forward that returned `output`, with `notes()` on how it ran (footer).
@@ -104,7 +104,7 @@ class ForwardPass:
             try:
                 outputs = named_outputs(output)
                 for label, tensor in outputs:
-                    self.pipeline.output(label, (TensorMeta.of(tensor),), tensor)
+                    self.pipeline.output(label, TensorMeta.single(tensor), tensor)
                 session.footer_extra.extend(notes())
                 recording = session.finish(output, self.pipeline)
             except Exception as exc:

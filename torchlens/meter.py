@@ -22,9 +22,9 @@ from .elements import element_layout
 from .events import Stats, StatsGroup
 from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
                       sums_of)
-from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, fill, finite_vector, is_dtensor,
-                    is_wrapped,
-                    measures, plain_values, sample_indices, shareable, unmeasured, value_kind, vector_dtype)
+from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, exact_below, fill, finite_vector,
+                    int_vector, is_dtensor, is_wrapped, measures, plain_values, sample_indices, shareable,
+                    small_int_vector, unmeasured, value_kind, vector_dtype)
 
 __all__ = ["READ_NOW", "Meter", "Pending", "reads_now"]
 
@@ -149,15 +149,17 @@ class Meter:
         if not chosen.measures:
             return stats
         dtype = vector_dtype(tensor.device)
-        if kind == "bool":
-            return self._start(stats, chosen.build(tensor, dtype, numel, tensor.dim()), chosen, now)
-        f = tensor.to(dtype) if kind == "int" else as_float(tensor, tensor.dtype)
+        if chosen.layout == "small-int":
+            return self._integers(stats, tensor, dtype)
+        if kind != "float":  # bools and integers: the tensor itself
+            return self._start(stats, chosen.build(tensor, dtype, numel, tensor.dim(), tensor.dtype), chosen, now)
+        f = as_float(tensor, tensor.dtype)
         if sampled:
             return self._sampled(stats, f, numel, now)
         if chosen.layout == "screen":
             return self._screened(stats, f)
         if chosen.layout == "sums":
-            return self._summed(stats, f, dtype, numel, kind == "int")
+            return self._summed(stats, f, dtype, numel)
         return self._start(stats, chosen.build(f, dtype, numel, f.dim()), chosen, now)
 
     # -- read now: the tensor is at hand ------------------------------------------------------------
@@ -176,7 +178,7 @@ class Meter:
         elif self._plain == "screen":
             stats = self._screened(Stats("counts", numel, self.rung == "reuse"), tensor.detach())
         else:
-            stats = self._summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel, False)
+            stats = self._summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel)
         if identity is not None:
             self._known[identity[1]] = (weakref.ref(identity[0]), stats, True)
         return stats
@@ -206,7 +208,7 @@ class Meter:
         fill(stats, count_vector(f, torch.float64).tolist(), "counts", self.tracking)
         return stats
 
-    def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int, integer: bool) -> Stats:
+    def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int) -> Stats:
         """Exact statistics, read now. On the CPU from [min, max, sum, sum of squares] (see
         `torchlens.recipes`); on an accelerator, whose every read is a sync, from the two-pass
         vector, read once. A tensor holding non-finite values is measured again, masking them and
@@ -224,12 +226,22 @@ class Meter:
             values = cheap_vector(f, dtype, numel).tolist()
         if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
             fill(stats, values, "moments", self.tracking)  # (a moment past float64's range is dropped)
-            if integer:
-                stats.min, stats.max = int(stats.min), int(stats.max)
-                stats.nan = stats.posinf = stats.neginf = None  # integers are always finite: no counts
             return stats
         self.reads += 1  # non-finite values: min/max/mean/sd of the finite ones, and counts
-        fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "int" if integer else "finite", self.tracking)
+        fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "finite", self.tracking)
+        return stats
+
+    def _integers(self, stats: Stats, tensor: torch.Tensor, dtype: torch.dtype) -> Stats:
+        """Exact statistics of integers, read now: from their float copy while that is exact (the
+        common case: token ids, positions, counts), else from the integers themselves."""
+        self.reads += 1
+        values = small_int_vector(tensor.detach().to(dtype)).tolist()
+        bound = exact_below(dtype)
+        if -bound < values[0] and values[1] < bound:
+            fill(stats, values, "small-int", self.tracking)
+            return stats
+        self.reads += 1  # integers past the float's exact ones: measured again in integers
+        fill(stats, int_vector(tensor, tensor.dtype, dtype, tensor.dim()).tolist(), "int", self.tracking)
         return stats
 
     def _moments(self, f: torch.Tensor, sums, numel: int) -> list:

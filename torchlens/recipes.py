@@ -6,7 +6,7 @@ The ladder — not applicable, then the dtype's kind (bool, integer, float), the
 sampled, counts for tracking) — is decided here once; a `Recipe` names what it builds (`layout`),
 how long its vector is (`size`), the `Stats` it fills, and whether a dynamic size was padded.
 
-Two recipes exist only where the tensor is still at hand when the vector is read (`immediate`:
+Three recipes exist only where the tensor is still at hand when the vector is read (`immediate`:
 on the CPU, where reading needs no device to wait for, or a line printed now), because a result
 they cannot vouch for is measured again from the tensor:
 
@@ -19,6 +19,9 @@ they cannot vouch for is measured again from the tensor:
   is large against the spread (where subtracting sums would lose digits) mean and sd are measured
   again about the mean, as a two-pass algorithm does. A min or max that is not finite means
   non-finite values: the tensor is measured again, masking and counting them.
+- "small-int": an integer tensor's statistics from its values converted to float64, as few calls as
+  "sums" takes; exact while min and max are within float64's exact integers (2**53). Past them the
+  tensor is measured again as "int" does, with its integers as integers.
 
 Deferred vectors (an accelerator's, read once per forward or graph call, when the tensor is gone)
 carry their counts from the start ("counts", "moments+counts").
@@ -33,7 +36,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from .events import Stats
-from .stats import cheap_vector, count_vector, fill, finite_vector, lean_count_vector
+from .stats import (INT_COUNT, INT_VECTOR_SIZE, cheap_vector, count_vector, fill, finite_vector, int_vector,
+                    lean_count_vector)
 
 __all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "moments_from_sums", "not_applicable", "recipe",
            "screen_finite", "screen_vector", "sums_of"]
@@ -57,21 +61,27 @@ class Recipe(NamedTuple):
     def stats(self, numel: int) -> Stats:
         return Stats(self.kind, numel, self.shown, note=self.note)
 
-    def build(self, values, dtype: torch.dtype, numel, ndim: int):
-        """The vector for `values` (a tensor, or an FX proxy: nothing here reads a value).
-        `values` is already in the dtype the recipe reduces (see `torchlens.stats.as_float`)."""
-        if self.layout in ("screen", "sums"):
+    def build(self, values, dtype: torch.dtype, numel, ndim: int, source: torch.dtype = None):
+        """The vector for `values` (a tensor, or an FX proxy: nothing here reads a value), in
+        `dtype`. A float's `values` are already in the dtype the recipe reduces (see
+        `torchlens.stats.as_float`); an integer's are the tensor itself, of dtype `source`."""
+        if self.layout in _AT_HAND:
             raise ValueError(f"a {self.layout!r} recipe is measured by the meter, with its tensor at hand")
+        if self.layout == "int":
+            return int_vector(values, source, dtype, ndim, self.padded)
         return _BUILDERS[self.layout](self, values, dtype, numel, ndim)
 
     def read(self, stats: Stats, values: Sequence[float], tracking: bool) -> None:
         """Fill `stats` from the vector read back (`size` entries)."""
-        if self.layout in ("screen", "sums"):
+        if self.layout in _AT_HAND:
             raise ValueError(f"a {self.layout!r} vector is read by the meter, with its tensor at hand")
         values = list(values)
-        if self.padded:
-            values[6] -= 1  # the NaN appended to keep an empty tensor's reductions defined
+        if self.padded:  # the element appended to keep an empty tensor's reductions defined
+            values[INT_COUNT if self.layout == "int" else 6] -= 1  # (a float's, a NaN: counted as one)
         fill(stats, values, self.layout, tracking)
+
+
+_AT_HAND = ("screen", "sums", "small-int")  # recipes the meter measures, with the tensor at hand
 
 
 def not_applicable(reason: str, rung: str) -> Recipe:
@@ -95,10 +105,10 @@ def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, im
         return Recipe("", "na", False, note=kind)
     if kind == "bool":
         return Recipe("bool", "bool", shown, 1)
-    if kind == "int":
+    if kind == "int":  # exact integers (`torchlens.stats.int_vector`; read now, in few calls when it can)
         if immediate:
-            return Recipe("sums", "exact", shown, 4)
-        return Recipe("int", "exact", shown, 9, padded=not numel_known)
+            return Recipe("small-int", "exact", shown, 5)
+        return Recipe("int", "exact", shown, INT_VECTOR_SIZE, padded=not numel_known)
     if not measuring:  # tracking: counts, shown by "reuse"
         if immediate:
             return Recipe("screen", "counts", rung == "reuse", 1)
@@ -171,7 +181,6 @@ UNKNOWN_NUMEL = 1 << 62  # a dynamic element count: `lean_count_vector`'s int64 
 
 _BUILDERS: "dict[str, Callable]" = {
     "bool": lambda r, f, dtype, numel, ndim: f.sum()[None].to(dtype),
-    "int": lambda r, f, dtype, numel, ndim: _padded(f, dtype) if r.padded else finite_vector(f, dtype, ndim),
     "finite": lambda r, f, dtype, numel, ndim: _padded(f, dtype) if r.padded else finite_vector(f, dtype, ndim),
     "counts": lambda r, f, dtype, numel, ndim: _counts(r, f, dtype, numel),
     "moments": lambda r, f, dtype, numel, ndim: cheap_vector(f, dtype, numel),

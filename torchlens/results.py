@@ -221,19 +221,22 @@ class Recording:
             lines += run.lines(options.replace(prefix=""))
         return lines
 
-    def save(self, path) -> str:
+    def save(self, path, *, max_repro_bytes: Optional[int] = None) -> str:
         """Write this recording to `path` (a zip of JSON lines and a safetensors file, readable
         without torchlens); `tl.load(path)` gives it back, narrating byte-identically. A trace's
-        kept values and the forward's output tensors are saved too; returns the path."""
+        kept values and the forward's output tensors are saved too, and the inputs of the op
+        `repro()` replays, up to `max_repro_bytes` (None: 64 MiB), so that the loaded trace's
+        `repro()` writes the same script; returns the path."""
         from .archive.files import save
 
-        return save(self, path)
+        return save(self, path, max_repro_bytes)
 
     def repro(self, directory):
         """Write a standalone script (`repro.py`) and the inputs (`inputs.pt`) that replay, with
         plain torch, the op where tracking found the first non-finite value; returns the script's
         path. Needs `on_nonfinite=` and an eager run: the first op to produce each kind of
-        non-finite value keeps a copy of its inputs (`tl.errors.ReproError` says when it did not)."""
+        non-finite value keeps a copy of its inputs (`tl.errors.ReproError` says when it did not);
+        a saved trace keeps them (see `save`)."""
         from .repro.replay import nonfinite_repro
 
         return nonfinite_repro(self, directory)

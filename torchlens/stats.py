@@ -8,7 +8,8 @@ The rungs of `value_stats=`:
 - "sampled": statistics of a bounded, seeded sample of the elements, marked `~=` and with the sample
   size; a sample never claims the tensor is finite.
 - "exact": min, max, mean and standard deviation over every element, with non-finite counts. When
-  non-finite values are present, min/max/mean/sd are those of the finite elements.
+  non-finite values are present, min/max/mean/sd are those of the finite elements. An integer
+  tensor's min and max are its integers exactly, at any width (`int_vector`).
 
 Everything is computed on the tensor's device as a small vector. This module holds the tensor-level
 pieces: which tensors can be measured, the vectors, and how a read vector fills a `Stats`. Which
@@ -25,9 +26,10 @@ import torch
 
 from .events import Stats
 
-__all__ = ["SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector", "fill", "finite_vector",
-           "is_dtensor", "is_wrapped", "lean_count_vector", "measures", "plain_values", "sample_indices", "shareable",
-           "unmeasured", "unwrapped", "value_kind", "vector_dtype"]
+__all__ = ["INT_COUNT", "INT_VECTOR_SIZE", "SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector",
+           "exact_below", "fill", "finite_vector", "int_vector", "is_dtensor", "is_wrapped", "lean_count_vector",
+           "measures", "plain_values", "sample_indices", "shareable", "small_int_vector", "unmeasured", "unwrapped",
+           "value_kind", "vector_dtype"]
 
 SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
@@ -196,6 +198,108 @@ def finite_vector(f, dtype: torch.dtype, ndim: int):
     return torch.cat([torch.stack([v.to(dtype) for v in values]), count_vector(f, dtype)])
 
 
+# -- integers ----------------------------------------------------------------------------------
+#
+# A statistics vector is float64 (float32 on MPS): an int64 past 2**53 (a token id hashed, a
+# timestamp in nanoseconds) would be rounded in it. So the vector carries an integer as four 16-bit
+# limbs, each exact in either float, and the host puts them together again. Mean and sd are taken
+# from deviations about one element of the tensor, each computed exactly in integers and rounded
+# once to the vector's float: a spread of a few units among values near 2**62 is kept (converting
+# the values themselves to float64 first would make them all equal, and their sd 0).
+
+_UINT64 = getattr(torch, "uint64", None)
+_WIDE = {dtype for dtype in (torch.int64, _UINT64) if dtype is not None}  # where a difference may overflow
+_INT64_MIN = -(1 << 63)
+_LIMB_BITS = 16
+_LIMB = (1 << _LIMB_BITS) - 1
+_LIMBS = 4  # per 64-bit integer
+_ENDS = 3  # min, max and the shift the deviations are taken about
+_SUMS = _ENDS * _LIMBS  # where the sums of deviations start
+INT_VECTOR_SIZE = _SUMS + 3
+INT_COUNT = _SUMS + 2  # the element count (a padded vector's one more)
+
+
+def int_vector(values, dtype: torch.dtype, vector: torch.dtype, ndim: int, padded: bool = False):
+    """[min, max, shift (each as four limbs), sum of deviations, sum of their squares, count] of an
+    integer tensor, every dtype from int8 to uint64; `fill` puts it together as exact integers and
+    the moments about the shift.
+
+    Plain torch calls on `values` and no reads, so it traces into FX graphs as it runs eagerly (hence
+    `dtype` and `ndim` are passed in). The 64-bit dtypes are reduced as int64 in their own order
+    (uint64 with its top bit flipped), which every backend reduces; the narrower ones are widened to
+    int64, exactly. `padded`: a dynamic size that may be zero (its statistics then say "empty");
+    one copy of the first element is appended, which changes neither the extremes nor the sums, and
+    the count says how many elements there are (one more, taken off when read)."""
+    ordered = values.detach()
+    if dtype == _UINT64:
+        ordered = ordered.view(torch.int64) ^ _INT64_MIN
+    elif dtype != torch.int64:
+        ordered = ordered.to(torch.int64)
+    if padded:
+        flat = ordered.reshape(-1)
+        ordered = torch.cat([flat, torch.cat([flat, flat.new_zeros(1)])[:1]])
+        ndim = 1
+    shift = ordered[(0,) * ndim]
+    mn, mx = torch.aminmax(ordered)
+    ends = torch.stack([mn, mx, shift])
+    if dtype == _UINT64:
+        ends = ends ^ _INT64_MIN  # back to the unsigned values' bits
+    limbs = [(ends >> (_LIMB_BITS * i)) & _LIMB for i in range(_LIMBS - 1)]
+    top = ends >> (_LIMB_BITS * (_LIMBS - 1))
+    limbs.append(top & _LIMB if dtype == _UINT64 else top)  # the top limb carries the sign
+    deviation = _deviation(ordered, shift, dtype in _WIDE, vector)
+    sums = torch.stack([deviation.sum(), (deviation * deviation).sum(), torch.ones_like(deviation).sum()])
+    return torch.cat([torch.stack(limbs, dim=1).reshape(-1).to(vector), sums])
+
+
+def _deviation(ordered, shift, wide: bool, vector: torch.dtype):
+    """`ordered - shift`, exact in int64 and rounded once to `vector`'s float. Two 64-bit values may
+    be further apart than int64 holds: their high and low 32 bits are subtracted apart, each
+    exactly, and put together in the float."""
+    if not wide:
+        return (ordered - shift).to(vector)
+    high = (ordered >> 32) - (shift >> 32)
+    low = (ordered & 0xFFFFFFFF) - (shift & 0xFFFFFFFF)
+    return high.to(vector) * float(1 << 32) + low.to(vector)
+
+
+def small_int_vector(f):
+    """[min, max, shift, sum of deviations, sum of their squares] of integers converted to the
+    vector's float `f`: what an integer tensor read at once costs, in few calls. Exact while every
+    value is (`exact_below`: the caller checks min and max, and measures an `int_vector` when not)."""
+    flat = f.reshape(-1)
+    shift = flat[0]
+    deviation = flat - shift
+    mn, mx = torch.aminmax(flat)
+    return torch.stack([mn, mx, shift, deviation.sum(), torch.dot(deviation, deviation)])
+
+
+def exact_below(vector: torch.dtype) -> int:
+    """Integers below this magnitude are exact in the float of a statistics vector."""
+    return 1 << (53 if vector == torch.float64 else 24)
+
+
+def _integer(limbs: Sequence[float]) -> int:
+    """An integer from its four limbs (the top one signed for a signed dtype)."""
+    return sum(int(limb) << (_LIMB_BITS * i) for i, limb in enumerate(limbs))
+
+
+def _fill_int(stats: Stats, values: Sequence[float]) -> None:
+    total, squares, count = values[_SUMS:_SUMS + 3]
+    if count < 1:
+        return  # (a padded vector of an empty tensor: nothing was measured)
+    mn, mx, shift = (_integer(values[_LIMBS * i:_LIMBS * (i + 1)]) for i in range(_ENDS))
+    _integer_moments(stats, mn, mx, shift, total, squares, count)
+
+
+def _integer_moments(stats: Stats, mn: int, mx: int, shift: int, total: float, squares: float, count) -> None:
+    """Exact min and max, and mean and sd from the sums of deviations about `shift`."""
+    mean_deviation = total / count
+    variance = max(squares - total * mean_deviation, 0.0) / max(count - 1, 1)
+    stats.min, stats.max = mn, mx
+    stats.mean, stats.sd = shift + mean_deviation, math.sqrt(variance)
+
+
 def moments(values: Sequence[float]) -> Tuple[Optional[float], Optional[float], Optional[float], Optional[float]]:
     """(min, max, mean, sd) from the first six entries of a `finite_vector`."""
     mn, mx, shift, total, squares, count = values[:6]
@@ -235,8 +339,9 @@ def fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) -> 
 
     "bool" [true count], "counts" [nan, +inf, -inf], "moments" (a `cheap_vector`, all finite),
     "moments+counts" (a `cheap_vector`, trusted only if the counts that follow are zero),
-    "finite" / "int" (a `finite_vector` of a float / integer tensor), "sampled" / "sampled-moments"
-    (a `finite_vector` / `cheap_vector` of the sample, then the tensor's counts when tracking).
+    "finite" (a `finite_vector`), "int" (an `int_vector`), "small-int" (a `small_int_vector`),
+    "sampled" / "sampled-moments" (a `finite_vector` / `cheap_vector` of the sample, then the
+    tensor's counts when tracking).
     """
     _fill(stats, values, layout, tracking)
     _drop_overflowed(stats)
@@ -261,6 +366,13 @@ def _fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) ->
     if layout == "counts":
         stats.nan, stats.posinf, stats.neginf = (int(v) for v in values)
         return
+    if layout == "int":  # integers are always finite: no counts
+        _fill_int(stats, values)
+        return
+    if layout == "small-int":  # (a `small_int_vector` whose min and max were exact)
+        mn, mx, shift = (int(value) for value in values[:3])
+        _integer_moments(stats, mn, mx, shift, values[3], values[4], stats.numel)
+        return
     if layout == "moments":
         stats.min, stats.max, stats.mean, stats.sd = values[:4]
         stats.nan = stats.posinf = stats.neginf = 0
@@ -277,10 +389,7 @@ def _fill(stats: Stats, values: Sequence[float], layout: str, tracking: bool) ->
         return
     stats.min, stats.max, stats.mean, stats.sd = moments(values)
     counts = [int(v) for v in values[6:9]]
-    if layout == "int":
-        if stats.min is not None:  # integers are always finite: no counts
-            stats.min, stats.max = int(stats.min), int(stats.max)
-    elif layout == "finite":
+    if layout == "finite":
         stats.nan, stats.posinf, stats.neginf = counts
     elif layout == "sampled":
         if sum(counts):

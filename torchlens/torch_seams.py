@@ -152,6 +152,19 @@ def _probe_graph_task():
             or _missing(torch.autograd.Variable._execution_engine, "queue_callback"))
 
 
+def _probe_hook_handles():
+    from collections import OrderedDict
+
+    from torch.utils.hooks import RemovableHandle
+
+    table = OrderedDict()  # (the kind of table torch keeps hooks in: a plain dict has no weak reference)
+    handle = RemovableHandle(table)
+    table[handle.id] = print
+    if handle.hooks_dict_ref() is not table or handle.extra_dict_ref:
+        return "RemovableHandle no longer keeps its hook table as hooks_dict_ref and its key as id"
+    return None
+
+
 def _probe_disable_torch_function():
     return _missing(torch._C, "DisableTorchFunction")
 
@@ -253,6 +266,9 @@ SEAMS = (
          "which calls write their arguments cannot be told: writes are not followed", _probe_schemas),
     Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback", "backward.runs",
          "backward narration cannot tell one backward from another, nor when one ends", _probe_graph_task),
+    Seam("hook handles", "torch.utils.hooks.RemovableHandle's hooks_dict_ref and id", "backward.graph.Hooks",
+         "nothing shown: each backward hook's handle is kept, more objects for the garbage collector per step",
+         _probe_hook_handles),
     Seam("disable torch function", "torch._C.DisableTorchFunction", "eager.capture, mode_stack",
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
     Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "collectives",

@@ -19,6 +19,8 @@ from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..results import Backward, PartialTrace, Recording, Trace
 from ..selectors import InModule, Selector
 from ..findings import Finding, FindingKind
+from ..repro.kept import KeptCall
+from .calls import loaded_call
 from .encode import FORMAT, READABLE_VERSIONS
 
 __all__ = ["SavedSelection", "recording"]
@@ -322,7 +324,35 @@ def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) 
         if run_settings.keep_values:
             run.values = _values(tensors, how, f"backward/{k}/")
     made.backward = backward_runs
+    _repro(made, doc.get("repro"), doc.get("version"), tensors, how)
     return made
+
+
+def _repro(made: Recording, doc, version, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) -> None:
+    """Put back the call `repro()` replays, where the live recording held it."""
+    if doc is None:
+        if version in (1, 2):  # saved before the call was: `repro()` says so
+            _placeholder(made, version)
+        return
+    role, ordinal, call = loaded_call(doc, tensors, lambda name: _restored(tensors[name], how.get(name)), bad)
+    if role == "attempt":
+        attempt_ = getattr(made, "attempt", None)
+        if attempt_ is None or attempt_.ordinal != ordinal:
+            raise bad(f"a repro's call for the attempted op #{ordinal}, which the trace does not have")
+        attempt_.call = call
+    else:
+        made.kept_calls = {ordinal: call}
+
+
+def _placeholder(made: Recording, version: int) -> None:
+    note = (f"this trace was saved in format version {version}, which kept no inputs of the op to replay: "
+            f"save the recording again with this release of torchlens")
+    attempt_ = getattr(made, "attempt", None)
+    if attempt_ is not None:
+        if attempt_.op is not None:
+            attempt_.call = KeptCall(None, (), {}, (note,), True, origins=())
+    elif made.settings.on_nonfinite is not None and made.first_nonfinite is not None:
+        made.kept_calls = {made.first_nonfinite.ordinal: KeptCall(None, (), {}, (note,), True, origins=())}
 
 
 def _backward(doc, tables: _Tables) -> Backward:

@@ -4,7 +4,8 @@ The document is JSON all the way down (no pickles, no class names that a reader 
 scopes as a table, events as rows that name their scope by index, statistics as numbers (with
 "nan", "inf" and "-inf" spelled as strings, which JSON has no numbers for), findings and the
 attempted op by the index of their event. Tensors travel beside it, named `op/5/0` (op #5's first
-output), `backward/0/7/1` and `output/2`; `tensors()` gathers them.
+output), `backward/0/7/1`, `output/2` and `repro/0` (the inputs of the call a repro replays:
+`archive.calls`); `tensors()` gathers the first three.
 
 What cannot be written as data is said, never guessed: a selector that is a Python function is
 stored as what it selected (one flag per event), a forward output that is not tensors, numbers,
@@ -27,11 +28,13 @@ from ..events import BackwardAttempt, ShardedMeta, Stats, StatsGroup, TensorMeta
 from ..selectors import InModule, _AllOf, _AnyOf, _Not
 from ..stats import is_dtensor, unwrapped
 
-__all__ = ["FORMAT", "READABLE_VERSIONS", "VERSION", "document", "number", "tensors"]
+__all__ = ["FORMAT", "READABLE_VERSIONS", "VERSION", "document", "number", "put", "tensors"]
 
 FORMAT = "torchlens-trace"
-VERSION = 2  # 2: a DTensor's placement and local shape, an engine op's engine (version 1 files still load)
-READABLE_VERSIONS = (1, 2)
+# 2: a DTensor's placement and local shape, an engine op's engine; 3: the call a repro replays
+# (`archive.calls`). Files of the earlier versions still load.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 _STATS_FIELDS = Stats.__slots__
 
@@ -225,16 +228,17 @@ def tensors(recording) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], dict]:
     values = getattr(recording, "_values", None)
     for ordinal, kept in (values or {}).items():
         for i, tensor in enumerate(kept):
-            _put(stored, how, f"op/{ordinal}/{i}", tensor)
+            put(stored, how, f"op/{ordinal}/{i}", tensor)
     for k, run in enumerate(getattr(recording, "backward", ())):
         for ordinal, kept in (run.values or {}).items():
             for i, tensor in enumerate(kept):
-                _put(stored, how, f"backward/{k}/{ordinal}/{i}", tensor)
+                put(stored, how, f"backward/{k}/{ordinal}/{i}", tensor)
     output = _output_doc(getattr(recording, "output", None), stored, how, itertools.count())
     return stored, how, output
 
 
-def _put(stored, how, name: str, value) -> None:
+def put(stored, how, name: str, value) -> None:
+    """Store `value` as tensor `name` (as a tensor the file can hold), or say in `how` why not."""
     if not isinstance(value, torch.Tensor):
         how[name] = "left out: not a tensor"
         return
@@ -276,7 +280,7 @@ def _output_doc(value, stored, how, numbers):
     its type and loads as the plain container); anything else as {"left_out": why}."""
     if isinstance(value, torch.Tensor):
         name = f"output/{next(numbers)}"
-        _put(stored, how, name, value)
+        put(stored, how, name, value)
         return {"tensor": name} if name in stored else {"left_out": how.get(name, "not stored")}
     if isinstance(value, _PLAIN):
         if isinstance(value, float) and not math.isfinite(value):

@@ -4,7 +4,8 @@
                         attempted op of a failure, the forward's output (as data; tensors by name)
     events.jsonl        one JSON object per forward event, in order
     backward-K.jsonl    one per event of the K-th backward through the forward's graph
-    tensors.safetensors kept values and output tensors (safetensors: a JSON header, raw bytes)
+    tensors.safetensors kept values, output tensors and a repro's inputs (safetensors: a JSON
+                        header, raw bytes)
 
 Reading never unpickles, imports or calls anything named in the file. Sizes are checked before
 anything is decompressed: the tensor file is stored uncompressed (float data gains nothing from
@@ -23,6 +24,8 @@ from typing import Dict, Tuple
 import torch
 
 from ..errors import OptionTypeError, TraceFileError
+from ..options import check_count
+from .calls import REPRO_BYTES, call_doc
 from .encode import document, tensors
 
 __all__ = ["EVENTS", "MANIFEST", "TENSORS", "read", "save"]
@@ -55,14 +58,19 @@ def _fresh_storage(stored: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def save(recording, path) -> str:
-    """Write `recording` to `path` (a `.tl` file by convention); returns the path written."""
+def save(recording, path, max_repro_bytes=None) -> str:
+    """Write `recording` to `path` (a `.tl` file by convention); returns the path written. The
+    inputs of the call its `repro()` replays are saved up to `max_repro_bytes` (None: `REPRO_BYTES`)."""
     if not isinstance(path, (str, os.PathLike)):
         raise OptionTypeError(f"save(path) takes a file path, got {type(path).__name__}")
+    bound = check_count("save", "max_repro_bytes", max_repro_bytes, none_means=f"{REPRO_BYTES} bytes")
     from safetensors.torch import save as safetensors_bytes
 
     doc = document(recording)
     stored, how, output = tensors(recording)
+    repro = call_doc(recording, REPRO_BYTES if bound is None else bound, stored, how)
+    if repro is not None:
+        doc["repro"] = repro
     doc["output"] = output
     doc["tensors"] = how  # how each tensor was stored when not as itself, or why it was left out
     forward_events = doc.pop("events")

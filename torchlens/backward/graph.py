@@ -18,6 +18,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..grammar import op_ref
 from ..results import Recording
+from ..torch_seams import degraded
 
 __all__ = ["BackwardWatch", "GradientRoots", "NodeRecord", "running_backward"]
 
@@ -101,6 +102,49 @@ class NodeRecord:
             watch.narration.node_starting(watch, self, grads[0])
 
 
+class Hooks:
+    """The hooks a watch registered, to be removed: each as a weak reference to the hook table it
+    sits in, and its key there.
+
+    torch returns a handle per hook: an object holding that weak reference and the key. A training
+    step registers hundreds, which would live as long as the watch and be moved by the garbage
+    collector into its oldest generation, bringing its next full collection closer; keeping the
+    reference and the key (an int) instead halves what survives, and removing a hook is what the
+    handle's `remove` does. The tables are held weakly, as the handles hold them: a graph the user
+    dropped is freed with its hooks. A handle shaped otherwise is kept as it is (a torch seam)."""
+
+    __slots__ = ("tables", "keys", "handles")
+
+    def __init__(self):
+        self.tables: list = []  # weak references to hook tables
+        self.keys: list = []
+        self.handles: list = []
+
+    def add(self, handle) -> None:
+        try:
+            table, key = handle.hooks_dict_ref, handle.id
+            plain = not handle.extra_dict_ref and table().get(key) is not None
+        except Exception as exc:
+            degraded("hook handles", exc)
+            plain = False
+        if plain:
+            self.tables.append(table)
+            self.keys.append(key)
+        else:
+            self.handles.append(handle)
+
+    def remove(self) -> None:
+        """Remove every hook still in place. Idempotent."""
+        tables, keys, handles = self.tables, self.keys, self.handles
+        self.tables, self.keys, self.handles = [], [], []
+        for table, key in zip(tables, keys):
+            table = table()
+            if table is not None:
+                table.pop(key, None)
+        for handle in handles:
+            handle.remove()
+
+
 class BackwardWatch:
     """The hooks on one forward's graph, and the recording its backwards are added to."""
 
@@ -115,7 +159,7 @@ class BackwardWatch:
         self._forward = (recording.events, recording.settings, recording.footer_extra, recording.findings)
         self.root = root  # the model's scope: where gradients reaching its outputs are shown
         self.runs = 0  # backwards through this graph so far
-        self.handles: list = []
+        self.hooks = Hooks()
         self.accumulators: list = []  # of leaves returned as they are (no graph holds theirs)
         self.parameters: tuple = ()  # (name, weak reference) of the model's (see `BackwardNarration.watch`)
         try:
@@ -151,7 +195,7 @@ class BackwardWatch:
         """Record and hook every node of this forward: (id(node) -> record, the nodes, which must be
         held for as long as those ids are read). The walk starts from each op's output, then from
         the forward's outputs (one made by a custom `autograd.Function` was no op's)."""
-        records, start, handles = {}, roots.start, self.handles
+        records, start, hooked = {}, roots.start, self.hooks.add
         # Every node reached is held until the walk ends: autograd makes a node's Python object on
         # demand and may make a new one (at a freed one's address) once nothing holds the last
         held = []
@@ -177,10 +221,10 @@ class BackwardWatch:
                 if record.label is not None:
                     # a leaf's accumulator: after it ran, what it received (the gradient added to
                     # `.grad`, not what `.grad` held before, which may be another step's)
-                    handles.append(node.register_hook(record))
+                    hooked(node.register_hook(record))
                     continue
-                handles.append(node.register_prehook(record))
-                handles.append(node.register_hook(record))
+                hooked(node.register_prehook(record))
+                hooked(node.register_hook(record))
                 next_nodes = tuple(next_node for next_node, _ in node.next_functions)
                 walked.append((record, next_nodes))
                 stack.extend(next_nodes)
@@ -236,12 +280,10 @@ class BackwardWatch:
                     # held here, or the backward would make another, without the hook
                     accumulator = get_gradient_edge(tensor).node
                     self.accumulators.append(accumulator)
-                    self.handles.append(accumulator.register_hook(node))
-            self.handles.append(tensor.register_hook(functools.partial(arrived, self, label, node)))
+                    self.hooks.add(accumulator.register_hook(node))
+            self.hooks.add(tensor.register_hook(functools.partial(arrived, self, label, node)))
 
     def detach(self) -> None:
         """Remove every hook (nodes outlive the pass while the user holds the graph). Idempotent."""
-        handles, self.handles = self.handles, []
-        for handle in handles:
-            handle.remove()
+        self.hooks.remove()
         self.accumulators = []

@@ -96,7 +96,7 @@ class BackwardRun:
                 versions = tuple(_version(g) for g in tensors)  # to tell, after, that they are unchanged
             else:  # read at once under `raise`, which must decide at this node; else with the rest
                 self._received[record.key] = self.meter.measure_output(tensors, self.narration.raising)
-        self.in_flight = (record, tuple(TensorMeta.of(g) for g in tensors), versions)
+        self.in_flight = (record, TensorMeta.all_of(tensors), versions)
 
     def add(self, event, record: Optional[NodeRecord], measured, positions, received, versions=()) -> None:
         """Measure, record, narrate and judge one node (or received gradient); `versions` are those
@@ -339,7 +339,7 @@ class BackwardNarration:
                 if forward is not None and watch is not run.watch:
                     forward += f" of {watch.pass_name}"
                 event = BackwardEvent(NODE, run.ordinal, record.name, record.scope,
-                                      tuple(TensorMeta.of(t) for t in measured), record.site, None, record.label,
+                                      TensorMeta.all_of(measured), record.site, None, record.label,
                                       forward)
                 run.add(event, record, measured, positions, None if record.label is not None else grad_outputs,
                         versions)
@@ -354,7 +354,7 @@ class BackwardNarration:
                     return
                 if watch is not run.watch:
                     label += f" of {watch.pass_name}"
-                event = BackwardEvent(GRAD, run.ordinal, "grad", watch.root, (TensorMeta.of(grad),), None, None, label)
+                event = BackwardEvent(GRAD, run.ordinal, "grad", watch.root, TensorMeta.single(grad), None, None, label)
                 run.add(event, node, (grad,), (0,), None)
         except Exception as exc:
             self._hook_failed(exc)

@@ -119,6 +119,8 @@ class CaptureMode(TorchFunctionMode):
 
 
 _meta = TensorMeta.of
+_single = TensorMeta.single
+_interned = TensorMeta.interned
 _NO_KWARGS = types.MappingProxyType({})  # shared by every call without keyword arguments: read-only
 
 
@@ -126,10 +128,10 @@ def output_metas(out):
     """TensorMeta of each tensor an op returned, or None when it returned no tensor."""
     try:
         if type(out) is _Tensor or isinstance(out, _Tensor):
-            return (_meta(out),)
+            return _single(out)
         if isinstance(out, (tuple, list)):  # named tuples too: torch.max(x, dim) gives values and indices
             metas = tuple(_meta(t) for t in out if isinstance(t, _Tensor))
-            return metas or None
+            return _interned(metas) if metas else None
     except RuntimeError:  # a tensor without plain sizes (nested): free on the common path
         tensors = (out,) if isinstance(out, _Tensor) else [t for t in out if isinstance(t, _Tensor)]
         return tuple(TensorMeta.ragged(t) for t in tensors) or None
@@ -229,13 +231,13 @@ class OpReporter:
         that records metadata only (`lean`: no statistics, tracking, kept values, sites or nesting).
         False when the general path must record it (a nested tensor has no plain sizes)."""
         try:
-            meta = _meta(out)
+            metas = _single(out)
         except RuntimeError:
             return False
         try:
             if run_by_dynamo(sys._getframe(2)):  # 0: here, 1: the mode, 2: the code that called the op
                 return True
-            self.session.add_op(op_name(func), (meta,))
+            self.session.add_op(op_name(func), metas)
         except Exception as exc:
             self.recording_failed(exc)
         return True
@@ -257,6 +259,15 @@ class OpReporter:
                                    call=KeptCall(func, args, kwargs, error=error_summary(exc)))
         except Exception as inner:
             internal_error("describing the failed op", inner)
+
+
+class _Released:
+    """What a released `CaptureMode` reports to: nothing (every call passes through)."""
+
+    suspended = off = True
+
+
+_RELEASED = _Released()
 
 
 class EagerCapture(OpReporter):
@@ -302,6 +313,15 @@ class EagerCapture(OpReporter):
             self._counted = False
             _threads.captures = captures_in_thread() - 1
             release_fast_paths()
+
+    def release(self) -> None:
+        """The pass is over: the mode lets go of this capture. The two refer to each other, and
+        without this the pass's whole pipeline (its session, meter, tracker: a few hundred objects)
+        would wait for the garbage collector, surviving into its older generations on the way;
+        released, it is freed as the pass ends. A mode still held somewhere (a copy of the mode
+        stack) passes every call through."""
+        self.stop()
+        self._mode.capture = _RELEASED
 
     # -- module hooks ---------------------------------------------------------------------------
 
@@ -413,7 +433,7 @@ class EagerCapture(OpReporter):
             return False
         value = tensors[0] if len(tensors) == 1 else tensors
         wrote = bool(written) or any(tensor is arg for tensor in tensors for arg in args)
-        self.record_op(name, tuple(TensorMeta.of(t) for t in tensors), site, value, args, wrote=wrote)
+        self.record_op(name, TensorMeta.all_of(tensors), site, value, args, wrote=wrote)
         return True
 
     # -- compiled graphs run inside the forward (see `compiled_regions`) --------------------------

@@ -7,7 +7,6 @@ the block is open is one pass, recorded and narrated with a pass number.
 from __future__ import annotations
 
 import collections
-import itertools
 import sys
 import threading
 from typing import Deque, List, Optional, Tuple
@@ -61,7 +60,10 @@ class Recorder:
                                                 dtensor_stats=dtensor_stats)
         check_selection(self.settings, [name for name, _ in model.named_modules()])
         self.recordings: Deque[Recording] = collections.deque(maxlen=keep)
-        self._tail: Optional[Deque[Tuple[int, int, Event]]] = None if tail is None else collections.deque(maxlen=tail)
+        self._tail: Optional[Deque[Event]] = None if tail is None else collections.deque(maxlen=tail)
+        # the passes the tail holds events of, oldest first: (pass number, index in the pass of its
+        # first event put in the tail, events put in); one entry per pass, not one per event
+        self._tail_passes: Deque[Tuple[int, int, int]] = collections.deque()
         self.passes = 0
         self._narrator: Optional[Narrator] = None
         self._handles = []
@@ -122,13 +124,30 @@ class Recorder:
         self.recordings.append(recording)
         if self._tail is not None:
             events = recording.events[-self._tail.maxlen:]
-            first = len(recording.events) - len(events)
-            self._tail.extend((self.passes, first + i, event) for i, event in enumerate(events))
+            if not events:
+                return
+            self._tail.extend(events)
+            passes = self._tail_passes
+            passes.append((self.passes, len(recording.events) - len(events), len(events)))
+            held = sum(count for _, _, count in passes)
+            while held - passes[0][2] >= len(self._tail):  # a pass wholly pushed out of the buffer
+                held -= passes.popleft()[2]
 
     @property
     def tail(self) -> List[Event]:
         """The last `tail=N` events recorded, oldest first, across passes ([] without `tail=`)."""
-        return [event for _, _, event in self._tail] if self._tail is not None else []
+        return list(self._tail) if self._tail is not None else []
+
+    def _tail_by_pass(self):
+        """(pass number, index in its pass of the first event kept, the events kept) per pass the
+        tail holds, oldest first."""
+        events = list(self._tail)
+        held = sum(count for _, _, count in self._tail_passes)
+        start = 0
+        for i, (number, first, count) in enumerate(self._tail_passes):
+            dropped = held - len(events) if i == 0 else 0  # only the oldest pass loses events
+            yield number, first + dropped, events[start:start + count - dropped]
+            start += count - dropped
 
     def narrate_tail(self) -> Transcript:
         """The events `tail` holds, narrated pass by pass under each pass's header.
@@ -140,11 +159,9 @@ class Recorder:
             raise OptionValueError("Recorder.narrate_tail() needs a tail buffer: Recorder(model, ..., tail=N)")
         options = (self.settings.narration or NarrationOptions()).replace(on_error_only=False)
         lines: List[str] = []
-        for number, group in itertools.groupby(self._tail, key=lambda item: item[0]):
-            group = list(group)
-            rendered = render_lines([event for _, _, event in group], options.replace(prefix=""), f"pass {number}")
-            dropped = group[0][1]  # the first kept event's index in its pass
-            if dropped:
+        for number, dropped, events in self._tail_by_pass():
+            rendered = render_lines(events, options.replace(prefix=""), f"pass {number}")
+            if dropped:  # the first kept event's index in its pass
                 rendered.insert(1, render_dropped_events_note(dropped, number))
             lines += rendered
         return Transcript("".join(options.prefix + line + "\n" for line in lines))

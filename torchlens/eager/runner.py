@@ -56,7 +56,7 @@ class EagerPass(ForwardPass):
         return partial
 
     def close(self) -> None:
-        self.capture.stop()
+        self.capture.release()
         super().close()
 
 

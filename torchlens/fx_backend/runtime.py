@@ -392,8 +392,9 @@ class CompiledPass(ForwardPass):
 
     def close(self) -> None:
         self.pop_mode()
-        # the wrapper's frame links the caller's whole stack: a pass kept after its call (by a
-        # recording, a backward) must not keep every caller's locals alive
+        # The call is over: its wrapper's frame links the caller's whole stack (a pass kept after
+        # its call, by a recording or a backward, must not keep every caller's locals alive) and
+        # holds the cleanup bound to this pass (a reference cycle): let go, the pass is freed as it ends.
         self.call = _NO_CALL
         if self._fast_paths_kept:
             self._fast_paths_kept = False

@@ -365,8 +365,8 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     if not chosen.measures:
         return chosen, None
     dtype = vector_dtype(fake.device)
-    values = output if kind == "bool" else output.to(dtype) if kind == "int" else as_float(output, fake.dtype)
-    return chosen, chosen.build(values, dtype, numel, fake.dim())
+    values = output if kind != "float" else as_float(output, fake.dtype)  # bools and integers as they are
+    return chosen, chosen.build(values, dtype, numel, fake.dim(), fake.dtype)
 
 
 def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, numels) -> List:

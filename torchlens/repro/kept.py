@@ -29,21 +29,40 @@ from ..findings import NEGINF, POSINF
 from ..provenance import Source
 from ..tracking import held
 
-__all__ = ["MAX_BYTES", "InputKeeper", "KeptCall", "inputs_kept"]
+__all__ = ["MAX_BYTES", "InputKeeper", "KeptCall", "NamedFunction", "inputs_kept"]
 
 MAX_BYTES = 256 * 1024 * 1024  # the inputs one op may keep (copies, on their device)
+
+
+class NamedFunction:
+    """The function of a call loaded from a saved trace: the dotted name a script imports it by
+    (`torch.nn.functional.linear`), checked against torch when the trace was saved. torchlens
+    writes the name into a repro script and never imports or calls it itself."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return NamedFunction, (self.name,)
+
+    def __repr__(self) -> str:
+        return f"NamedFunction({self.name!r})"
 
 
 class KeptCall:
     """A torch call and its arguments, as the repro replays it.
 
     `context` is the grad mode and autocast state it ran under (replayed around the call); `notes`
-    say where the kept inputs may differ from what the op read, or why none were kept."""
+    say where the kept inputs may differ from what the op read, or why none were kept. `places`
+    (a call loaded from a saved trace, whose tensors are on the CPU) gives each tensor's device and
+    strides as the op saw them, in `tensors()` order; None: the tensors' own."""
 
-    __slots__ = ("func", "args", "kwargs", "notes", "copied", "error", "context", "origins")
+    __slots__ = ("func", "args", "kwargs", "notes", "copied", "error", "context", "origins", "places")
 
     def __init__(self, func, args, kwargs, notes=(), copied: bool = False, error: Optional[str] = None,
-                 context: Optional[dict] = None, origins=None):
+                 context: Optional[dict] = None, origins=None, places=None):
         self.func = func
         self.args = args
         self.kwargs = dict(kwargs or {})
@@ -55,6 +74,7 @@ class KeptCall:
         # a copy is a detached leaf, and an activation is replayed as one made inside a graph
         self.origins = tuple(origins) if origins is not None else tuple(
             (t.requires_grad, t.is_leaf) for t in self.tensors())
+        self.places = None if places is None else tuple(places)  # (device, strides or None) per tensor
 
     def copy(self) -> "KeptCall":
         """The same call with its tensors copied (once: a copy is returned as it is)."""
@@ -73,7 +93,7 @@ class KeptCall:
             func = None
         detach = functools.partial(tree_map, _detached)
         return (KeptCall, (func, detach(self.args), detach(self.kwargs), self.notes, self.copied, self.error,
-                           self.context, self.origins))
+                           self.context, self.origins, self.places))
 
     def tensors(self):
         return [leaf for leaf in tree_flatten((self.args, self.kwargs))[0] if isinstance(leaf, torch.Tensor)]

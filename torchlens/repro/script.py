@@ -20,9 +20,9 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ReproError
-from .kept import KeptCall
+from .kept import KeptCall, NamedFunction
 
-__all__ = ["expected_counts", "write"]
+__all__ = ["expected_counts", "spell", "strides", "write"]
 
 # Where a torch-level function can be named from, most specific spelling first.
 _NAMESPACES = (("torch.Tensor", torch.Tensor), ("torch.nn.functional", F), ("torch.special", torch.special),
@@ -31,6 +31,8 @@ _NAMESPACES = (("torch.Tensor", torch.Tensor), ("torch.nn.functional", F), ("tor
 
 def spell(func) -> str:
     """The dotted name that gives back `func` itself, or `ReproError`."""
+    if isinstance(func, NamedFunction):  # (loaded from a saved trace: named when it was saved)
+        return func.name
     name = getattr(func, "__name__", None)
     if name == "__get__":  # a tensor attribute such as .T, read through its descriptor
         owner = getattr(func, "__self__", None)
@@ -114,11 +116,19 @@ class _Literals:
         raise ReproError(f"an argument of type {type(value).__qualname__} cannot be written into a script")
 
 
-def _spec(tensor: torch.Tensor, origin) -> dict:
-    strided = tensor.layout is torch.strided and not tensor.is_contiguous() and 0 not in tensor.stride()
+def _spec(tensor: torch.Tensor, origin, place=None) -> dict:
+    """How the script puts `tensor` back: as the op saw it (`place`: its device and strides when
+    `tensor` is not where the op read it, as a saved trace's are not)."""
     requires_grad, leaf = origin
-    return {"device": str(tensor.device), "requires_grad": bool(requires_grad), "leaf": bool(leaf),
-            "stride": list(tensor.stride()) if strided else None}
+    if place is None:
+        place = (str(tensor.device), strides(tensor))
+    return {"device": place[0], "requires_grad": bool(requires_grad), "leaf": bool(leaf), "stride": place[1]}
+
+
+def strides(tensor: torch.Tensor):
+    """The strides the script gives a tensor (None: contiguous, as it is loaded)."""
+    strided = tensor.layout is torch.strided and not tensor.is_contiguous() and 0 not in tensor.stride()
+    return list(tensor.stride()) if strided else None
 
 
 def _saved(tensor: torch.Tensor) -> torch.Tensor:
@@ -142,8 +152,9 @@ def write(directory, call: KeptCall, title: str, expected: dict, notes=()) -> pa
     saved = {f"t{i}": _saved(tensor) for i, tensor in enumerate(literals.tensors)}
     torch.save(saved, directory / "inputs.pt")
     origins = {id(t): origin for t, origin in zip(call.tensors(), call.origins)}
-    specs = {f"t{i}": _spec(tensor, origins.get(id(tensor), (tensor.requires_grad, tensor.is_leaf)))
-             for i, tensor in enumerate(literals.tensors)}
+    places = {id(t): place for t, place in zip(call.tensors(), call.places or ())}
+    specs = {f"t{i}": _spec(tensor, origins.get(id(tensor), (tensor.requires_grad, tensor.is_leaf)),
+                            places.get(id(tensor))) for i, tensor in enumerate(literals.tensors)}
     context = call.context or {"grad": True, "autocast": None}
     script = directory / "repro.py"
     script.write_text(_SCRIPT.format(
