@@ -95,7 +95,8 @@ def main() -> None:
             results.append(run_case("planted", model, ids))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"quick": args.quick, "width": width, "torch": torch.__version__, "results": results}, f, indent=1)
+            json.dump({"quick": args.quick, "width": width, "torch": torch.__version__, "results": results}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def test_the_reference_is_float64_throughout_even_where_the_model_casts_and_leav
     assert torch.equal(torch.rand(3), expected_draw), "the reference consumed the user's random stream"
     dtypes = {meta.dtype for event in ref.trace.ops for meta in event.outputs}
     assert dtypes == {torch.float64}, dtypes
-    assert model.weight.dtype == torch.float32 and x.dtype == torch.float32 and torch.get_default_dtype() == torch.float32
+    assert model.weight.dtype == torch.float32 and x.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32
     assert ref.terms[next(e.ordinal for e in ref.trace.ops if e.op == "mean")] == 8
 
 

@@ -111,8 +111,8 @@ def _value_doc(value, index: Dict[int, int]):
         return value if math.isfinite(value) else {"float": repr(value)}
     if isinstance(value, complex):
         return {"complex": [_value_doc(value.real, index), _value_doc(value.imag, index)]}
-    for kind, table in _TABLES.items():
-        if isinstance(value, _KINDS[kind]):
+    for kind, cls in _KINDS.items():
+        if isinstance(value, cls):
             return {kind: str(value).replace("torch.", "")}
     if isinstance(value, torch.device):
         return {"device": str(value)}

@@ -164,12 +164,13 @@ class CompareReport:
 
     - `rows`: one `CompareRow` per aligned op, in trace order.
     - `first_divergence`: the first row out of tolerance or not comparable, or None.
-    - `counts`: matched, within_tolerance, diverged, not_comparable, unchecked, only_a, only_b.
+    - `counts`: matched, within_tolerance, diverged, not_comparable, unchecked, only_a, only_b
+      (and, with a reference, rounding, real and unjudged).
     - `str(report)` / `table(...)`: the text report, led by the first divergence.
     - `to_rows()`: the rows as plain dicts; `plot(path)`: max abs difference per op.
     - `first_real`: with `reference=`, the first row judged real (one side far beyond rounding of
-      float64), or None when every divergence is rounding; `judged` says whether there was a
-      reference.
+      float64), or None when no row judged is (`verdict()` says how many could not be judged);
+      `judged` says whether there was a reference.
     - `gradients`: when both traces kept a backward (`tl.trace(..., backward=True)`), the same
       report for their first backwards, node by node in the order they ran (`~N`), None
       otherwise; `first_gradient_divergence` is its first divergence.
@@ -749,7 +750,8 @@ def _row_lines(rows: List[CompareRow], elide: bool, tag: str = "#") -> List[str]
         lines.append(line(
             _ordinal(row.ordinal_a, tag), _ordinal(row.ordinal_b, tag),
             row.verdict or ("only in a" if row.status == ONLY_A else "only in b"),
-            _number(row.max_abs), _number(row.max_rel), row.op, row.module or "(root)", _judgement_text(row) or row.reason))
+            _number(row.max_abs), _number(row.max_rel), row.op, row.module or "(root)",
+            _judgement_text(row) or row.reason))
     if hidden:
         lines.append(_elision(hidden, tag))
     return lines

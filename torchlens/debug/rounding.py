@@ -70,9 +70,7 @@ def error(values: Sequence[torch.Tensor], references: Sequence[torch.Tensor]) ->
         if not (value.is_floating_point() or value.is_complex()):
             continue
         dtype = value.dtype if value.is_floating_point() else _real_dtype(value.dtype)
-        wide = torch.complex128 if value.is_complex() else torch.float64
-        x = value.detach().to("cpu", wide)
-        r = ref.detach().to("cpu", wide)
+        x, r = _wide(value), _wide(ref)
         if x.numel() == 0:
             continue
         same = (x == r) | (x.isnan() & r.isnan())
@@ -87,6 +85,12 @@ def error(values: Sequence[torch.Tensor], references: Sequence[torch.Tensor]) ->
         if largest:
             ulps = max(ulps, largest / ulp(dtype, scale))
     return Error(absolute, ulps)
+
+
+def _wide(value: torch.Tensor) -> torch.Tensor:
+    """`value` on the CPU in float64 (complex128 for a complex one), where both sides and the
+    reference are compared."""
+    return value.detach().to("cpu", torch.complex128 if value.is_complex() else torch.float64)
 
 
 def _real_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,8 +135,7 @@ def drew_alike(values, references) -> bool:
     for value, ref in zip(values, references):
         if value is None or ref is None or not (value.is_floating_point() or value.is_complex()):
             continue
-        x, r = value.detach().to("cpu", torch.complex128 if value.is_complex() else torch.float64), \
-            ref.detach().to("cpu", torch.complex128 if ref.is_complex() else torch.float64)
+        x, r = _wide(value), _wide(ref)
         if x.shape != r.shape:
             return False
         if x.numel() == 0:

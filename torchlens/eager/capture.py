@@ -42,10 +42,10 @@ from ..engines import distributed, engine_of
 from ..writes import written_tensor
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
-from .module_hooks import HOOKS, add_capture, remove_capture
 from ..mode_stack import own_work, remove_mode
 from ..structure import named_outputs
 from ..torch_seams import degraded
+from .module_hooks import HOOKS, add_capture, remove_capture
 
 __all__ = ["CaptureMode", "EagerCapture", "OpReporter", "captures_in_thread", "exclude_from_dynamo", "input_metas",
            "output_metas", "outside_dynamo", "unwinding"]

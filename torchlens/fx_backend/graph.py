@@ -46,7 +46,7 @@ class CompiledGraph:
         self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
 
     def __call__(self, *args):
-        if self.runtime.stop_pending:
+        if self.runtime.stop_pending is not None:
             stop = self.runtime.pending_stop()
             if stop is not None:
                 raise stop

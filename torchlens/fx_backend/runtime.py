@@ -60,8 +60,7 @@ class CompiledRuntime:
         self.passes = 0
         self.last_recording: Optional[Recording] = None
         self.last_graph_calls = 0
-        self._pending_stop: tuple = (None, None)  # (a stop, the call it belongs to): see `pending_stop`
-        self.stop_pending = False
+        self.stop_pending: Optional[tuple] = None  # (a stop, the call it belongs to): see `pending_stop`
         # `backward=True`: the backwards through the graphs of this model's forwards (see `backward`)
         self.backward = BackwardNarration(config.settings, None) if config.settings.backward else None
 
@@ -94,7 +93,7 @@ class CompiledRuntime:
         try:
             forward = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
         except Exception as exc:  # a stop (on_nonfinite="raise": a NaN in the inputs), its partial trace attached
-            self._pending_stop, self.stop_pending = (exc, call), True  # raised in the compile, dynamo would wrap it
+            self.stop_pending = (exc, call)  # raised inside the compile, dynamo would wrap it
             dynamo_seams.when_call_ends(call, self.pending_stop)  # a call that ran no graph drops it
             return
         if forward is None:
@@ -107,10 +106,9 @@ class CompiledRuntime:
         """The stop the first call's pass raised while dynamo compiled it, to be raised by the
         first graph that call runs: out of the compile, it reaches the user as it is, not wrapped in
         `BackendCompilerFailed`. None when there is none, or its call has ended."""
-        stop, call = self._pending_stop
-        self._pending_stop, self.stop_pending = (None, None), False
-        if stop is None:
+        if self.stop_pending is None:
             return None
+        (stop, call), self.stop_pending = self.stop_pending, None
         return stop if call.running() else None
 
     def start(self, call: Optional[dynamo_seams.CompiledCall], push_mode: bool) -> Optional["CompiledPass"]:

@@ -49,7 +49,8 @@ def _table(report, title: str) -> dict:
              f"tolerance, {counts['diverged']} diverged, {counts['not_comparable']} not comparable, "
              f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b")
     if report.judged:
-        tally += f"; against float64: {counts['rounding']} rounding, {counts['real']} real, {counts['unjudged']} unjudged"
+        tally += (f"; against float64: {counts['rounding']} rounding, {counts['real']} real, "
+                  f"{counts['unjudged']} unjudged")
     first = report.first_divergence
     table = {
         "title": title,

@@ -27,7 +27,8 @@ from ..recording import Recorder
 from ..findings import Finding
 from ..options import NarrationOptions
 from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums
-from .steps import RandomState, WatchedForward, autocast_as
+from ..generators import RandomState
+from .steps import WatchedForward, autocast_as
 
 __all__ = ["Outcome", "replay_step"]
 

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from ..generators import RandomState
 from .checks import floating_leaves, screen_sums
 
-__all__ = ["RandomState", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
+__all__ = ["StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
