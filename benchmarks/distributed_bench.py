@@ -117,8 +117,9 @@ def _tp_forward_times(calls: int, rounds: int, width: int = 256) -> dict:
         plan[f"{index}.0"], plan[f"{index}.2"] = ColwiseParallel(), RowwiseParallel()
     parallelize_module(model, mesh, plan)
     x = torch.randn(16, width, generator=torch.Generator().manual_seed(0))
-    modes = {"plain": lambda: model(x), "narrate": lambda: tl.record(model, x, narrate=lambda line: None),
-             "track": lambda: tl.record(model, x, on_nonfinite="track")}
+    modes = {"plain": lambda: _landed(model(x)),
+             "narrate": lambda: _landed(tl.record(model, x, narrate=lambda line: None).output),
+             "track": lambda: _landed(tl.record(model, x, on_nonfinite="track").output)}
     best = {}
     with torch.no_grad():
         for _ in range(rounds):
@@ -131,6 +132,16 @@ def _tp_forward_times(calls: int, rounds: int, width: int = 256) -> dict:
                 elapsed = (time.perf_counter() - start) / calls
                 best[name] = min(best.get(name, elapsed), elapsed)
     return {name: {"ms": value * 1e3, "multiplier": value / best["plain"]} for name, value in best.items()}
+
+
+def _landed(output: torch.Tensor) -> torch.Tensor:
+    """`output` once its collective has arrived, as a user's next use of it would wait.
+
+    The row-wise layer's all-reduce returns an `AsyncCollectiveTensor`; dropped unwaited, its work
+    stays registered until the process ends, and gloo can abort the process tearing it down then.
+    """
+    wait = getattr(output, "wait", None)
+    return wait() if callable(wait) else output
 
 
 def _across_ranks_time(calls: int) -> float:
