@@ -158,6 +158,38 @@ def test_report_string_leads_with_the_first_divergence():
     assert str(report) == str(report)
 
 
+class TwoHeads(nn.Module):
+    """Two linear heads on the input with `between` elementwise ops of their own between them: a
+    nudged head weight diverges its own row only, so the rows between stay within tolerance."""
+
+    def __init__(self, between: int):
+        super().__init__()
+        self.head_a, self.head_b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.between = between
+
+    def forward(self, x):
+        a = self.head_a(x)
+        y = x
+        for _ in range(self.between):
+            y = y + 1.0
+        return a, y, self.head_b(x)
+
+
+@pytest.mark.parametrize("between, folded", [(3, None), (4, "  ... 2 ops within tolerance")])
+def test_the_folded_table_shows_a_lone_row_between_shown_ones_and_folds_longer_runs(between, folded):
+    torch.manual_seed(0)
+    model = TwoHeads(between)
+    nudged = perturbed(perturbed(model, "head_a.weight"), "head_b.weight")
+    report = tl.debug.compare(tl.trace(model, vectors()), tl.trace(nudged, vectors()))
+    assert [row.verdict for row in report.rows if row.verdict != "within"] == ["diverged", "diverged"]
+    row_lines = str(report).splitlines()[3:]  # after the summary, the counts and the header
+    elisions = [line for line in row_lines if "within tolerance" in line]
+    # each head's row and its neighbours are shown; with three ops between, the middle one would
+    # be the only row hidden, so it is shown instead of a count line that says less
+    assert elisions == ([] if folded is None else [folded])
+    assert len(row_lines) == len(report.rows) - (0 if folded is None else 2) + len(elisions)
+
+
 def test_to_rows_gives_plain_dicts():
     model, x = three_blocks(), vectors()
     report = tl.debug.compare(tl.trace(model, x), tl.trace(perturbed(model, "blocks.1.fc1.weight"), x))
