@@ -374,3 +374,75 @@ def test_two_optimizers_param_groups_a_schedule_and_clipping_are_one_step_each(t
     assert not _same_state(states[4][0], states[5][0]), "training goes on after the skip"
     assert body.param_groups[1]["lr"] == 5e-3 * 0.5 ** 4, "the schedule is the user's: it stepped every step"
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- when a replay cannot tell: the fault says why, and is never called transient ---------------------
+
+
+def test_an_input_overwritten_in_place_before_the_step_is_named_instead_of_calling_the_fault_transient(tmp_path):
+    torch.manual_seed(0)
+    model = SqrtNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = torch.empty(3, 4)  # one reused input buffer, the next batch loaded into it early
+    batches = _inputs(4)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, batch in enumerate(batches):
+            buffer.copy_(_zero_input_step(model) if step == 1 else batch)
+            model(buffer).backward()
+            if step + 1 < len(batches):
+                buffer.copy_(batches[step + 1])  # prefetch: the step's own input is gone
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced is None
+    assert fault.why == "the step's inputs were changed in place after its forward, so the replay is not the step"
+    assert "transient" not in str(fault) and "not replayed to its birth" in str(fault)
+
+
+def test_gradients_made_outside_the_models_outputs_are_not_replayed_and_say_so(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, x in enumerate(_inputs(2)):
+            model(x)  # (its output unused this step: the loss is a penalty on the weights alone)
+            if step == 1:
+                with torch.no_grad():
+                    model.weight[0, 0] = 0.0  # d sqrt(|w|) at 0: inf * 0 = NaN
+            model.weight.abs().sqrt().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced is None and "weight" in fault.what
+    assert fault.why == "no backward reached the model's outputs, so the gradients were not replayed"
+    assert "transient" not in str(fault)
+
+
+class CachedNet(SqrtNet):
+    """SqrtNet that appends each forward's input to a cache of fixed room, as a KV cache does: a
+    replay runs one forward more than the loop made room for."""
+
+    def __init__(self, room: int):
+        super().__init__()
+        self.cache, self.room = [], room
+
+    def forward(self, x):
+        if len(self.cache) == self.room:
+            raise RuntimeError(f"cache full ({self.room} entries)")
+        self.cache.append(x)
+        return super().forward(x)
+
+
+def test_a_replay_that_raises_is_named_with_its_error_and_training_goes_on(tmp_path):
+    torch.manual_seed(0)
+    model = CachedNet(room=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        _train(model, optimizer, _inputs(2), plant=lambda step, m: _zero_input_step(m) if step == 1 else None)
+        model.cache.clear()
+        _train(model, optimizer, _inputs(2))
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced is None
+    assert fault.why == "the replay raised RuntimeError: cache full (2 entries)"
+    assert "transient" not in str(fault)
+    assert watch.steps == 4 and all(torch.isfinite(p).all() for p in model.parameters())
