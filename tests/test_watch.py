@@ -446,3 +446,49 @@ def test_a_replay_that_raises_is_named_with_its_error_and_training_goes_on(tmp_p
     assert fault.why == "the replay raised RuntimeError: cache full (2 entries)"
     assert "transient" not in str(fault)
     assert watch.steps == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class Activation(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h):
+        return self.fn(h)
+
+
+class ActivatedNet(nn.Module):
+    """`act(fc(x)).sum()`, the value that goes bad born inside the `act` submodule."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fc, self.act = nn.Linear(4, 4), Activation(fn)
+
+    def forward(self, x):
+        return self.act(self.fc(x)).sum()
+
+
+@pytest.mark.parametrize("fn, phase, op", [(lambda h: h.abs().sqrt(), "backward", "SqrtBackward0"),
+                                           (lambda h: h.log(), "forward", "log")])
+def test_the_fault_names_the_submodule_the_value_was_born_in(tmp_path, fn, phase, op):
+    torch.manual_seed(0)
+    model = ActivatedNet(fn)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.no_grad():
+        model.fc.weight.abs_()
+        model.fc.bias.fill_(1.0)  # fc(x) > 0 for x >= 0: finite until the planted step
+    bad = torch.zeros(3, 4) if phase == "backward" else torch.full((3, 4), -10.0)
+
+    def plant(step, m):
+        if step == 1 and phase == "backward":
+            with torch.no_grad():
+                m.fc.bias.zero_()
+        return bad if step == 1 else None
+
+    inputs = [x.abs() for x in _inputs(2)]
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        _train(model, optimizer, inputs, plant=plant)
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced and fault.phase == phase
+    assert op in fault.finding and fault.finding.split().count("@act") == 1, fault.finding
+    assert fault.finding.split()[-1].startswith("test_watch.py:"), "the line that made it ends the finding"

@@ -57,7 +57,7 @@ class Fault:
         self.replays = replays
         self.notes = list(outcome.notes)
         if outcome.finding is not None:
-            self.finding = outcome.finding.text + _location(outcome.finding.event)
+            self.finding = outcome.finding.text + _location(outcome.finding.event, outcome.finding.text)
             self.recording, self.micro_batch, self.phase = outcome.recording, outcome.micro_batch, outcome.phase
         elif outcome.nonfinite_gradients:
             self.finding = (f"non-finite gradients in {outcome.nonfinite_gradients} parameters, "
@@ -103,13 +103,15 @@ class Fault:
                 self.repro = None
 
 
-def _location(event) -> str:
-    """` @module file:line` of the op (or the forward op of the backward node) a finding is at."""
+def _location(event, text: str) -> str:
+    """` @module file:line` of the op (or the forward op of the backward node) a finding is at;
+    the module only where the finding's `text` does not name it already."""
     if event is None:
         return ""
     scope = getattr(event, "scope", None)
     path = getattr(scope, "path", "") if scope is not None else ""
-    parts = ([f"@{path}"] if path else []) + ([event.site] if getattr(event, "site", None) else [])
+    named = path and f"@{path}" in text.split()
+    parts = ([f"@{path}"] if path and not named else []) + ([event.site] if getattr(event, "site", None) else [])
     return (" " + " ".join(parts)) if parts else ""
 
 
