@@ -492,3 +492,64 @@ def test_the_fault_names_the_submodule_the_value_was_born_in(tmp_path, fn, phase
     assert fault.step == 1 and fault.reproduced and fault.phase == phase
     assert op in fault.finding and fault.finding.split().count("@act") == 1, fault.finding
     assert fault.finding.split()[-1].startswith("test_watch.py:"), "the line that made it ends the finding"
+
+
+# -- forwards that are not a step's: evaluation under no_grad, and a forward that raised --------------
+
+
+@pytest.mark.parametrize("evaluation", [torch.no_grad, torch.inference_mode])
+def test_evaluation_forwards_between_steps_are_not_part_of_a_step(tmp_path, evaluation):
+    torch.manual_seed(0)
+    model = SqrtNet()
+    twin = copy.deepcopy(model)
+    inputs, held_out = _inputs(4), _inputs(2, seed=7)
+
+    def loop(model, optimizer):
+        torch.manual_seed(1)  # (the same dropout masks in both runs)
+        losses = []
+        for step, x in enumerate(inputs):
+            model.train()
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            with evaluation():
+                losses += [model(v) for v in held_out]
+                if step == 2:
+                    losses.append(model(torch.full((3, 4), float("nan"))))  # a bad batch, never trained on
+        return losses
+
+    plain = loop(twin, torch.optim.SGD(twin.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="raise", narrate=None) as watch:
+        watched = loop(model, optimizer)
+        assert watch.faults == [] and watch.steps == 4
+        assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(plain, watched))
+        assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), model.parameters()))
+        # a faulty step after an evaluation: the replay is the step's one forward, not the evaluation's
+        model.train()
+        with pytest.raises(NonFiniteError) as caught:
+            model(_zero_input_step(model)).backward()
+            optimizer.step()
+    fault = caught.value.fault
+    assert fault.step == 4 and fault.micro_batches == 1 and fault.reproduced and "SqrtBackward0" in fault.finding
+
+
+def test_a_forward_that_raised_and_was_skipped_is_not_replayed_with_the_step(tmp_path):
+    torch.manual_seed(0)
+    model = CachedNet(room=100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, x in enumerate(_inputs(4)):
+            if step == 2:
+                model.room = len(model.cache)  # this batch's forward raises; the loop skips it
+                with pytest.raises(RuntimeError, match="cache full"):
+                    model(x)
+                model.room = 100
+                x = _zero_input_step(model)
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 2 and fault.micro_batches == 1 and fault.reproduced
+    assert "SqrtBackward0" in fault.finding
