@@ -553,3 +553,33 @@ def test_a_forward_that_raised_and_was_skipped_is_not_replayed_with_the_step(tmp
     [fault] = watch.faults
     assert fault.step == 2 and fault.micro_batches == 1 and fault.reproduced
     assert "SqrtBackward0" in fault.finding
+
+
+def _guarded_train(model, optimizer, inputs, plant=None):
+    """A loop with its own guard: a step whose loss or gradients are not finite is dropped with
+    `zero_grad()` and no `optimizer.step()`."""
+    for step, x in enumerate(inputs):
+        planted = plant(step, model) if plant is not None else None
+        loss = model(x if planted is None else planted)
+        loss.backward()
+        if not torch.isfinite(loss) or not all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_step_the_loop_drops_itself_is_judged_by_its_outputs_at_the_next_forward(tmp_path):
+    torch.manual_seed(0)
+    model = SqrtNet()  # NaN gradients at step 1, finite outputs: the loop's guard drops the step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="raise", narrate=None) as watch:
+        _guarded_train(model, optimizer, _inputs(4), plant=lambda step, m: _zero_input_step(m) if step == 1 else None)
+    assert watch.faults == [] and watch.steps == 4, "gradients never applied are no fault"
+    model = OnceNaN()  # NaN outputs at step 2: dropped by the guard, and still a fault
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None) as watch:
+        _guarded_train(model, optimizer, _inputs(5))
+    [fault] = watch.faults
+    assert fault.step == 2 and "non-finite outputs in the forward" in fault.what and fault.reproduced is False
+    assert watch.steps == 5 and model.calls == 5 + 2
