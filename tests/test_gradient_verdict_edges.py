@@ -155,3 +155,38 @@ def test_a_node_that_overwrites_what_it_received_is_said_to_have_done_so():
     assert finding.text.endswith("no watched node sent it: it may have received it: it overwrote what it "
                                  "received in place before that could be measured"), finding.text
     assert "gradient hook" not in finding.text
+
+
+def _at_the_backwards_end(write):
+    """A post-accumulate-grad hook that queues `write(p)` to run when the backward ends, as DDP
+    and FSDP2 queue their gradient reductions."""
+    def hook(p):
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: write(p))
+    return hook
+
+
+def test_a_gradient_written_non_finite_after_the_graph_added_it_finite_is_found():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].weight.register_post_accumulate_grad_hook(_at_the_backwards_end(lambda p: p.grad.mul_(float("nan"))))
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(torch.randn(2, 4)).sum().backward()
+    [backward] = rec.recordings[0].backward
+    [finding] = backward.findings
+    accumulate = next(e for e in backward.events if e.op == "AccumulateGrad" and e.label == "0.weight")
+    assert finding.text == (f"NaN in the gradient of 0.weight after the backward: ~{accumulate.ordinal} added it "
+                            f"finite, then something outside the graph wrote it (a callback a hook queued to run "
+                            f"at the backward's end)")
+    assert finding.kind.name == "CARRIED_IN" and finding.event is accumulate
+    assert backward.footer_extra[-1].startswith("first non-finite gradient: NaN in the gradient of 0.weight after")
+    assert not torch.isfinite(model[0].weight.grad).all()
+
+
+def test_a_gradient_rewritten_finite_after_the_backward_is_no_finding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].weight.register_post_accumulate_grad_hook(_at_the_backwards_end(lambda p: p.grad.clamp_(-0.1, 0.1)))
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(torch.randn(2, 4)).sum().backward()
+    [backward] = rec.recordings[0].backward
+    assert backward.findings == () and backward.footer_extra == ["no non-finite gradients"]

@@ -154,17 +154,18 @@ class BackwardRun:
         if self.meter is not None:
             self.meter.flush()
         if self.tracker is not None:
-            # (distributed only: see there)
-            after = self.tracker.written_after(self.watch.parameters) if self._waited else []
+            after = (self.tracker.written_after(self.watch.parameters, distributed=world_size() > 1)
+                     if self._waited else [])
             for finding in self.tracker.judge_rest() + after:
                 attach_finding(finding, False)
             self.result.findings = tuple(self.tracker.findings)
 
     def waits_for_collectives(self) -> bool:
-        """Whether the run's end waits for the engine's other final callbacks, once: under a process
-        group of several ranks, DDP reduces gradients in one queued after this run's, and the
-        verdict must see the gradients it left (`GradTracker.written_after`)."""
-        if self.tracker is None or self._waited or world_size() < 2:
+        """Whether the run's end waits for the engine's other final callbacks, once: DDP reduces
+        gradients in one queued after this run's (under a process group), a hook may queue one
+        that writes `.grad`, and the verdict must see the gradients they left
+        (`GradTracker.written_after`)."""
+        if self.tracker is None or self._waited:
             return False
         self._waited = True
         return True

@@ -3,6 +3,7 @@ what the nodes before it sent it."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -40,7 +41,8 @@ class GradTracker:
         self.measured = 0
         self.leaves: List[str] = []  # leaves whose accumulated gradient was non-finite
         self._queue: list = []
-        self._accumulated: list = []  # (record, event) of the leaves whose gradient was added finite
+        # (record, event, weak reference to `.grad`, its version) of the leaves whose gradient was added finite
+        self._accumulated: list = []
         self._nonfinite_before: set = set()  # ids of the parameters whose `.grad` was so as the backward began
 
     def judge(self, event, record: Optional[NodeRecord], positions, direct) -> List[Finding]:
@@ -58,9 +60,13 @@ class GradTracker:
         return made
 
     def accumulated(self, event, record: Optional[NodeRecord]) -> None:
-        """A leaf's gradient was added to its `.grad`: if it was finite, `written_after` looks again."""
+        """A leaf's gradient was added to its `.grad`: if it was finite, `written_after` looks again.
+        The `.grad` and its version are noted (metadata, no read) to tell, at the end, whether
+        anything wrote it since."""
         if record is not None and record.leaf is not None and held(event) == 0:
-            self._accumulated.append((record, event))
+            grad = getattr(record.leaf(), "grad", None)
+            if isinstance(grad, torch.Tensor):
+                self._accumulated.append((record, event, weakref.ref(grad), grad._version))
 
     def note_gradients_before(self, parameters) -> None:
         """As the backward begins: which of the model's `parameters` ((name, weak reference))
@@ -70,14 +76,20 @@ class GradTracker:
         candidates = [(id(tensor), None, tensor) for tensor in (ref() for _, ref in parameters)]
         self._nonfinite_before = {key for key, _, _ in _not_all_finite(_gradients(candidates))}
 
-    def written_after(self, parameters=()) -> List[Finding]:
+    def written_after(self, parameters=(), distributed: bool = True) -> List[Finding]:
         """After the backward and whatever ran at its end (DDP's gradient all-reduce, FSDP2's
-        reduce-scatter into the sharded parameters): the leaves whose gradient the graph added
-        finite but whose `.grad` is non-finite now, and, when this backward's own gradients were
-        all finite, the model's `parameters` ((name, weak reference)) whose `.grad` is non-finite.
-        Something outside the graph wrote them, and under a process group that is a collective
-        bringing another rank's values. One finding for all of them."""
-        candidates = [(record.label, event, record.leaf()) for record, event in self._accumulated]
+        reduce-scatter into the sharded parameters, a callback a hook queued): the leaves whose
+        gradient the graph added finite but whose `.grad` is non-finite now, and, when this
+        backward's own gradients were all finite, the model's `parameters` ((name, weak
+        reference)) whose `.grad` is non-finite. Something outside the graph wrote them, and under
+        a process group that is a collective bringing another rank's values. One finding for all.
+
+        Out of one (`distributed=False`), only the gradients written since they were added (another
+        tensor, or a new version) are read: nothing is read when nothing wrote them, and a write
+        that bypasses the version counter (through `.grad.data`) goes unseen. Under one, every
+        added gradient is read: a collective writes DDP's bucket views without a new version."""
+        candidates = [(record.label, event, record.leaf()) for record, event, grad, version in self._accumulated
+                      if distributed or _rewritten(record.leaf(), grad, version)]
         self._accumulated = []
         if not self.findings:
             seen = {id(leaf) for _, _, leaf in candidates}
@@ -100,10 +112,12 @@ class GradTracker:
         first = next((event for _, event, _ in changed if event is not None), None)
         how = (f"~{first.ordinal} added it finite" if first is not None and changed[0][1] is not None
                else "this backward's own gradients were finite")
+        who = ("under a process group, a collective such as DDP's all-reduce or FSDP2's reduce-scatter brought "
+               "another rank's value: tl.debug.across_ranks says whose" if distributed else
+               "a callback a hook queued to run at the backward's end")
         return self._note(Finding(
             f"{kind_names(kinds)} in {what} after the backward: {how}, then something outside the graph wrote it "
-            f"(under a process group, a collective such as DDP's all-reduce or FSDP2's reduce-scatter brought "
-            f"another rank's value: tl.debug.across_ranks says whose)", first, FindingKind.CARRIED_IN))
+            f"({who})", first, FindingKind.CARRIED_IN))
 
     def judge_rest(self) -> List[Finding]:
         queue, self._queue = self._queue, []
@@ -247,6 +261,12 @@ def _not_all_finite(items):
     for group in by_device.values():
         flags = torch.stack([torch.isfinite(grad).all() for _, _, grad in group]).tolist()
         yield from (item for item, finite in zip(group, flags) if not finite)
+
+
+def _rewritten(leaf, grad_ref, version: int) -> bool:
+    """Whether `leaf.grad` is no longer the tensor noted (`grad_ref`) at `version`."""
+    grad = getattr(leaf, "grad", None)
+    return grad is not None and (grad is not grad_ref() or grad._version != version)
 
 
 def _gradients(candidates):
