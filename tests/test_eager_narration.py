@@ -437,3 +437,17 @@ def test_module_names_of_a_model_whose_tree_has_a_cycle_are_read_once():
     x = torch.randn(1, 2)
     assert [e.scope.path for e in tl.record(model, x).ops[1:]] == ["0"]
     assert [e.scope.path for e in tl.record(model, x).ops[1:]] == ["0"]
+
+
+class Splits(torch.nn.Module):
+    def forward(self, x):
+        return torch.split(x, 1)
+
+
+@pytest.mark.parametrize("rows, shown", [(4, "[1,2] f32 cpu, [1,2] f32 cpu, [1,2] f32 cpu, [1,2] f32 cpu"),
+                                         (5, "[1,2] f32 cpu, [1,2] f32 cpu, [1,2] f32 cpu, [1,2] f32 cpu, "
+                                             "... (+1 more)")])
+def test_an_op_line_shows_four_outputs_and_counts_the_rest(rows, shown):
+    text, _ = narrate_to_string(Splits(), torch.zeros(rows, 2))
+    [split] = [line for line in op_lines(text) if " split " in line]
+    assert re.search(r"split\s+" + re.escape(shown) + r"(\s|$)", split), split
