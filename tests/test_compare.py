@@ -327,6 +327,16 @@ def test_long_reports_fold_matching_runs_and_cap_their_rows():
     assert capped[8:] == [f"... {len(folded) - 8} more lines (report.table(max_rows=None) shows all)"]
 
 
+def test_a_report_exactly_max_rows_long_is_not_cut_and_one_row_more_is():
+    model, x = three_blocks(), vectors()
+    report = tl.debug.compare(tl.trace(model, x), tl.trace(perturbed(model, "blocks.1.fc1.weight"), x))
+    rows = len(report.rows)
+    whole = report.table(elide=False, max_rows=rows).splitlines()
+    assert whole == report.table(elide=False, max_rows=None).splitlines() and len(whole) == 3 + rows
+    cut = report.table(elide=False, max_rows=rows - 1).splitlines()
+    assert cut[:-1] == whole[:-1] and cut[-1] == "... 1 more line (report.table(max_rows=None) shows all)"
+
+
 def test_plot_marks_the_first_divergence(tmp_path):
     pytest.importorskip("matplotlib")
     model, x = three_blocks(), vectors()

@@ -276,7 +276,8 @@ class CompareReport:
         body = _row_lines(self.rows, elide, self.tag)
         if max_rows is not None and len(body) > max_rows + 1:
             left_out = len(body) - max_rows - 1
-            body = body[:max_rows + 1] + [f"... {left_out} more lines (report.table(max_rows=None) shows all)"]
+            lines_left = f"{left_out} more line{'s' if left_out != 1 else ''}"
+            body = body[:max_rows + 1] + [f"... {lines_left} (report.table(max_rows=None) shows all)"]
         text = "\n".join(lines + body) + "\n"
         if self.gradients is not None:
             text += "\ngradients (the backwards, node by node in the order they ran):\n"
