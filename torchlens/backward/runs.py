@@ -64,7 +64,7 @@ class BackwardRun:
         self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
         self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
         self.incomplete: Optional[str] = None
-        self._waited = False  # (see `waits_for_collectives`)
+        self._waited = False  # (see `waits_for_final_callbacks`)
         self.narrator, self._owned, self._held_back = self._narrator(narration, settings)
         if self.narrator is not None:
             self.narrator.begin_pass(self.result.header)
@@ -160,7 +160,7 @@ class BackwardRun:
                 attach_finding(finding, False)
             self.result.findings = tuple(self.tracker.findings)
 
-    def waits_for_collectives(self) -> bool:
+    def waits_for_final_callbacks(self) -> bool:
         """Whether the run's end waits for the engine's other final callbacks, once: DDP reduces
         gradients in one queued after this run's (under a process group), a hook may queue one
         that writes `.grad`, and the verdict must see the gradients they left
@@ -388,7 +388,7 @@ class BackwardNarration:
         """Autograd's final callback for the run's graph task: it finished. Never raises (it runs
         inside the user's backward)."""
         try:
-            if run.waits_for_collectives():  # ends after the callbacks queued since (DDP's)
+            if run.waits_for_final_callbacks():  # ends after the callbacks queued since (DDP's, a hook's)
                 _queue_callback(functools.partial(self._finished, run))
                 return
             with self._lock:
