@@ -16,13 +16,19 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script in a fresh process
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_quick_side_by_side_benchmark_measures_every_mode_and_plots(tmp_path):
-    report_path = tmp_path / "report.json"
-    command = [sys.executable, str(BENCHMARKS / "snoop_echo_bench.py"), "--quick", "--json", str(report_path)]
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+def quick_run(script: str, tmp_path, timeout: int, env=None):
+    """Run `benchmarks/<script> --quick --json ...` in a fresh process; (its JSON report, the process)."""
+    report_path = tmp_path / (Path(script).stem + ".json")
+    command = [sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    return json.loads(report_path.read_text()), done
+
+
+def test_quick_side_by_side_benchmark_measures_every_mode_and_plots(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    report, done = quick_run("snoop_echo_bench.py", tmp_path, 900, env=env)
+    report_path = tmp_path / "snoop_echo_bench.json"
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import snoop_echo_bench as bench
@@ -50,11 +56,7 @@ def test_quick_side_by_side_benchmark_measures_every_mode_and_plots(tmp_path):
 
 
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
-    report_path = tmp_path / "backward.json"
-    command = [sys.executable, str(BENCHMARKS / "backward_bench.py"), "--quick", "--json", str(report_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    report, _ = quick_run("backward_bench.py", tmp_path, 600)
     assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]
     for result in report:
         rows = {row["mode"]: row for row in result["modes"]}
@@ -71,13 +73,10 @@ def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_bac
 
 
 def test_quick_distributed_benchmark_times_fsdp2_steps_and_across_ranks_on_2_4_8_ranks(tmp_path):
-    report_path = tmp_path / "distributed.json"
-    command = [sys.executable, str(BENCHMARKS / "distributed_bench.py"), "--quick", "--json", str(report_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    report, done = quick_run("distributed_bench.py", tmp_path, 900)
     # a collective left unwaited is torn down at exit, where gloo may abort the rank: none is left
     assert "unwaited collective" not in done.stderr, done.stderr[-3000:]
-    results = json.loads(report_path.read_text())["results"]
+    results = report["results"]
     assert [r["world_size"] for r in results] == [2, 4, 8]
     assert all(r["across_ranks_ms"] > 0 for r in results)
     for name, rows in [*results[0]["fsdp_step"].items(), ("tp", results[0]["tp_forward"])]:
@@ -86,11 +85,7 @@ def test_quick_distributed_benchmark_times_fsdp2_steps_and_across_ranks_on_2_4_8
 
 
 def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_path):
-    report_path = tmp_path / "watch.json"
-    command = [sys.executable, str(BENCHMARKS / "watch_bench.py"), "--quick", "--json", str(report_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    report, _ = quick_run("watch_bench.py", tmp_path, 600)
     assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]
     for result in report:
         rows = {row["mode"]: row for row in result["modes"]}
@@ -106,11 +101,8 @@ def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_
 
 def test_quick_bisect_benchmark_names_the_planted_addmm_on_a_transformers_gpt2(tmp_path):
     pytest.importorskip("transformers")
-    report_path = tmp_path / "bisect.json"
-    command = [sys.executable, str(BENCHMARKS / "bisect_bench.py"), "--quick", "--json", str(report_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rounding, planted = json.loads(report_path.read_text())["results"]
+    report, _ = quick_run("bisect_bench.py", tmp_path, 900)
+    rounding, planted = report["results"]
     assert rounding["verdict"] == "rounding" and rounding["runs"] == 0, rounding
     assert (planted["verdict"], planted["backend"], planted["subsystem"]) == \
         ("compiler", "aot_eager_decomp_partition", "decomposition"), planted
@@ -119,11 +111,7 @@ def test_quick_bisect_benchmark_names_the_planted_addmm_on_a_transformers_gpt2(t
 
 
 def test_quick_gc_benchmark_counts_full_collections_and_promotions(tmp_path):
-    report_path = tmp_path / "gc.json"
-    command = [sys.executable, str(BENCHMARKS / "gc_bench.py"), "--quick", "--json", str(report_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    report, done = quick_run("gc_bench.py", tmp_path, 600)
     assert report["steps"] == 200
     for mode in ("plain", "tracked"):
         row = report[mode]
