@@ -3,6 +3,7 @@ arrives, counts of the right kind, a footer that names every leaf and counts wha
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -190,3 +191,27 @@ def test_a_gradient_rewritten_finite_after_the_backward_is_no_finding():
         model(torch.randn(2, 4)).sum().backward()
     [backward] = rec.recordings[0].backward
     assert backward.findings == () and backward.footer_extra == ["no non-finite gradients"]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "bart"])
+def test_a_real_models_gradient_written_after_its_backward_is_found_and_an_untouched_one_reads_clean(name):
+    pytest.importorskip("transformers")
+    from real_models import REAL_MODELS
+
+    entry = REAL_MODELS[name]
+    model, args, kwargs = entry.build()
+    weight = model.get_parameter(entry.weight)
+    for poisoned in (False, True):
+        model.zero_grad()
+        handle = weight.register_post_accumulate_grad_hook(
+            _at_the_backwards_end(lambda p: p.grad.mul_(float("nan")) if poisoned else None))
+        with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+            model(*args, **kwargs)[0].float().sum().backward()
+        handle.remove()
+        [backward] = rec.recordings[0].backward
+        if not poisoned:
+            assert backward.findings == () and backward.footer_extra[-1].startswith("no non-finite gradients")
+            continue
+        [finding] = backward.findings
+        assert finding.text.startswith(f"NaN in the gradient of {entry.weight} after the backward: ~"), finding.text
+        assert finding.kind.name == "CARRIED_IN"
