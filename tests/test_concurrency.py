@@ -318,7 +318,10 @@ def _llama_with_a_compiled_layer():
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     model = transformers.LlamaModel(config).eval()
-    model.layers[1] = torch.compile(model.layers[1], backend="eager")
+    # the MLP, not the whole layer: attention's rotary embedding dispatches through the `kernels`
+    # package's global, which becomes shared by every thread once dynamo traced it (its docs say so),
+    # and threads toggling it made plain forwards recompile too, now and then
+    model.layers[1].mlp = torch.compile(model.layers[1].mlp, backend="eager")
     return model
 
 
@@ -380,7 +383,7 @@ def test_captures_in_eight_threads_around_a_compiled_layer_recompile_nothing_pla
     assert errors == []
     assert len(recordings) == 400
     first = [(event.op, event.scope.path) for event in recordings[0].ops]
-    assert ("compiled", "layers.1") in first and ("linear", "layers.0.self_attn.q_proj") in first
+    assert ("compiled", "layers.1.mlp") in first and ("linear", "layers.0.self_attn.q_proj") in first
     assert all([(event.op, event.scope.path) for event in r.ops] == first for r in recordings)
     assert all(torch.equal(r.output.last_hidden_state, expected) for r in recordings)
     assert not [w for w in recwarn if "global hooks" in str(w.message)], \
