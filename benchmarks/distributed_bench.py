@@ -169,11 +169,19 @@ def _worker(rank: int, world: int, workdir: str, quick: bool, fsdp: bool) -> Non
                 result["tp_forward_768"] = _tp_forward_times(20, 5, width=768)
         result["across_ranks_ms"] = _across_ranks_time(5 if quick else 50) * 1e3
         dist.barrier()
+        unwaited = torch._C._distributed_c10d._get_work_registry_size()
+        if unwaited:  # an output never waited for stays registered: a timing that stopped before it landed
+            raise RuntimeError(f"{unwaited} collective call(s) were never waited for on rank {rank}")
     finally:
         dist.destroy_process_group()
     if rank == 0:
         with open(os.path.join(workdir, f"result-{world}.json"), "w") as f:
             json.dump(result, f)
+    # Leave before interpreter teardown: gloo's worker threads can outlive destroy_process_group,
+    # and one releasing a tensor while the interpreter finalizes aborts the rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _row_text(rows: dict) -> str:

@@ -22,6 +22,7 @@ from torch import nn
 
 import torchlens as tl
 from helpers import check_nesting, op_lines
+from ranks import exit_without_finalizing, fail_on_unwaited_collectives
 
 NarrationOptions = tl.options.NarrationOptions
 WORLD_SIZE = 2
@@ -101,10 +102,12 @@ def _worker(rank: int, workdir: str) -> None:
             result["tail"] = exc.partial_trace.narrate(last=3)
             result["partial_ops"] = len(exc.partial_trace.ops)
         dist.barrier()
+        fail_on_unwaited_collectives()
     finally:
         dist.destroy_process_group()
     with open(path(f"result-{rank}.json"), "w") as f:
         json.dump(result, f)
+    exit_without_finalizing()
 
 
 @pytest.fixture(scope="module")
