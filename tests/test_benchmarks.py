@@ -73,9 +73,8 @@ def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_bac
 
 
 def test_quick_distributed_benchmark_times_fsdp2_steps_and_across_ranks_on_2_4_8_ranks(tmp_path):
-    report, done = quick_run("distributed_bench.py", tmp_path, 900)
-    # a rank that leaves a collective unwaited (its timing did not wait for what it timed) fails the run
-    assert "never waited for" not in done.stderr, done.stderr[-3000:]
+    # (a rank that leaves a collective unwaited, a timing that stopped before it landed, exits non-zero)
+    report, _ = quick_run("distributed_bench.py", tmp_path, 900)
     results = report["results"]
     assert [r["world_size"] for r in results] == [2, 4, 8]
     assert all(r["across_ranks_ms"] > 0 for r in results)
