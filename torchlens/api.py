@@ -8,7 +8,7 @@ import inspect
 from torch import nn
 
 from .errors import OptionTypeError, OptionValueError, suggest
-from .options import COMPILE, RECORD, TRACE, check_keyword, keywords_of, make_settings
+from .options import COMPILE, RECORD, TRACE, check_keyword, keywords_of, make_settings, misplaced
 from .results import Recording, Trace
 from .eager.capture import outside_dynamo
 from .eager.runner import run_eager
@@ -118,7 +118,8 @@ def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) 
 
     A forward taking `**kwargs` (nearly every transformers model) would swallow `value_stat=` or
     `narate=` without a word, so there a keyword the forward does not name and that is a near miss
-    of a torchlens option is refused too; a forward that really wants such a keyword gets it by
+    of a torchlens option is refused too, as is a torchlens option in the wrong place (`sites=`
+    belongs inside `narrate=`, `keep_on_cpu=` to `tl.trace`), with the fix; a forward that really wants such a keyword gets it by
     calling the model inside `tl.recording.Recorder(model, ...)`.
     """
     if not kwargs:
@@ -128,12 +129,19 @@ def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) 
     except (TypeError, ValueError):
         return
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    for name in kwargs:
+    for name, value in kwargs.items():
         if name in parameters:
             continue
         if name in _COMPILED_ONLY:
             raise OptionTypeError(f"{entry} got {name!r}, an option of compiled runs only: pass it to "
                                   f"tl.compile(model, {name}=...) or torch.compile(..., backend='torchlens')")
+        fix = misplaced(entry, name, value)
+        if fix is not None:
+            swallowed = f"; {type(model).__name__}.forward takes **kwargs and would have dropped it silently" \
+                if takes_any else ""
+            raise OptionTypeError(f"{entry} got {name}={value!r}: {fix}{swallowed}. If it really is for the forward, "
+                                  f"call the model yourself inside `with tl.recording.Recorder(model, ...):`, which "
+                                  f"passes every argument through.")
         if not takes_any:
             raise OptionTypeError(
                 f"{entry} got {name!r}, which is neither a torchlens option{suggest(name, keywords)} "

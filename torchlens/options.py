@@ -304,3 +304,23 @@ def keywords_of(entry: str) -> Tuple[str, ...]:
 def check_keyword(owner: str, name: str, value):
     """`value` of keyword `name`, checked as the table says (the same for every entry point)."""
     return _BY_NAME[name].check(owner, value)
+
+
+def misplaced(entry: str, name: str, value) -> Optional[str]:
+    """Where option `name` belongs when it was handed to `entry`, which does not take it: a
+    narration option goes inside `narrate=`, another entry point's keyword to that entry point.
+    The text says the fix with the user's own value; None when `name` is no torchlens option.
+
+    Used where a forward's `**kwargs` would otherwise receive the option and silently drop it
+    (`tl.record(llama, ids, sites=True)` narrated no sites and said nothing)."""
+    if name in _FIELDS:
+        return (f"{name!r} is a narration option: pass it inside narrate=, as "
+                f"narrate=tl.options.NarrationOptions({name}={value!r}) (sink= says where the lines go)")
+    keyword = _BY_NAME.get(name)
+    if keyword is None or entry in keyword.takes:
+        return None
+    takers = [_SPELLED.get(taker, taker) for taker in keyword.takes]
+    return f"{name!r} is an option of {' or '.join(takers)}, not of {entry}: pass it to {takers[0]}(..., {name}={value!r})"
+
+
+_SPELLED = {RECORDER: "tl.recording.Recorder"}

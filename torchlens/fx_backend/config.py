@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import OptionTypeError, suggest
-from ..options import COMPILE, Settings, check_keyword, keywords_of, make_settings
+from ..options import COMPILE, Settings, check_keyword, keywords_of, make_settings, misplaced
 
 __all__ = ["OPTION_KEYS", "CompileConfig", "config_from_options", "inner_compile", "make_config"]
 
@@ -49,7 +49,10 @@ def config_from_options(options: Optional[Mapping[str, Any]]) -> CompileConfig:
         return make_config()
     if not isinstance(options, Mapping):
         raise OptionTypeError(f"backend 'torchlens' takes options as a dict with keys {', '.join(OPTION_KEYS)}; got {type(options).__name__}")
-    for key in options:
+    for key, value in options.items():
+        fix = misplaced(COMPILE, str(key), value) if key not in OPTION_KEYS else None
+        if fix is not None:
+            raise OptionTypeError(f"backend 'torchlens' got the option {key!r}: {fix}")
         if key not in OPTION_KEYS:
             raise OptionTypeError(
                 f"backend 'torchlens' got an unknown option {key!r}{suggest(str(key), OPTION_KEYS)}; "

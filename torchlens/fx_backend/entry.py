@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelTypeError, OptionTypeError, OptionValueError, describe_choices, suggest, warn_safely
-from ..options import check_bool
+from ..options import COMPILE, check_bool, misplaced
 from ..results import Trace
 from ..structure import check_selection, module_of
 from .config import OPTION_KEYS, CompileConfig
@@ -46,6 +46,9 @@ def check_torch_compile_kwargs(kwargs: dict, entry: str) -> None:
         if key == "options":
             raise OptionTypeError(f"{entry} takes torchlens options as keywords ({', '.join(OPTION_KEYS)}), not options=")
         if key not in TORCH_COMPILE_KEYWORDS:
+            fix = misplaced(COMPILE, str(key), value)
+            if fix is not None:
+                raise OptionTypeError(f"{entry} got {key}={value!r}: {fix}")
             accepted = OPTION_KEYS + TORCH_COMPILE_KEYWORDS
             raise OptionTypeError(f"{entry} got an unknown keyword {key!r}{suggest(str(key), accepted)}; accepted: "
                                   f"{', '.join(OPTION_KEYS)} (torchlens) and {', '.join(TORCH_COMPILE_KEYWORDS)} "
