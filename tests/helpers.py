@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _module = torch.nn.modules.module
+_HAS_ANY_GLOBAL_HOOK = _module._has_any_global_hook  # (read before torchlens is imported)
 
 
 def leftover_state():
@@ -18,21 +19,18 @@ def leftover_state():
     import sys
 
     from torchlens.eager.capture import captures_in_thread
-    from torchlens.eager.module_hooks import routed, shared_keys
+    from torchlens.eager.module_hooks import routed
 
     active = sys.modules.get("torchlens.fx_backend.active")
-    shared = shared_keys()  # the hooks every capture shares stay registered once dynamo is loaded
-
-    def others(hooks) -> int:
-        return sum(1 for key in hooks if key not in shared)
-
     return (
         captures_in_thread(),
         routed(),
-        others(_module._global_forward_pre_hooks),
-        others(_module._global_forward_hooks),
-        others(_module._global_forward_hooks_always_called),
+        # the hooks captures share are registered only while one runs: none may stay
+        len(_module._global_forward_pre_hooks),
+        len(_module._global_forward_hooks),
+        len(_module._global_forward_hooks_always_called),
         len(_module._global_backward_hooks),
+        _module._has_any_global_hook is _HAS_ANY_GLOBAL_HOOK,  # torch's own check given back
         len(torch.overrides._get_current_function_mode_stack()),
         torch._C._len_torch_dispatch_stack(),
         active is not None and active.active_pass() is not None,

@@ -119,3 +119,10 @@ def test_quick_gc_benchmark_counts_full_collections_and_promotions(tmp_path):
     # a tracked step leaves its recording (keep=1) and its graph's hooks alive: more than a plain one
     assert report["tracked"]["promoted_per_step"] > report["plain"]["promoted_per_step"]
     assert "tracked  200 steps" in done.stdout
+
+
+def test_quick_residue_benchmark_times_plain_forwards_around_captures_and_finds_no_hook_left(tmp_path):
+    report, done = quick_run("residue_bench.py", tmp_path, 600)
+    assert report["rounds"] == 3 and report["before_us"] > 0 and report["after_us"] > 0
+    assert report["hooks_left"] == 0, "a capture left a global module hook registered"
+    assert report["idle_hooks"] > 0 and "global hooks left: 0" in done.stdout

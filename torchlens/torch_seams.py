@@ -196,6 +196,23 @@ def _probe_traced_node():
     return None
 
 
+def _probe_shared_hook_keys():
+    module = torch.nn.modules.module
+
+    def hook(*args):
+        return None
+
+    handle = module.register_module_forward_hook(hook, always_call=True)
+    try:
+        if module._global_forward_hooks.get(handle.id) is not hook:
+            return "_global_forward_hooks is not keyed by the handle's id"
+        if handle.id not in module._global_forward_hooks_always_called:
+            return "always_call is not kept in _global_forward_hooks_always_called"
+    finally:
+        handle.remove()
+    return None
+
+
 def _probe_global_hook_check():
     import inspect
 
@@ -280,7 +297,13 @@ SEAMS = (
          _probe_traced_node),
     Seam("global hook check", "torch.nn.modules.module._has_any_global_hook, read by OptimizedModule.__call__ "
          "to warn that global hooks fire an extra time", "eager.module_hooks",
-         "every call of a torch.compile'd module warns about torchlens's idle shared hooks", _probe_global_hook_check),
+         "every call of a torch.compile'd module under a capture warns that hooks fire an extra time",
+         _probe_global_hook_check),
+    Seam("shared hook keys", "torch.nn.modules.module._global_forward_pre_hooks, _global_forward_hooks and "
+         "_global_forward_hooks_always_called: dicts keyed by the RemovableHandle's id, which dynamo guards on",
+         "eager.module_hooks._register",
+         "a compiled submodule under an eager capture compiles again at every capture, up to dynamo's recompile "
+         "limit", _probe_shared_hook_keys),
     Seam("compiler bisector", "torch._inductor.compiler_bisector.CompilerBisector (do_bisect, get_backend read by "
          "torch.compile, get_config_change) and its BACKENDS", "debug.bisect",
          "tl.debug.bisect cannot bisect a compiled divergence; it says so", _probe_compiler_bisector),
