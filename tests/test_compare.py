@@ -201,6 +201,7 @@ def test_to_rows_gives_plain_dicts():
         "shapes_match": True, "dtypes_match": True, "max_abs": 0.0, "max_rel": 0.0,
         "rtol": 1e-5, "atol": 1e-5, "verdict": "within", "reason": "", "depth": 0, "within_tolerance": True,
         "judgement": None, "closer": None, "ulps_a": None, "ulps_b": None, "allowed": None,
+        "own_a": None, "own_b": None, "off": None,
     }
     diverged = next(row for row in rows if row["verdict"] == "diverged")
     assert (diverged["module"], diverged["op"]) == ("blocks.1.fc1", "linear")

@@ -119,7 +119,8 @@ def test_a_sign_flip_is_real_and_the_side_nearer_float64_is_named():
     real = report.first_real
     assert (real.op, real.module) == ("linear", "fc2"), real
     assert real.closer == "a" and real.ulps_b > 1e5 and real.ulps_a < real.allowed
-    assert str(report).splitlines()[0].startswith("first real divergence: #6 linear @fc2: b is off float64 by")
+    assert real.off == "b" and str(report).splitlines()[0].startswith(
+        "first real divergence: #6 linear @fc2: b's op computes something else")
     # the same divergence seen from the other side: a is the one off
     swapped = tl.debug.compare(tl.trace(flipped, x), tl.trace(model, x), reference=ref)
     assert swapped.first_real.closer == "b"
@@ -265,3 +266,227 @@ def test_integer_outputs_that_differ_are_unjudged_not_rounding():
     assert report.first_real.op == "linear" and report.counts["unjudged"] == 1
     assert report.verdict().endswith("; 1 op whose sides differ could not be judged (the first: #7 argmax: integer "
                                      "outputs: no ulps to judge them by)")
+
+
+# -- mixed precision: each op judged in the precision it computed in -------------------------------
+
+def _transformers():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _small_llama():
+    t = _transformers()
+    return t.LlamaForCausalLM(t.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def _small_gpt2():
+    t = _transformers()
+    return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+
+
+def _small_bert():
+    t = _transformers()
+    return t.BertModel(t.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, max_position_embeddings=64))
+
+
+def _small_qwen2():
+    t = _transformers()
+    return t.Qwen2ForCausalLM(t.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+_SMALL = {"llama": _small_llama, "gpt2": _small_gpt2, "bert": _small_bert, "qwen2": _small_qwen2}
+_IDS = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _lower(model, precision: str, *inputs, **kwargs):
+    """`model` traced in a lower precision: bf16 or fp16 autocast, or a bf16 copy of its weights."""
+    if precision == "bf16 weights":
+        return tl.trace(copy.deepcopy(model).to(torch.bfloat16),
+                        *(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs), **kwargs)
+    with torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16 autocast" else torch.float16):
+        return tl.trace(model, *inputs, **kwargs)
+
+
+_FAST = [("llama", "bf16 autocast"), ("gpt2", "fp16 autocast"), ("qwen2", "bf16 weights"), ("bert", "bf16 autocast")]
+_ALL = [(name, precision) for name in _SMALL for precision in ("bf16 autocast", "fp16 autocast", "bf16 weights")]
+
+
+@pytest.mark.parametrize("name, precision", _FAST + [pytest.param(*case, marks=pytest.mark.slow)
+                                                      for case in _ALL if case not in _FAST])
+def test_a_healthy_transformers_model_in_lower_precision_is_only_rounding_off_its_fp32_run(name, precision):
+    """"Is my bf16 run only rounding off my fp32 run?" An op computing in float32 on values that
+    came out of bf16 ops carries bf16's rounding, 2^16 float32 ulps: judged by its dtype alone it
+    was called real (Llama's rotary `mul`, GPT-2's residual `add`, a bf16 model's `to` of its
+    `inv_freq` buffer). Each op is judged on what it adds, in the precision it computed in."""
+    torch.manual_seed(0)
+    model = _SMALL[name]().eval()
+    ref = tl.debug.reference(model, _IDS)
+    report = tl.debug.compare(tl.trace(model, _IDS), _lower(model, precision, _IDS), reference=ref)
+    assert report.first_real is None, report.verdict()
+    counts = report.counts
+    assert counts["rounding"] > 20 and counts["real"] == counts["carried"] == counts["unjudged"] == 0, counts
+    assert report.verdict().startswith("no real divergence: all ")
+    assert any(row.own_b is not None for row in report.rows), "no op was judged on its own inputs"
+
+
+@pytest.mark.parametrize("precision", ["bf16 autocast", "fp16 autocast", "bf16 weights"])
+def test_a_conv_net_with_batch_norm_in_lower_precision_is_only_rounding_off_its_fp32_run(precision):
+    torch.manual_seed(0)
+    model, (x,) = _convnet()
+    ref = tl.debug.reference(model, x)
+    report = tl.debug.compare(tl.trace(model, x), _lower(model, precision, x), reference=ref)
+    assert report.first_real is None and report.counts["rounding"] > 0, report.verdict()
+
+
+def _with_bug(model, bug: str):
+    """A copy of a transformers model with a real bug planted: a changed norm epsilon, the sign of
+    one projection's weight flipped, a square projection's weight transposed."""
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        if bug == "norm eps":
+            norm = next(m for m in broken.modules() if hasattr(m, "variance_epsilon") or isinstance(m, nn.LayerNorm))
+            setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", 0.1)
+        else:
+            square = [m for m in broken.modules() if isinstance(m, nn.Linear) and m.in_features == m.out_features]
+            weight = square[1].weight
+            weight.copy_(-weight if bug == "sign flip" else weight.T.clone())
+    return broken
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16 autocast"])
+@pytest.mark.parametrize("name, bug, op, module", [
+    ("llama", "norm eps", "add", "model.layers.0.input_layernorm"),
+    ("bert", "norm eps", "layer_norm", "embeddings.LayerNorm"),
+    ("llama", "sign flip", "linear", "model.layers.0.self_attn.o_proj"),
+    ("bert", "transpose", "linear", "encoder.layer.0.attention.self.key"),
+])
+def test_a_real_bug_is_real_at_its_own_op_in_same_and_mixed_precision_and_what_follows_is_carried(
+        name, bug, op, module, precision):
+    torch.manual_seed(0)
+    model = _SMALL[name]().eval()
+    ref = tl.debug.reference(model, _IDS)
+    broken = _with_bug(model, bug)
+    b = tl.trace(broken, _IDS) if precision == "fp32" else _lower(broken, precision, _IDS)
+    report = tl.debug.compare(tl.trace(model, _IDS), b, reference=ref)
+    real = report.first_real
+    assert (real.op, real.module, real.off, real.closer) == (op, module, "b", "a"), report.verdict()
+    assert real.own_b > real.allowed and report.counts["real"] == 1 and report.counts["carried"] > 5, report.counts
+    after = report.rows[report.rows.index(real) + 1:]
+    assert all(row.judgement in (None, "carried", "rounding") for row in after)
+    assert report.verdict().startswith(f"first real divergence: #{real.ordinal} {real.where}: b's op computes "
+                                       f"something else")
+
+
+def test_a_different_attention_mask_is_real_where_it_enters_and_nothing_before_is():
+    """A wrong mask: the runs were given different integer inputs. Nothing computed them, so the
+    difference is no rounding; what takes another path because of it is never called rounding."""
+    torch.manual_seed(0)
+    model = _small_llama().eval()
+    mask = torch.ones_like(_IDS)
+    wrong = mask.clone()
+    wrong[1, :3] = 0
+    ref = tl.debug.reference(model, _IDS, attention_mask=mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = tl.trace(model, _IDS, attention_mask=wrong)
+    report = tl.debug.compare(tl.trace(model, _IDS, attention_mask=mask), b, reference=ref)
+    real = report.first_real
+    assert (real.op, real.ordinal, real.off) == ("input", 2, "b")
+    assert report.verdict().startswith("first real divergence: #2 input: b's input differs from the float64 run's")
+    assert not [row for row in report.rows[:report.rows.index(real)] if row.judgement]
+    attention = [row for row in report.rows if row.module == "model.layers.0.self_attn.o_proj"]
+    assert attention and all(row.judgement in ("carried", "unjudged") for row in attention)
+
+
+@pytest.mark.slow
+def test_eager_fp32_against_compiled_bf16_is_only_rounding_and_a_compiler_bug_under_bf16_is_real():
+    torch.manual_seed(0)
+    model, (ids,) = _gpt2()
+
+    def buggy_compiler(gm, example_inputs):
+        """A stand-in for a wrong kernel: GPT-2's tanh-form GELU computed with a sigmoid."""
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and getattr(node.target, "__name__", "") == "tanh":
+                node.target = torch.sigmoid
+        gm.recompile()
+        return gm.forward
+
+    with torch.no_grad():
+        ref = tl.debug.reference(model, ids)
+        eager = tl.trace(model, ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled = tl.trace(model, ids, compiled=True)
+            broken = tl.trace(model, ids, compiled={"compiler": buggy_compiler})
+    healthy = tl.debug.compare(eager, compiled, reference=ref)
+    assert healthy.first_real is None and healthy.counts["rounding"] > 0, healthy.verdict()
+    real = tl.debug.compare(eager, broken, reference=ref).first_real
+    assert (real.op, real.module, real.off, real.closer) == ("tanh", "transformer.h.0.mlp.act", "b", "a"), real
+
+
+# -- the pieces of the judgement, each where it can go wrong ---------------------------------------
+
+def test_each_op_of_the_float64_run_is_paired_with_its_own_call_and_replays_to_its_output():
+    """Two consecutive linears share a name, not a shape: each has its own reduction length and
+    its own call, which replayed on the run's own inputs gives back its output."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2), nn.Softmax(-1)), torch.randn(3, 4)
+    ref = tl.debug.reference(model, x)
+    first, second = [event.ordinal for event in ref.trace.ops if event.op == "linear"]
+    assert (ref.terms[first], ref.terms[second]) == (4, 8)
+    for event in ref.trace.ops[1:]:
+        replayed = ref.replay(event.ordinal, lambda produced, own: ref.trace.values[produced.ordinal][produced.index])
+        assert replayed is not None and torch.equal(replayed[0], ref.trace.values[event.ordinal][0]), event
+    report = tl.debug.compare(tl.trace(model, x), tl.trace(model, x, compiled={"compiler": "eager"}), reference=ref)
+    assert report.first_real is None
+
+
+class _Masked(nn.Module):
+    """Causal attention written with a float `-inf` mask, the scores optionally scaled wrong."""
+
+    def __init__(self, wrong_scale: bool = False):
+        super().__init__()
+        self.qk = nn.Linear(16, 32)
+        self.wrong_scale = wrong_scale
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        scores = q @ k.transpose(-1, -2)
+        if self.wrong_scale:
+            scores = scores * 1.5
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        return scores.masked_fill(mask, float("-inf")).softmax(-1)
+
+
+def test_an_op_whose_float64_output_holds_an_infinity_is_still_judged_in_ulps_of_its_finite_values():
+    """The ulp scale is the largest *finite* reference magnitude: taken over the `-inf` of a mask,
+    every error would read 0 ulps and a wrong scale before the mask would be called rounding."""
+    torch.manual_seed(0)
+    model, x = _Masked(), torch.randn(2, 6, 16)
+    wrong = _Masked(wrong_scale=True)
+    wrong.load_state_dict(model.state_dict())
+    report = tl.debug.compare(tl.trace(model, x), tl.trace(wrong, x), reference=tl.debug.reference(model, x))
+    real = report.first_real
+    assert (real.op, real.off) == ("masked_fill", "b"), report.verdict()
+    assert real.own_b > 1e5 and math.isfinite(real.own_b)
+
+
+def test_rows_after_a_random_op_both_runs_drew_alike_but_float64_did_not_are_unjudged():
+    """Both runs drew the same dropout masks (equal rows), float64 other ones: every later row is
+    judged against another draw, so none is judged, however far its sides are apart."""
+    torch.manual_seed(0)
+    model, x = Noisy().train(), torch.randn(8, 16)
+    patched = copy.deepcopy(model)
+    with torch.no_grad():
+        patched.fc2.weight.mul_(-1.0)
+    a, b = _drawn(model, x, 1), _drawn(patched, x, 1)
+    torch.manual_seed(3)
+    report = tl.debug.compare(a, b, reference=tl.debug.reference(model, x))
+    dropout = next(row for row in report.rows if row.op == "dropout")
+    assert dropout.max_abs == 0 and dropout.judgement is None
+    fc2 = next(row for row in report.rows if row.module == "fc2")
+    assert fc2.judgement == "unjudged" and "drew other random numbers" in fc2.reason
+    assert report.first_real is None

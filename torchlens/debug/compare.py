@@ -44,8 +44,9 @@ from ..errors import CompareInputError, OptionTypeError, OptionValueError
 from ..events import Event
 from ..grammar import dtype_name, shape_text
 from ..results import PartialTrace, Recording, Trace
-from .reference import Reference, random_ops
-from .rounding import REAL, ROUNDING, UNJUDGED, drew_alike, judge
+from .judging import judge_rows
+from .reference import Reference
+from .rounding import CARRIED, REAL, ROUNDING, UNJUDGED
 
 __all__ = ["DEFAULT_TOLERANCES", "CompareReport", "CompareRow", "align", "compare", "tolerance_for"]
 
@@ -104,7 +105,7 @@ class CompareRow:
 
     __slots__ = ("status", "module", "op", "ordinal_a", "ordinal_b", "shapes_match", "dtypes_match",
                  "max_abs", "max_rel", "rtol", "atol", "verdict", "reason", "depth", "judgement", "closer",
-                 "ulps_a", "ulps_b", "allowed")
+                 "ulps_a", "ulps_b", "allowed", "own_a", "own_b", "off")
 
     def __init__(self, status: str, module: str, op: str, ordinal_a: Optional[int], ordinal_b: Optional[int],
                  shapes_match: Optional[bool] = None, dtypes_match: Optional[bool] = None,
@@ -130,6 +131,9 @@ class CompareRow:
         self.ulps_a: Optional[float] = None
         self.ulps_b: Optional[float] = None
         self.allowed: Optional[float] = None
+        self.own_a: Optional[float] = None
+        self.own_b: Optional[float] = None
+        self.off: Optional[str] = None
 
     @property
     def ordinal(self) -> int:
@@ -204,6 +208,7 @@ class CompareReport:
             "only_b": statuses.count(ONLY_B),
             **({"rounding": sum(row.judgement == ROUNDING for row in self.rows),
                 "real": sum(row.judgement == REAL for row in self.rows),
+                "carried": sum(row.judgement == CARRIED for row in self.rows),
                 "unjudged": sum(row.judgement == UNJUDGED for row in self.rows)} if self.judged else {}),
         }
 
@@ -234,15 +239,10 @@ class CompareReport:
             return (f"no real divergence: {every} {self.noun}s whose sides differ are within rounding of "
                     f"float64 (the first: {self.tag}{first.ordinal} {first.where}, a {_ulps(first.ulps_a)}, "
                     f"b {_ulps(first.ulps_b)})" + (f"; but {not_judged}" if unjudged else ""))
-        off = {"a": "b", "b": "a"}.get(row.closer)
-        if off is None:
-            who = f"both sides are off float64 (a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)})"
-        else:
-            far, near = (row.ulps_a, row.ulps_b) if off == "a" else (row.ulps_b, row.ulps_a)
-            who = f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}"
-        return (f"first real divergence: {self.tag}{row.ordinal} {row.where}: {who}, where rounding allows "
-                f"{_ulps(row.allowed)}; {rounding} other divergence{'s' if rounding != 1 else ''} "
-                f"judged rounding, {real - 1} more real" + (f"; {not_judged}" if unjudged else ""))
+        carried = self.counts["carried"]
+        return (f"first real divergence: {self.tag}{row.ordinal} {row.where}: {_real_text(row)}; {rounding} other "
+                f"divergence{'s' if rounding != 1 else ''} judged rounding, {real - 1} more real, {carried} carrying a "
+                f"real one's divergence" + (f"; {not_judged}" if unjudged else ""))
 
     def summary(self) -> str:
         """One line naming the first divergence: op, module, ordinals and how far apart."""
@@ -382,59 +382,10 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
             rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
         rows[-1].depth = (event_b or event_a).scope.depth
     if reference is not None:
-        _judge_rows(rows, trace_a, trace_b, values_a, values_b, reference)
+        judge_rows(rows, trace_a, trace_b, values_a, values_b, reference,
+                   _reference_pairs(trace_a.ops, reference.trace.ops), _reference_pairs(trace_b.ops, reference.trace.ops))
     return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol, tolerance.floor),
                          judged=reference is not None)
-
-
-def _judge_rows(rows: List[CompareRow], trace_a, trace_b, values_a, values_b, reference: Reference) -> None:
-    """Judge each compared row whose sides differ against the float64 reference's op.
-
-    The reference's ops are paired with each trace's as the traces are with each other, on
-    module, op and output shapes (its dtypes are float64's); a row takes the reference op paired
-    with its a side, or with its b side when a's has none. A row that cannot be judged says why
-    (`UNJUDGED`, `reason`), and so does every row after a random op where the reference drew other
-    numbers than both runs: from there on it computes something else than either."""
-    ref_values = reference.trace.values or {}
-    by_a = _reference_pairs(trace_a.ops, reference.trace.ops)
-    by_b = _reference_pairs(trace_b.ops, reference.trace.ops)
-    random, drawn_apart = random_ops(), None
-    for row in rows:
-        if row.status != BOTH or row.verdict not in (WITHIN, DIVERGED):
-            continue
-        ref = by_a.get(row.ordinal_a) or by_b.get(row.ordinal_b)
-        kept = ref_values.get(ref.ordinal) if ref is not None else None
-        a, b = values_a[row.ordinal_a], values_b[row.ordinal_b]
-        why = _why_unjudged(a, kept)
-        if drawn_apart is None and row.op in random:
-            if why is not None:
-                drawn_apart = (f"after #{row.ordinal} {row.op}, a random op the float64 run could not be checked at "
-                               f"({why})")
-            elif not drew_alike(a, kept) and not drew_alike(b, kept):
-                drawn_apart = (f"the float64 run drew other random numbers than both runs at #{row.ordinal} "
-                               f"{row.op}: make the reference from the generator state they started from, or "
-                               f"compare in eval()")
-        if not row.max_abs:
-            continue  # the two sides are equal: nothing to judge
-        why = drawn_apart or why
-        if why is not None:
-            row.judgement, row.reason = UNJUDGED, why
-            continue
-        verdict = judge(a, b, kept, reference.terms.get(ref.ordinal, 1))
-        row.judgement, row.closer, row.allowed = verdict.verdict, verdict.closer, verdict.allowed
-        row.ulps_a, row.ulps_b = verdict.a.ulps, verdict.b.ulps
-
-
-def _why_unjudged(values, kept) -> Optional[str]:
-    """Why a side's outputs cannot be judged against the reference's op (None when they can)."""
-    if not any(value is not None and (value.is_floating_point() or value.is_complex()) for value in values):
-        return "integer outputs: no ulps to judge them by"
-    if kept is None:
-        return "the float64 run has no op paired with it (it took another path there)"
-    if any(v is None for v in kept) or len(kept) != len(values) or \
-            any(tuple(r.shape) != tuple(x.shape) for r, x in zip(kept, values) if x is not None):
-        return "the float64 run's op there has other outputs"
-    return None
 
 
 def _reference_pairs(ops: Sequence[Event], reference_ops: Sequence[Event]) -> Dict[int, Event]:
@@ -520,12 +471,13 @@ def align(ops_a: Sequence[Event], ops_b: Sequence[Event]) -> List[Tuple[Optional
     """Pair the ops of two traces in order: (a, b) when matched, (a, None) / (None, b) otherwise.
 
     Ops are matched on everything the two sides share: module, op name and each output's shape
-    and dtype. What that leaves unmatched is matched again on module and op alone, so an op whose
-    shape really changed still pairs with its twin (and is reported not comparable), but never
-    in place of a twin that matches in full: when one side has an extra `getitem`, its same-named
-    neighbour is not paired with the wrong one.
+    and dtype. What that leaves unmatched is matched again on module, op and shapes (a run in
+    another precision: its bf16 ops keep their shapes), then on module and op alone, so an op
+    whose shape really changed still pairs with its twin (and is reported not comparable), but
+    never in place of a twin that matches more: when one side has an extra `getitem`, its
+    same-named neighbour is not paired with the wrong one.
     """
-    return _align(list(ops_a), list(ops_b), (_full_key, _name_key))
+    return _align(list(ops_a), list(ops_b), (_full_key, _shape_key, _name_key))
 
 
 def _full_key(event: Event) -> tuple:
@@ -758,14 +710,45 @@ def _row_lines(rows: List[CompareRow], elide: bool, tag: str = "#") -> List[str]
     return lines
 
 
+def _real_text(row: CompareRow) -> str:
+    """Why a row is real: the side whose op computes something else and by how much, or, where
+    the op could not be replayed, how far each side is from float64."""
+    if row.off is not None and row.own_a is None and row.own_b is None:
+        return f"{row.off}'s input differs from the float64 run's (integer values: no ulps, no rounding)"
+    if row.off is not None:
+        own, other = (row.own_a, row.own_b) if row.off == "a" else (row.own_b, row.own_a)
+        near = {"a": "b", "b": "a"}[row.off]
+        also = f" ({near}'s: {_ulps(other)})" if other is not None else ""
+        far, close = (row.ulps_a, row.ulps_b) if row.off == "a" else (row.ulps_b, row.ulps_a)
+        return (f"{row.off}'s op computes something else: {_ulps(own)} from the float64 op on {row.off}'s own "
+                f"inputs, where rounding allows {_ulps(row.allowed)}{also}; {row.off} is off float64 by "
+                f"{_ulps(far)}, {near} by {_ulps(close)}")
+    off = {"a": "b", "b": "a"}.get(row.closer)
+    if off is None:
+        return (f"both sides are off float64 (a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}), where rounding allows "
+                f"{_ulps(row.allowed)}")
+    far, near = (row.ulps_a, row.ulps_b) if off == "a" else (row.ulps_b, row.ulps_a)
+    return f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}, where rounding allows {_ulps(row.allowed)}"
+
+
 def _judgement_text(row: CompareRow) -> str:
-    """`rounding: a 3.2 ulps, b 5 ulps` (`real` rows name the nearer side), `unjudged: why`, or ''."""
+    """`rounding: a 3.2 ulps, b 5 ulps` (`real` rows name the nearer side and the side whose op is
+    off, `carried` ones that their divergence came in), `unjudged: why`, or ''."""
     if row.judgement is None:
         return ""
     if row.judgement == UNJUDGED:
         return f"unjudged: {row.reason}"
-    nearer = f", {row.closer} nearer" if row.judgement == REAL and row.closer else ""
-    return f"{row.judgement}: a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}{nearer}"
+    if row.judgement == REAL and row.ulps_a is None:
+        return f"real: {row.reason}"
+    text = f"{row.judgement}: a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}"
+    if row.judgement == REAL:
+        text += f", {row.closer} nearer" if row.closer else ""
+        if row.off is not None:
+            own = row.own_a if row.off == "a" else row.own_b
+            text += f"; {row.off}'s op {_ulps(own)} off on its own inputs (allowed {_ulps(row.allowed)})"
+    elif row.judgement == CARRIED:
+        text += ", carried in from a real op"
+    return text
 
 
 def _rows_to_show(rows: List[CompareRow]) -> List[bool]:

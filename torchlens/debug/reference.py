@@ -15,6 +15,12 @@ inner dimension of a matmul, a convolution's input channels times its kernel, th
 a sum, softmax or norm; 1 for an elementwise op), which bounds the rounding a lower precision may
 add at that op (`torchlens.debug.rounding`).
 
+The same mode also keeps each op's call (`Call`): the function, its arguments with every tensor an
+earlier op of the run produced named by that op (`Produced`), and the parameters, buffers and
+inputs as they were. `Reference.replay` calls an op again in float64 on *another run's* inputs
+(what that run's own earlier ops gave it), which tells what the op itself adds to a divergence:
+rounding carried in from a lower precision upstream is not the op's (`torchlens.debug.rounding`).
+
 The random generators are forked around the run: a model in training mode draws its dropout masks
 from the generators' current state, as the runs being compared did when started from it, and the
 user's random stream goes on as if the reference never ran.
@@ -26,7 +32,8 @@ import contextlib
 import copy
 import functools
 import math
-from typing import Dict, List, Tuple
+import weakref
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -37,22 +44,136 @@ from ..errors import ModelTypeError
 from ..naming import op_name
 from ..results import Trace
 from ..structure import check_model
+from ..unwritten import tensors_of
 
-__all__ = ["Reference", "random_ops", "reference", "reduction_terms"]
+__all__ = ["Call", "Produced", "Reference", "random_ops", "reference", "reduction_terms"]
+
+
+class Produced(NamedTuple):
+    """An argument of a `Call` that an earlier op of the float64 run produced: the `index`-th
+    tensor output of op `ordinal`."""
+
+    ordinal: int
+    index: int
+
+
+class Call(NamedTuple):
+    """One op of the float64 run as it was called: `func` with `args` and `kwargs` in which each
+    tensor an earlier op produced is a `Produced` (any other tensor, a parameter, a buffer or an
+    input, is held as it was), and its reduction length `terms` (`reduction_terms`)."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    terms: int
 
 
 class Reference:
     """A float64 run of a model (`tl.debug.reference`): `trace`, the eager `Trace` of the float64
-    copy, and `terms`, each op's reduction length by its ordinal (see `reduction_terms`)."""
+    copy; `terms`, each op's reduction length by its ordinal (see `reduction_terms`); `calls`,
+    each op's `Call` by its ordinal, which `replay` calls again on another run's inputs."""
 
-    __slots__ = ("trace", "terms")
+    __slots__ = ("trace", "terms", "calls", "_faithful")
 
-    def __init__(self, trace: Trace, terms: Dict[int, int]):
+    def __init__(self, trace: Trace, terms: Dict[int, int], calls: Optional[Dict[int, Call]] = None):
         self.trace = trace
         self.terms = terms
+        self.calls = calls or {}
+        self._faithful: Dict[int, bool] = {}  # ordinal -> whether its replay gives back its own output
+
+    def inputs(self, ordinal: int) -> Tuple[Produced, ...]:
+        """The ops of the float64 run whose outputs op `ordinal` read (empty when unknown)."""
+        call = self.calls.get(ordinal)
+        if call is None:
+            return ()
+        found = []
+        tree_map(lambda value: found.append(value) if isinstance(value, Produced) else None,
+                 (call.args, call.kwargs), is_leaf=lambda value: isinstance(value, Produced))
+        return tuple(found)
+
+    def replay(self, ordinal: int, value_of: Callable[[Produced, torch.Tensor], Optional[torch.Tensor]],
+               sources_in: Optional[torch.dtype] = None) -> Optional[tuple]:
+        """Op `ordinal` of the float64 run called again in float64, each input an earlier op
+        produced given by `value_of(produced, the float64 run's own value)` (None: it cannot be
+        given), the parameters, buffers and inputs
+        the run's own (rounded through `sources_in` first, when given: a run that held them in a
+        lower precision). Its tensor outputs, or None where it cannot be replayed: an input not
+        given, an op that fails, or one whose replay on the float64 run's own inputs does not give
+        back its own output (a random op; an input written in place after it was made)."""
+        if not self._replays_itself(ordinal):
+            return None
+        return self._call(ordinal, value_of, sources_in)
+
+    def _replays_itself(self, ordinal: int) -> bool:
+        known = self._faithful.get(ordinal)
+        if known is None:
+            own = self.trace.values or {}
+            replayed = self._call(ordinal, lambda produced, kept: kept, None)
+            kept = own.get(ordinal)
+            known = self._faithful[ordinal] = replayed is not None and kept is not None and _same(replayed, kept)
+        return known
+
+    def _call(self, ordinal: int, value_of, sources_in) -> Optional[tuple]:
+        call = self.calls.get(ordinal)
+        if call is None:
+            return None
+        missing, own = [], self.trace.values or {}
+
+        def given(value):
+            if isinstance(value, Produced):
+                kept = _output(own, value)
+                tensor = value_of(value, kept) if kept is not None else None
+                if tensor is None:
+                    missing.append(value)
+                    return None
+                return _widen_tensor(tensor.detach()).to(kept.device, copy=True)  # where the float64 run ran
+            if isinstance(value, torch.Tensor):
+                wide = value.detach().clone()
+                if sources_in is not None and wide.is_floating_point():
+                    wide = wide.to(sources_in).to(wide.dtype)
+                return wide
+            return value
+
+        args, kwargs = tree_map(given, (call.args, call.kwargs), is_leaf=lambda value: isinstance(value, Produced))
+        if missing:
+            return None
+        try:
+            with _float64_run(), torch.no_grad():
+                return tuple(_detached_outputs(call.func(*args, **kwargs)))
+        except Exception:  # an op that cannot run on these inputs is not judged by its replay
+            return None
 
     def __repr__(self) -> str:
         return f"<Reference: float64 trace of {len(self.trace.ops)} ops>"
+
+
+def _output(values: dict, produced: Produced) -> Optional[torch.Tensor]:
+    kept = values.get(produced.ordinal)
+    return kept[produced.index] if kept is not None and produced.index < len(kept) else None
+
+
+def _detached_outputs(result) -> list:
+    return [tensor.detach() for tensor in tensors_of(result)]
+
+
+def _same(replayed: tuple, kept: tuple) -> bool:
+    """Whether a replay gave back the kept outputs, to float64's rounding (a reduction may sum in
+    another order the second time)."""
+    if len(replayed) != len(kept):
+        return False
+    for value, own in zip(replayed, kept):
+        if value.shape != own.shape or value.dtype != own.dtype:
+            return False
+        if not (value.is_floating_point() or value.is_complex()):
+            if not torch.equal(value, own.to(value.device)):
+                return False
+            continue
+        own = own.to(value.device)
+        if not torch.allclose(value, own, rtol=1e-12, atol=0.0, equal_nan=True):
+            scale = float(own[own.isfinite()].abs().max()) if bool(own.isfinite().any()) else 0.0
+            if float((value - own).abs().nan_to_num(0.0).max()) > 1e-12 * scale:
+                return False
+    return True
 
 
 def reference(model: nn.Module, *args, **kwargs) -> Reference:
@@ -73,7 +194,9 @@ def reference(model: nn.Module, *args, **kwargs) -> Reference:
     mode = _Float64()
     with _float64_run(), mode:
         result = trace(wide, *args, **kwargs)
-    return Reference(result, _terms_by_ordinal(result, mode.calls))
+    ordinals = _ordinals_of_calls(result, mode.calls)
+    return Reference(result, {ordinal: mode.calls[index].terms for index, ordinal in ordinals.items()},
+                     _calls_by_ordinal(mode.calls, ordinals))
 
 
 @contextlib.contextmanager
@@ -117,7 +240,7 @@ _BIT_VIEWS = {torch.Tensor.view}
 
 class _Float64(TorchFunctionMode):
     """Keeps a run in float64: each floating dtype a call names becomes float64; records each
-    call's name and reduction length, in order (`calls`).
+    call, in order (`calls`: its name, reduction length, function and arguments, see `Call`).
 
     Fused fast paths (`nn.TransformerEncoderLayer`'s, `nn.MultiheadAttention`'s) look for any
     torch-function mode and take their slow path when they find one; the runs being judged took
@@ -127,34 +250,87 @@ class _Float64(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.calls: List[Tuple[str, int]] = []
+        self.calls: List[_Recorded] = []
+        self._made: Dict[int, tuple] = {}  # id(tensor) -> (its weak reference, call index, output index)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        called = func  # (the name the capture gives the op: `float`, not the `double` run instead)
         if func in _TO_DOUBLE:
             func = torch.Tensor.double
         elif func not in _BIT_VIEWS:
             args, kwargs = tree_map(_widen_dtype, (args, kwargs))
         result = func(*args, **kwargs)
         try:
-            self.calls.append((op_name(func), reduction_terms(func, args, kwargs, result)))
+            name, terms = op_name(called), reduction_terms(func, args, kwargs, result)
         except Exception:  # a name or a length we cannot tell costs the bound, not the run
-            self.calls.append(("", 1))
+            name, terms = "", 1
+        self.calls.append(_Recorded(name, terms, func, *tree_map(self._named, (args, kwargs))))
+        self._note_outputs(len(self.calls) - 1, result)
         return result
 
+    def _named(self, value):
+        """A tensor argument as an earlier call's output (`_Made`), or itself."""
+        if isinstance(value, torch.Tensor):
+            made = self._made.get(id(value))
+            if made is not None and made[0]() is value:
+                return _Made(made[1], made[2])
+        return value
 
-def _terms_by_ordinal(result: Trace, calls: List[Tuple[str, int]]) -> Dict[int, int]:
-    """Each op of the trace paired with the call the mode saw for it, in order, by name. The
-    mode also sees the calls the capture makes for itself (copies of kept values), which no op
-    of the trace names: they are passed over."""
-    terms, position = {}, 0
+    def _note_outputs(self, index: int, result) -> None:
+        for position, tensor in enumerate(tensors_of(result)):
+            try:
+                self._made[id(tensor)] = (weakref.ref(tensor), index, position)
+            except TypeError:  # a tensor that takes no weak reference is taken for a source
+                pass
+
+
+class _Recorded(NamedTuple):
+    name: str
+    terms: int
+    func: Callable
+    args: tuple
+    kwargs: dict
+
+
+class _Made(NamedTuple):
+    call: int  # index into the recorded calls
+    index: int
+
+
+def _ordinals_of_calls(result: Trace, calls: List[_Recorded]) -> Dict[int, int]:
+    """Each op of the trace paired with the call the mode saw for it, in order, by name: call
+    index -> ordinal. The mode also sees the calls the capture makes for itself (copies of kept
+    values), which no op of the trace names: they are passed over."""
+    ordinals, position = {}, 0
     for event in result.ops:
         for index in range(position, len(calls)):
-            if calls[index][0] == event.op:
-                terms[event.ordinal] = calls[index][1]
+            if calls[index].name == event.op:
+                ordinals[index] = event.ordinal
                 position = index + 1
                 break
-    return terms
+    return ordinals
+
+
+def _calls_by_ordinal(calls: List[_Recorded], ordinals: Dict[int, int]) -> Dict[int, Call]:
+    """The recorded calls of the trace's ops, their arguments naming the ops that produced them. A
+    call reading what no op of the trace produced (a copy the capture made) is left out."""
+    out = {}
+    for index, ordinal in ordinals.items():
+        recorded, unknown = calls[index], []
+
+        def produced(value):
+            if isinstance(value, _Made):
+                if value.call not in ordinals:
+                    unknown.append(value)
+                    return value
+                return Produced(ordinals[value.call], value.index)
+            return value
+
+        args, kwargs = tree_map(produced, (recorded.args, recorded.kwargs), is_leaf=lambda v: isinstance(v, _Made))
+        if not unknown:
+            out[ordinal] = Call(recorded.func, args, kwargs, recorded.terms)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,9 +10,10 @@ report's.
 Row keys (absent when empty): `a`, `b` ordinals, `o` op, `p` module path, `dp` its depth, `v` verdict ("within",
 "diverged", "not comparable", "unchecked", or "only in a" / "only in b"), `d` max abs difference,
 `r` max rel difference, `at` atol, `rt` rtol, `why` the reason a row is not comparable or unchecked;
-with a float64 reference, `j` the judgement ("rounding", "real", or "unjudged", `why` saying why), `c` the
-side nearer float64,
-`ua`, `ub` each side's ulps from it, `al` the ulps rounding allows. A table with a reference has
+with a float64 reference, `j` the judgement ("rounding", "real", "carried", or "unjudged", `why` saying why),
+`c` the side nearer float64, `f` the side whose own op is off (a real row's), `ua`, `ub` each side's ulps
+from float64, `oa`, `ob` each side's ulps from the float64 op replayed on its own inputs, `al` the ulps
+rounding allows. A table with a reference has
 `verdict` (the report's leading line) and `real` (the index of the first real divergence, or null).
 """
 
@@ -50,7 +51,7 @@ def _table(report, title: str) -> dict:
              f"{counts['unchecked']} unchecked), {counts['only_a']} only in a, {counts['only_b']} only in b")
     if report.judged:
         tally += (f"; against float64: {counts['rounding']} rounding, {counts['real']} real, "
-                  f"{counts['unjudged']} unjudged")
+                  f"{counts['carried']} carried, {counts['unjudged']} unjudged")
     first = report.first_divergence
     table = {
         "title": title,
@@ -81,8 +82,11 @@ def _row(row) -> dict:
         out["j"] = row.judgement
         if row.closer:
             out["c"] = row.closer
+        if row.off:
+            out["f"] = row.off
     for key, value in (("d", row.max_abs), ("r", row.max_rel), ("at", row.atol), ("rt", row.rtol),
-                       ("ua", row.ulps_a), ("ub", row.ulps_b), ("al", row.allowed)):
+                       ("ua", row.ulps_a), ("ub", row.ulps_b), ("oa", row.own_a), ("ob", row.own_b),
+                       ("al", row.allowed)):
         if value is not None:
             out[key] = number(value)  # whole (the page rounds once, as the text report does); JSON has no inf
     return out

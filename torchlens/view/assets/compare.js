@@ -99,13 +99,18 @@ function rowElement(row, tag, previous) {
   return line;
 }
 
-/* A judged row's note: rounding or real, each side's ulps from float64, the nearer side. */
+/* A judged row's note: rounding, real or carried, each side's ulps from float64, the nearer side,
+   and for a real row the side whose own op is off, by how much on its own inputs. */
 function judgementText(row) {
   if (row.j === "unjudged") return "unjudged: " + row.why;
   const ulps = function (value) { return value === undefined ? "-" : Number(value).toPrecision(3) + " ulps"; };
-  let text = row.j + ": a " + ulps(row.ua) + ", b " + ulps(row.ub) + " (allowed " + ulps(row.al) + ")";
+  let text = row.j + ": a " + ulps(row.ua) + ", b " + ulps(row.ub);
   if (row.j === "real" && row.c) text += ", " + row.c + " nearer float64";
-  return text;
+  if (row.j === "real" && row.f) {
+    text += "; " + row.f + "'s op " + ulps(row.f === "a" ? row.oa : row.ob) + " off on its own inputs";
+  }
+  if (row.j === "carried") return text + ", carried in from a real op";
+  return text + " (allowed " + ulps(row.al) + ")";
 }
 
 /* The op and module columns as wide as their longest entry (within reason), in characters. */
