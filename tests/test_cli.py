@@ -147,6 +147,50 @@ def test_compare_exits_0_when_two_traces_agree_and_1_when_they_diverge(saved, tm
     assert tolerant.returncode == 0 and tolerant.stdout.startswith("no divergence: ")
 
 
+def _scaled_gradient(module):
+    """A backward hook on `module`'s output that scales the gradient through it by 1.5 (the forward
+    is untouched): a gradient-scaling bug that only the backward shows."""
+
+    def hook(module, inputs, output):
+        output.register_hook(lambda grad: grad * 1.5)
+
+    module.register_forward_hook(hook)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """Traces of GPT-2 with their backward (`backward=True`, then the loss's `.backward()`) saved as
+    files: a run, the same run again, and a run whose forward is the same and whose gradients are not."""
+    folder = tmp_path_factory.mktemp("backwards")
+    model = gpt2()
+    scaled = copy.deepcopy(model)
+    _scaled_gradient(scaled.transformer.h[1].mlp)
+    files = {}
+    for name, net in (("run", model), ("same", model), ("scaled", scaled)):
+        trace = tl.trace(net, ids(), backward=True)
+        trace.output.logits.sum().backward()
+        net.zero_grad()
+        files[name] = pathlib.Path(trace.save(folder / f"{name}.tl"))
+    return files
+
+
+def test_compare_exits_1_when_only_the_gradients_diverge(trained, capsys):
+    """A CI job gating on `torchlens compare` must fail on diverged gradients even where every
+    forward op agrees; two runs whose gradients agree too still exit 0."""
+    runs = {"scaled": cli("compare", trained["run"], trained["scaled"]),
+            "same": run_main(["compare", str(trained["run"]), str(trained["same"])], capsys)}
+    report = tl.debug.compare(tl.load(trained["run"]), tl.load(trained["scaled"]))
+    assert report.first_divergence is None and report.first_gradient_divergence is not None
+    scaled = runs["scaled"]
+    assert scaled.returncode == 1 and scaled.stderr == "", scaled
+    assert scaled.stdout == report.table()
+    assert scaled.stdout.startswith("no divergence: ")  # the forward agrees ...
+    assert "\nfirst gradient divergence: " in scaled.stdout and "transformer.h.1.mlp" in scaled.stdout  # ... its backward not
+    same = runs["same"]
+    assert same.returncode == 0 and same.stderr == "", same
+    assert same.stdout.startswith("no divergence: ") and "\nno gradient divergence: " in same.stdout
+
+
 def test_repro_does_what_a_loaded_trace_s_repro_does(saved, tmp_path, capsys):
     runs = {"nan": cli("repro", saved["nan"], tmp_path / "nan"),
             "untracked": run_main(["repro", str(saved["trace"]), str(tmp_path / "untracked")], capsys)}

@@ -11,6 +11,7 @@ time, instead of now and then.
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -223,6 +224,40 @@ class _LossOf(nn.Module):
 
     def forward(self, ids):
         return self.model(ids).logits
+
+
+def _saved_scenario(rank: int, workdir: str) -> dict:
+    """A traced forward of the sharded MLP, saved by this rank and loaded again."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    trace = tl.trace(_sharded_mlp(), x, value_stats="exact")
+    loaded = tl.load(trace.save(os.path.join(workdir, f"fsdp-{rank}.tl")))
+    return {"engines": [[event.engine for event in run.ops] for run in (trace, loaded)],
+            "unfolded": [run.narrate(engine_ops=True) for run in (trace, loaded)],
+            "folded": [run.narrate() for run in (trace, loaded)]}
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory):
+    return run_ranks(_saved_scenario, 2, tmp_path_factory.mktemp("fsdp-saved"))
+
+
+def test_a_saved_fsdp2_trace_keeps_which_ops_were_fsdp2_s_own(saved_on_two_ranks):
+    """Loaded on another machine, a rank's trace still folds FSDP2's own ops (the all-gather that
+    unshards each layer, its buffers and views) out of the model's lines and counts them in the
+    footer, as the live trace does; `engine_ops=True` still shows them, marked."""
+    for result in saved_on_two_ranks:
+        (live, loaded), (live_all, loaded_all), (live_folded, loaded_folded) = (
+            result["engines"], result["unfolded"], result["folded"])
+        engine_ops = sum(engine == "FSDP2" for engine in live)
+        assert engine_ops > 0 and set(live) == {None, "FSDP2"}, live
+        assert loaded == live
+        assert loaded_all == live_all and loaded_folded == live_folded
+        assert " all_gather_single " in loaded_all and "[FSDP2]" in loaded_all
+        lines = loaded_folded.splitlines()
+        assert not any(" all_gather_single " in line or " empty " in line for line in lines), lines
+        assert [line.split()[1] for line in lines if line.lstrip().startswith("#")] == [
+            "input", "linear", "relu", "linear", "relu", "linear"]
+        assert f"; {engine_ops} engine ops folded ({engine_ops} of FSDP2; engine_ops=True shows them)" in lines[-1]
 
 
 def _run(tmp_path_factory, world_size: int, llama: bool) -> list:

@@ -107,6 +107,29 @@ def test_values_past_2_53_print_as_themselves_and_a_spread_of_2_is_no_sd_of_0():
     assert trace.ops[3].stats.min == 2**62 + 1 and isinstance(trace.ops[3].stats.min, int)
 
 
+class AtTheBoundary(nn.Module):
+    """Integers one past float64's exact ones, one tensor on each side: -2**53 - 1 and 2**53 + 1
+    round to -2**53 and 2**53 in float64, which themselves are exact, as every other element is."""
+
+    def forward(self, ids):
+        return ids - (2**53 + 1), ids + (2**53 - 1)
+
+
+def test_integers_one_past_2_53_are_measured_as_integers_not_from_their_rounded_float64_copies():
+    """Read as each op returns, an integer tensor is measured from its float64 copy while that is
+    exact: a copy whose extreme is exactly 2**53 may be a rounded 2**53 + 1, so its min, max, mean
+    and sd are taken from the integers (from the copy, -2**53 - 1 would show as -2**53 and the sd
+    of three consecutive integers as 0.5774)."""
+    trace, text = narrated_trace(AtTheBoundary(), torch.tensor([0, 1, 2]))
+    assert check_exact(trace, text) == 3
+    below, above = (trace.ops[i].stats for i in (1, 2))
+    assert (below.min, below.max) == (-(2**53) - 1, -(2**53) + 1) and below.sd == 1.0
+    assert (above.min, above.max) == (2**53 - 1, 2**53 + 1) and above.sd == 1.0
+    lines = stats_of_lines(text)
+    assert lines[trace.ops[1].ordinal] == f"min={-(2**53) - 1} max={-(2**53) + 1} mean=-9.007e+15 sd=1"
+    assert lines[trace.ops[2].ordinal] == f"min={2**53 - 1} max={2**53 + 1} mean=9.007e+15 sd=1"
+
+
 def test_a_tracked_run_measures_integers_exactly_too():
     trace, text = narrated_trace(TokenHasher(), IDS, on_nonfinite="track")
     assert check_exact(trace, text) == 5

@@ -121,15 +121,19 @@ def ids():
 class Unrolled(nn.Module):
     """A recurrent cell unrolled over many steps: thousands of ops, one module call per step."""
 
-    def __init__(self, steps: int, nan_at=None, shift_at=None):
+    def __init__(self, steps: int, nan_at=None, shift_at=None, split_at=None):
         super().__init__()
         torch.manual_seed(0)
         self.cell = nn.Linear(8, 8)
-        self.steps, self.nan_at, self.shift_at = steps, nan_at, shift_at
+        self.steps, self.nan_at, self.shift_at, self.split_at = steps, nan_at, shift_at, split_at
 
     def forward(self, x):
         for step in range(self.steps):
-            x = torch.tanh(self.cell(x))
+            if step == self.split_at:  # the cell's sum in two halves: the same value, rounded otherwise
+                w = self.cell.weight
+                x = torch.tanh(x[:, :4] @ w[:, :4].T + x[:, 4:] @ w[:, 4:].T + self.cell.bias)
+            else:
+                x = torch.tanh(self.cell(x))
             if step == self.nan_at:
                 x = x + torch.log(-torch.ones(()))  # NaN born here, and on to the output
             if step == self.shift_at:
@@ -310,6 +314,28 @@ def test_a_long_comparison_against_float64_keeps_its_first_real_divergence():
     real = table["rows"][table["real"]]
     assert (real["a"], real["j"]) == (report.first_real.ordinal_a, "real")
     assert "around the first real divergence" in data["cut"]
+
+
+def test_a_long_comparison_whose_first_divergence_is_rounding_keeps_its_first_real_one_far_later():
+    """Held to bit-for-bit equality (rtol=0, atol=0), a run whose step 3 sums in another order
+    diverges there, by rounding; its bug, 1,200 steps on, is the first real divergence, which the
+    view leads to: it keeps that row and the rows before it, as well as the first divergence's."""
+    x = torch.randn(2, 8)
+    plain = Unrolled(steps=1300)
+    report = tl.debug.compare(tl.trace(plain, x), tl.trace(Unrolled(steps=1300, split_at=3, shift_at=1200), x),
+                              rtol=0, atol=0, reference=tl.debug.reference(plain, x))
+    first, real = report.first_divergence, report.first_real
+    assert first.judgement == "rounding" and first.ordinal_a < 50
+    assert real is not None and real.ordinal_a > MAX_ROWS and len(report.rows) > MAX_ROWS
+    data = data_of(report._repr_html_())
+    [table] = data["tables"]
+    position = {row["a"]: i for i, row in enumerate(table["rows"]) if row.get("a") is not None}
+    assert real.ordinal_a in position, "the first real divergence's row was left out of the view"
+    assert table["real"] == position[real.ordinal_a] and table["rows"][table["real"]]["j"] == "real"
+    assert "cut" not in table["rows"][table["real"] - 1]  # what led to it
+    assert table["first"] == position[first.ordinal_a]
+    assert (table["rows"][table["first"]]["v"], table["rows"][table["first"]]["j"]) == ("diverged", "rounding")
+    assert "around the first real divergence and the first divergence" in data["cut"]
 
 
 # -- in a browser: two views in one notebook-like document ---------------------------------------

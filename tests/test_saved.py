@@ -389,6 +389,43 @@ def test_every_dtype_and_output_shape_comes_back_as_itself(tmp_path):
     assert_same(trace, loaded)
 
 
+FLOAT8 = [name for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+          if hasattr(torch, name)]
+
+
+class Float8Scaled(nn.Module):
+    """A linear layer fed through a per-tensor float8 scale, as float8 training computes one: the
+    scale is a 0-dim tensor (here a float8 one), and the forward returns it with the output."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.dtype = dtype
+
+    def forward(self, x):
+        scale = (x.abs().amax() / 2).to(self.dtype)
+        return self.fc(x / scale.float()), scale
+
+
+@pytest.mark.parametrize("name", FLOAT8)
+def test_a_0_dim_float8_value_loads_as_itself(name, tmp_path):
+    """A dtype the tensor file has no name for (float8 e4m3fnuz, e5m2fnuz, e8m0fnu) is stored as
+    its bytes and its shape, which for a 0-dim tensor (a scale) is the empty shape: loaded, the
+    value is the same 0-dim tensor, bit for bit, as the kept value and as the output."""
+    dtype = getattr(torch, name)
+    trace = tl.trace(Float8Scaled(dtype), torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
+    loaded = round_trip(trace, tmp_path)
+    cast = next(event for event in trace.ops if event.outputs[0].dtype == dtype)
+    [kept], [again] = trace.values[cast.ordinal], loaded.values[cast.ordinal]
+    assert (again.dtype, again.shape) == (dtype, torch.Size([]))
+    assert torch.equal(again.view(torch.uint8), kept.view(torch.uint8))
+    scale = loaded.output[1]
+    assert (scale.dtype, scale.shape) == (dtype, torch.Size([])) and scale.float() == trace.output[1].float()
+    assert_values_equal(trace, loaded)
+    assert_same(trace, loaded)
+
+
 def test_a_failed_save_leaves_the_file_it_would_have_replaced(tmp_path, monkeypatch):
     path = tl.trace(tiny_gpt(), tokens()).save(tmp_path / "run.tl")
     before = path.read_bytes() if hasattr(path, "read_bytes") else open(path, "rb").read()
