@@ -334,6 +334,22 @@ def test_a_healthy_transformers_model_in_lower_precision_is_only_rounding_off_it
     assert any(row.own_b is not None for row in report.rows), "no op was judged on its own inputs"
 
 
+def test_a_model_in_training_mode_is_judged_through_its_dropouts_from_the_same_generator_state():
+    """GPT-2 training: attention's dropout draws inside `scaled_dot_product_attention`, an op no
+    schema marks random. Its replay draws from the generator states the float64 run drew from,
+    so a bf16 run drawn from the same state is judged op by op, not left unjudged."""
+    torch.manual_seed(0)
+    model = _small_gpt2().train()
+    torch.manual_seed(1)
+    full = tl.trace(model, _IDS)
+    torch.manual_seed(1)
+    mixed = _lower(model, "bf16 autocast", _IDS)
+    torch.manual_seed(1)
+    report = tl.debug.compare(full, mixed, reference=tl.debug.reference(model, _IDS))
+    assert report.first_real is None and report.counts["unjudged"] == 0 and report.counts["rounding"] > 20, \
+        report.verdict()
+
+
 @pytest.mark.parametrize("precision", ["bf16 autocast", "fp16 autocast", "bf16 weights"])
 def test_a_conv_net_with_batch_norm_in_lower_precision_is_only_rounding_off_its_fp32_run(precision):
     torch.manual_seed(0)

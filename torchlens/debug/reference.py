@@ -20,6 +20,7 @@ earlier op of the run produced named by that op (`Produced`), and the parameters
 inputs as they were. `Reference.replay` calls an op again in float64 on *another run's* inputs
 (what that run's own earlier ops gave it), which tells what the op itself adds to a divergence:
 rounding carried in from a lower precision upstream is not the op's (`torchlens.debug.rounding`).
+A random op (dropout, attention's dropout) is replayed from the generator states it drew from.
 
 The random generators are forked around the run: a model in training mode draws its dropout masks
 from the generators' current state, as the runs being compared did when started from it, and the
@@ -41,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from ..errors import ModelTypeError
+from ..generators import RandomState
 from ..naming import op_name
 from ..results import Trace
 from ..structure import check_model
@@ -66,6 +68,7 @@ class Call(NamedTuple):
     args: tuple
     kwargs: dict
     terms: int
+    generators: Optional[RandomState] = None  # their states when it was called: a random op draws again as it drew
 
 
 class Reference:
@@ -139,6 +142,8 @@ class Reference:
             return None
         try:
             with _float64_run(), torch.no_grad():
+                if call.generators is not None:
+                    call.generators.restore()  # (within the fork: the user's stream is left as it was)
                 return tuple(_detached_outputs(call.func(*args, **kwargs)))
         except Exception:  # an op that cannot run on these inputs is not judged by its replay
             return None
@@ -252,10 +257,12 @@ class _Float64(TorchFunctionMode):
         super().__init__()
         self.calls: List[_Recorded] = []
         self._made: Dict[int, tuple] = {}  # id(tensor) -> (its weak reference, call index, output index)
+        self._generators: Optional[RandomState] = None  # the last state taken, shared while nothing draws
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         called = func  # (the name the capture gives the op: `float`, not the `double` run instead)
+        generators = self._states()
         if func in _TO_DOUBLE:
             func = torch.Tensor.double
         elif func not in _BIT_VIEWS:
@@ -265,9 +272,20 @@ class _Float64(TorchFunctionMode):
             name, terms = op_name(called), reduction_terms(func, args, kwargs, result)
         except Exception:  # a name or a length we cannot tell costs the bound, not the run
             name, terms = "", 1
-        self.calls.append(_Recorded(name, terms, func, *tree_map(self._named, (args, kwargs))))
+        self.calls.append(_Recorded(name, terms, func, *tree_map(self._named, (args, kwargs)), generators))
         self._note_outputs(len(self.calls) - 1, result)
         return result
+
+    def _states(self) -> RandomState:
+        """The generators' states now; the object taken last while no op has drawn since (one
+        per draw, not per op: a model's ops hold a few states, not thousands)."""
+        now, last = RandomState(), self._generators
+        if last is not None and torch.equal(now.cpu, last.cpu) and (
+                now.cuda is None) == (last.cuda is None) and all(
+                torch.equal(x, y) for x, y in zip(now.cuda or (), last.cuda or ())):
+            return last
+        self._generators = now
+        return now
 
     def _named(self, value):
         """A tensor argument as an earlier call's output (`_Made`), or itself."""
@@ -291,6 +309,7 @@ class _Recorded(NamedTuple):
     func: Callable
     args: tuple
     kwargs: dict
+    generators: RandomState
 
 
 class _Made(NamedTuple):
@@ -329,7 +348,7 @@ def _calls_by_ordinal(calls: List[_Recorded], ordinals: Dict[int, int]) -> Dict[
 
         args, kwargs = tree_map(produced, (recorded.args, recorded.kwargs), is_leaf=lambda v: isinstance(v, _Made))
         if not unknown:
-            out[ordinal] = Call(recorded.func, args, kwargs, recorded.terms)
+            out[ordinal] = Call(recorded.func, args, kwargs, recorded.terms, recorded.generators)
     return out
 
 
