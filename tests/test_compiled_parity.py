@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -176,3 +177,36 @@ def test_a_real_model_compiled_with_dynamic_shapes_narrates_what_eager_narrates(
     assert "between graphs" not in trace.narrate()
     assert [op for op in compiled if op not in eager] == []
     assert len(eager) - 4 <= len(compiled) <= len(eager)
+
+
+def test_a_function_wrapper_outside_the_model_is_named_after_its_function_eager_and_compiled():
+    """transformers' kernel hub replaces `apply_rotary_pos_emb` by a module of a factory-made
+    class `Func`, kept in a global: not part of the model. Its calls are named after the function
+    the user knows, with where it lives, alike in both substrates, and compare pairs them."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model, ids = transformers.LlamaForCausalLM(config).eval(), torch.tensor([[1, 2, 3, 4]])
+    lines = []
+    eager = tl.trace(model, ids, narrate=lines.append)
+    compiled = tl.trace(model, ids, compiled={"compiler": "eager"})
+    path = "model.layers.0.self_attn.<apply_rotary_pos_emb>"
+    enter = [line.strip() for line in lines if line.lstrip().startswith(f"> {path}")]
+    assert enter == [f"> {path} (transformers.models.llama.modeling_llama.apply_rotary_pos_emb)"]
+    for trace in (eager, compiled):
+        assert {event.scope.path for event in trace.ops if "<" in event.scope.path} == {path}
+    counts = tl.debug.compare(eager, compiled).counts
+    assert counts["only_a"] == counts["only_b"] == 0 and counts["matched"] == len(eager.ops)
+
+
+def test_a_module_made_on_the_fly_outside_the_model_keeps_its_class_name():
+    class OnTheFly(nn.Module):
+        def forward(self, x):
+            return nn.Linear(2, 2)(x)
+
+    events = tl.record(OnTheFly(), torch.ones(1, 2)).events
+    assert [(event.scope.path, event.scope.type_name) for event in events if event.kind.value == "enter"] == \
+        [("<Linear>", "Linear")]

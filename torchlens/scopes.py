@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -10,7 +11,7 @@ import torch
 
 from .events import Scope
 
-__all__ = ["ScopeTable", "is_compile_wrapper", "without_compile_wrappers"]
+__all__ = ["ScopeTable", "is_compile_wrapper", "outside_names", "without_compile_wrappers"]
 
 
 class ScopeTable:
@@ -91,8 +92,8 @@ class ScopeTable:
     def module_scope(self, module, parent: Optional[Scope] = None) -> Scope:
         """The scope of `module` called from `parent` (the root's scope for the root itself).
 
-        A module that is not part of the root (created on the fly, or passed in) is named after its
-        class under its caller: `attn.<Linear>`.
+        A module that is not part of the root (created on the fly, or passed in) is named under its
+        caller after what it is (`outside_names`): `attn.<Linear>`, `attn.<apply_rotary_pos_emb>`.
         """
         parent = parent or self.root_scope
         call = self._calls.get((id(module), id(parent)))  # the common case: a call seen before
@@ -101,8 +102,9 @@ class ScopeTable:
         name = self._name(module)
         if name == "":
             return self.root_scope
+        type_name = type(module).__name__
         if name is None:
-            label = f"<{type(module).__name__}>"
+            label, type_name = outside_names(type(module))
             if parent.path.endswith(label):
                 # called by a module of its own class that is not part of the model either: a
                 # dispatching wrapper (transformers' kernel-hub `Func` calls a per-model copy,
@@ -110,7 +112,7 @@ class ScopeTable:
                 self._calls[(id(module), id(parent))] = (parent, weakref.ref(module))
                 return parent
             name = f"{parent.path}.{label}" if parent.path else label
-        scope = self._child(parent, name, name, type(module).__name__)
+        scope = self._child(parent, name, name, type_name)
         self._calls[(id(module), id(parent))] = (scope, weakref.ref(module))
         return scope
 
@@ -195,6 +197,52 @@ class ScopeTable:
 
 
 _tables: "weakref.WeakKeyDictionary[torch.nn.Module, ScopeTable]" = weakref.WeakKeyDictionary()
+
+
+def outside_names(cls: type) -> Tuple[str, str]:
+    """(the label in `<...>`, the type shown) of a module class called from inside a model but not
+    part of it, as both substrates name its calls (eager from the module, compiled from the class
+    dynamo records).
+
+    Most such modules are named after their class (`<Linear>`). A class made inside a function
+    (its `__qualname__` holds `<locals>`) is a wrapper a factory made around one function or
+    class, which is what the user knows: it is named after the one its `forward` closes over, and
+    shown with where that lives. The `kernels` hub (transformers 5) wraps `apply_rotary_pos_emb`
+    in such a `Func`: `attn.<apply_rotary_pos_emb>` of type
+    `transformers.models.llama.modeling_llama.apply_rotary_pos_emb`, not `attn.<Func>`."""
+    known = _outside.get(cls)
+    if known is None:
+        wrapped = _wrapped_by_factory_class(cls)
+        if wrapped is None:
+            known = (f"<{cls.__name__}>", cls.__name__)
+        else:
+            where = f"{getattr(wrapped, '__module__', None) or '?'}.{getattr(wrapped, '__qualname__', wrapped.__name__)}"
+            known = (f"<{wrapped.__name__}>", where)
+        _outside[cls] = known
+    return known
+
+
+def _wrapped_by_factory_class(cls: type):
+    """The one function or class the `forward` of a factory-made module class closes over, or None."""
+    if "<locals>" not in getattr(cls, "__qualname__", ""):
+        return None
+    cells = getattr(getattr(cls, "forward", None), "__closure__", None) or ()
+    found = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, (types.FunctionType, type)) and not issubclass(_type_of(value), torch.nn.Module):
+            found.append(value)
+    return found[0] if len(found) == 1 and getattr(found[0], "__name__", "") else None
+
+
+def _type_of(value) -> type:
+    return value if isinstance(value, type) else type(value)
+
+
+_outside: "weakref.WeakKeyDictionary[type, Tuple[str, str]]" = weakref.WeakKeyDictionary()
 
 _MAX_FRAMES = 64
 

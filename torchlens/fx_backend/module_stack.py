@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Tuple
 
-from ..scopes import ScopeTable, without_compile_wrappers
+from ..scopes import ScopeTable, outside_names, without_compile_wrappers
 
 __all__ = ["relative_stack"]
 
@@ -43,13 +43,13 @@ def relative_stack(table: ScopeTable, stack, frame_path: str) -> Tuple[Tuple[str
     for key, (path, cls) in (stack or {}).items():
         base_key, _, call = str(key).partition("@")
         name = table.name_of_id(int(base_key)) if base_key.isdigit() else None
-        if name is None and str(path).startswith("G["):
+        if name is None and str(path).startswith("G[") and isinstance(cls, type):
             # a module kept in a global, not part of the model (transformers' kernel-hub wrappers of
-            # functions such as `apply_rotary_pos_emb`): named as eager names it, `attn.<Func>`
-            label = f"<{getattr(cls, '__name__', cls)}>"
+            # functions such as `apply_rotary_pos_emb`): named as eager names it (`outside_names`)
+            label, type_name = outside_names(cls)
             caller, relative = (entries[-1][0], entries[-1][1]) if entries else ("", True)
             entries.append((f"{caller}.{label}" if caller else label, relative, f"@{call}" if call else "",
-                            getattr(cls, "__name__", str(cls))))
+                            type_name))
             continue
         if name is None:
             name = clean_module_path(path)
