@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torchlens as tl
+from torchlens.sinks import NEW_RUN
 from helpers import OP_LINE, check_nesting, op_lines, ordinals
 from models import Tiny, conv_net, images, tiny_gpt, tokens
 
@@ -142,7 +143,58 @@ def test_path_sink_appends_and_flushes_every_line_during_the_forward(tmp_path):
     tl.record(model, torch.randn(1, 2), narrate=path)
     mid = seen_mid_forward[0]
     assert mid.startswith("earlier content\n") and "#2    linear" in mid, "lines must be on disk as they happen"
-    assert path.read_text().startswith("earlier content\n#1")
+    assert path.read_text().startswith(f"earlier content\n{NEW_RUN}\n#1")
+
+
+def _runs(path) -> list:
+    return path.read_text().split(NEW_RUN + "\n")
+
+
+def test_runs_appended_to_one_file_stay_apart_and_one_run_s_file_is_its_transcript_byte_for_byte(tmp_path):
+    """Re-running a script that narrates to a file stacks its runs: each run after the first
+    begins with one `-- new run` note, so the file still splits into the runs' transcripts."""
+    path, model = tmp_path / "run.log", Tiny()
+    first = tl.record(model, torch.ones(1, 2), narrate=path)
+    assert path.read_text() == first.narrate()
+    second = tl.record(model, torch.full((1, 2), 2.0), narrate=path)
+    assert _runs(path) == [first.narrate(), second.narrate()]
+
+
+@pytest.mark.parametrize("entry", ["record", "recorder", "compiled"])
+def test_overwrite_starts_the_file_afresh_once_per_use_of_the_options(tmp_path, entry):
+    """`overwrite=True` (PySnooper's word): the file holds this use's lines only, all its passes
+    (a Recorder block's, a compiled model's calls) and never an earlier run's."""
+    path, model, x = tmp_path / "run.log", Tiny(), torch.ones(1, 2)
+    path.write_text("a stale run\n")
+    options = NarrationOptions(sink=path, overwrite=True)
+    if entry == "record":
+        recording = tl.record(model, x, narrate=options)
+        assert path.read_text() == recording.narrate()
+        return
+    if entry == "recorder":
+        with tl.recording.Recorder(model, narrate=options) as recorder:
+            model(x)
+            model(x)
+        expected = "".join(r.narrate() for r in recorder.recordings)
+    else:
+        compiled = tl.compile(model, narrate=options, compiler="eager")
+        compiled(x)
+        compiled(x)
+        expected = None
+    text = path.read_text()
+    assert "a stale run" not in text and NEW_RUN not in text
+    assert text.count("-- end:") == 2 and (expected is None or text == expected)
+
+
+def test_overwrite_of_one_file_every_rank_writes_is_refused(monkeypatch, tmp_path):
+    import torchlens.ranks
+
+    monkeypatch.setattr(torchlens.ranks, "_initialized_group_size", lambda: 2)
+    monkeypatch.setattr(torchlens.ranks, "rank_and_world_size", lambda: (0, 2))
+    with pytest.raises(tl.errors.OptionValueError, match=r"name a file per rank \('run-\{rank\}.log'\)"):
+        tl.record(Tiny(), torch.ones(1, 2), narrate=NarrationOptions(sink=tmp_path / "run.log", overwrite=True))
+    tl.record(Tiny(), torch.ones(1, 2), narrate=NarrationOptions(sink=tmp_path / "run-{rank}.log", overwrite=True))
+    assert (tmp_path / "run-0.log").exists()
 
 
 def test_stream_sink_is_flushed_per_line_and_left_open():

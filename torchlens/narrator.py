@@ -75,8 +75,9 @@ class Narrator:
     def __init__(self, options: NarrationOptions, sink: Optional[Sink] = None):
         self.options = options
         if sink is None:  # a live run: the sink is opened now, and may be shared by several ranks
-            self.sink = open_sink(options.sink)
-            self._prefix = shared_sink_tag(options.sink) + options.prefix
+            shared = shared_sink_tag(options.sink)  # (ranks writing one file: no run of theirs starts it)
+            self.sink = open_sink(options.sink, options.first_opening() and not shared, options.overwrite)
+            self._prefix = shared + options.prefix
         else:  # rendering into the caller's sink: the transcript of this process alone
             self.sink = sink
             self._prefix = options.prefix

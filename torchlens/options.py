@@ -32,6 +32,7 @@ _FIELDS = (
     "on_error_only",
     "symbolic_shapes",
     "engine_ops",
+    "overwrite",
 )
 
 
@@ -55,9 +56,12 @@ class NarrationOptions:
     - `engine_ops`: show the ops a distributed engine (FSDP2, DDP, tensor parallel) runs for itself
       inside the model's modules, tagged `[FSDP2]`; by default they are folded and the footer
       counts them (docs/distributed.md).
+    - `overwrite`: a path sink starts the file afresh instead of appending to it, once per use of
+      these options (a `tl.record` call, a `Recorder` block, a compiled model's life); appended to
+      a file that already holds lines, a run begins with one `-- new run` note instead.
     """
 
-    __slots__ = _FIELDS
+    __slots__ = (*_FIELDS, "_opened")
 
     def __init__(
         self,
@@ -73,6 +77,7 @@ class NarrationOptions:
         on_error_only: bool = False,
         symbolic_shapes: bool = False,
         engine_ops: bool = False,
+        overwrite: bool = False,
         **unknown,
     ):
         if unknown:
@@ -93,6 +98,14 @@ class NarrationOptions:
         self.on_error_only = check_bool("NarrationOptions", "on_error_only", on_error_only)
         self.symbolic_shapes = check_bool("NarrationOptions", "symbolic_shapes", symbolic_shapes)
         self.engine_ops = check_bool("NarrationOptions", "engine_ops", engine_ops)
+        self.overwrite = check_bool("NarrationOptions", "overwrite", overwrite)
+        self._opened = False  # a sink was opened with these options already (`first_opening`)
+
+    def first_opening(self) -> bool:
+        """Whether a run opening its sink now is the first to with these options: it starts the
+        file (afresh with `overwrite`, else after a `-- new run` note) where later ones go on."""
+        first, self._opened = not self._opened, True
+        return first
 
     def replace(self, **changes) -> "NarrationOptions":
         """A copy with some options changed."""
@@ -228,6 +241,7 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
     narration = check_keyword("narrate", "narrate", narrate)
     if narration is not None:
         check_writable(narration.sink)
+        _check_overwrite(narration)
     return Settings(
         narration,
         check_keyword("value_stats", "value_stats", value_stats),
@@ -238,6 +252,18 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
         backward=check_keyword("backward", "backward", backward),
         dtensor_stats=check_keyword("dtensor_stats", "dtensor_stats", dtensor_stats),
     )
+
+
+def _check_overwrite(narration: NarrationOptions) -> None:
+    """Under a process group, one file every rank writes cannot be started afresh: a rank would
+    erase the lines another already wrote."""
+    from .ranks import shared_sink_tag
+
+    if narration.overwrite and sink_kind(narration.sink) == "path" and shared_sink_tag(narration.sink):
+        raise OptionValueError(
+            f"NarrationOptions(overwrite=True) on {str(narration.sink)!r}, a file every rank writes: one rank would "
+            f"erase what another already wrote; name a file per rank ('run-{{rank}}.log') or remove the file "
+            f"before the job starts")
 
 
 def check_stats_on(owner: str, value) -> str:

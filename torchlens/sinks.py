@@ -22,7 +22,7 @@ import sys
 from .errors import OptionTypeError, OptionValueError
 from .ranks import expand_path, template_fields
 
-__all__ = ["CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream", "StderrSink",
+__all__ = ["NEW_RUN", "CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream", "StderrSink",
            "StreamSink", "check_writable", "checked_sink", "open_sink", "sink_kind"]
 
 
@@ -41,16 +41,29 @@ class Sink:
         """Release what the sink opened; a sink never closes what the caller passed in."""
 
 
-class FileSink(Sink):
-    """Appends to `path`, opened at the first line (a run that prints nothing creates no file)."""
+NEW_RUN = "-- new run (appended to a file that held earlier ones; NarrationOptions(overwrite=True) starts it afresh)"
 
-    def __init__(self, path):
+
+class FileSink(Sink):
+    """Appends to `path`, opened at the first line (a run that prints nothing creates no file).
+
+    A sink that `starts` the file (the first opened with a narration's options) truncates it
+    with `overwrite`, or else begins with the `NEW_RUN` note when the file already holds lines:
+    runs appended to one file stay apart, and a file one run wrote holds that run's transcript
+    byte for byte."""
+
+    def __init__(self, path, starts: bool = False, overwrite: bool = False):
         self.path = os.fspath(path)
         self._fd = None
+        self._starts = starts
+        self._overwrite = overwrite
 
     def _open(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            truncate = os.O_TRUNC if self._starts and self._overwrite else 0
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | truncate, 0o644)
+            if self._starts and not truncate and os.fstat(self._fd).st_size:
+                os.write(self._fd, (NEW_RUN + "\n").encode("utf-8"))
         return self._fd
 
     def write(self, line: str) -> None:
@@ -163,16 +176,21 @@ _OPENERS = {
     "stderr": lambda target: StderrSink(),
     "sink": lambda target: target,
     "standard": lambda target: StreamSink(getattr(sys, target)),
-    "path": lambda target: FileSink(expand_path(os.fsdecode(target))),
+    "path": lambda target, starting=False, overwrite=False: FileSink(expand_path(os.fsdecode(target)), starting,
+                                                                     overwrite),
     "logger": LoggerSink,
     "stream": StreamSink,
     "callable": CallableSink,
 }
 
 
-def open_sink(target) -> Sink:
-    """Build the sink for a value `checked_sink` returned."""
-    return _OPENERS[sink_kind(target)](target)
+def open_sink(target, starting: bool = False, overwrite: bool = False) -> Sink:
+    """Build the sink for a value `checked_sink` returned; a path's file is started afresh or
+    marked as a new run when `starting` (see `FileSink`)."""
+    kind = sink_kind(target)
+    if kind == "path":
+        return _OPENERS[kind](target, starting, overwrite)
+    return _OPENERS[kind](target)
 
 
 class SinkPath(str):
