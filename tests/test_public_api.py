@@ -33,6 +33,17 @@ def test_star_imports_bring_no_implementation_details():
     assert "suggest" not in namespace and "warnings" not in namespace and "NonFiniteError" in namespace
 
 
+def test_dir_of_the_package_shows_its_api_not_its_implementation_modules():
+    """A newcomer's `dir(tl)` listed every internal module (`grammar`, `meter`, `pipeline`, ...)
+    beside the dozen names they need."""
+    shown = set(dir(tl))
+    assert {"record", "trace", "compile", "load", "watch", "in_module", "options", "recording", "debug",
+            "errors", "Recording", "Trace", "PartialTrace", "Finding"} <= shown
+    assert not shown & {"grammar", "meter", "pipeline", "session", "narrator", "fx_backend", "eager", "api"}
+    assert all(hasattr(tl, name) for name in shown)
+    assert tl.grammar is importlib.import_module("torchlens.grammar")  # still reachable for who needs it
+
+
 def test_compile_is_public_but_not_star_exported():
     assert callable(tl.compile) and "compile" not in tl.__all__
 

@@ -43,3 +43,9 @@ __all__ = [
 __version__ = "0.1.0"
 
 _register()  # from a source checkout, where no installed entry point names the backend
+
+
+def __dir__():
+    """The public API, not the implementation: importing torchlens imports its internal modules,
+    which Python would otherwise list as attributes of the package (`dir(tl)` showed some 60)."""
+    return sorted([*__all__, "compile", "__version__"])
