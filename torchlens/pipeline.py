@@ -31,7 +31,7 @@ from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
-from .collectives import Collective, reads_memory, wait_for
+from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
@@ -87,6 +87,9 @@ class Pipeline:
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[tuple] = []
+        # metadata only, where nothing lands them: the memory of every asynchronous collective's
+        # output, never read after a failure (`unread`)
+        self._unwaited: list = []
 
     @property
     def lean(self) -> bool:
@@ -194,6 +197,8 @@ class Pipeline:
                 # (its values are wanted when they arrive; a narration of metadata only wants none,
                 # and waits for nothing torch would not have waited for)
                 self._in_flight.append((event, collective, written))
+            else:
+                self._unwaited.extend(memory_refs(collective.tensors))
         else:
             self._observe(event, value)
             if tracker is not None:
@@ -328,6 +333,17 @@ class Pipeline:
         if self.keeper is not None and value is not None:
             self.keeper(event, value)
 
+    def unread(self, tensor) -> Optional[str]:
+        """Why the memory of `tensor` must not be read now, after a failure (None: it may be): it
+        holds no values yet (`torchlens.unwritten`), or an asynchronous collective may still be
+        writing it (one no op has read since; under metadata narration, whose ops do not tell
+        what they read, any)."""
+        note = self.unwritten.unwritten(tensor) if self.unwritten else None
+        if note == IN_FLIGHT or any(shares_memory(tensor, collective.tensors) for _, collective, _ in self._in_flight) \
+                or (self._unwaited and in_memory_of(tensor, self._unwaited)):
+            return "an asynchronous collective's output, perhaps still in flight"  # (waited on, or not)
+        return note
+
     # -- ending the pass ------------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -370,3 +386,4 @@ class Pipeline:
     @property
     def kept_calls(self) -> dict:
         return self.kept_inputs.calls if self.kept_inputs is not None else {}
+
