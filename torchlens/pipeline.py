@@ -30,7 +30,7 @@ from .meter import Meter, reads_now
 from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
-from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
+from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
 from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
@@ -87,6 +87,8 @@ class Pipeline:
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[tuple] = []
+        # with tracking and a backward to narrate: the forward's non-finite values by op, for its verdicts
+        self.forward_values: Optional[ForwardValues] = None
         # metadata only, where nothing lands them: the memory of every asynchronous collective's
         # output, never read after a failure (`unread`)
         self._unwaited: list = []
@@ -159,8 +161,10 @@ class Pipeline:
             nonfinite = event.stats is not None and event.stats.nonfinite
             if nonfinite:
                 self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
-            if nonfinite or tracker.waiting(event):
-                lazy.resolve()  # before its outputs are registered below
+            if nonfinite or tracker.waiting(event) or (self.roots is not None and not tracker.clean):
+                # (before its outputs are registered below; with a backward to come, once a value was
+                # not finite, a finite op may have read it: its backward would compute with it)
+                lazy.resolve()
             else:
                 event.reads = None  # judged finite: what it read is never asked for
         if written is not None and tracker is not None:
@@ -371,6 +375,8 @@ class Pipeline:
             for label, value in self._outputs:
                 tracker.output_reached(label, value)
             verdict = tracker.summary(session.incomplete)
+            if self.roots is not None:  # what the backward's verdicts need of it, before it is dropped
+                self.forward_values = tracker.forward_values(session.events)
             for event in session.events:  # provenance served its purpose: keep no pass alive by it
                 event.reads = None
             return verdict
