@@ -166,3 +166,17 @@ def test_an_asynchronous_collectives_output_is_not_read(group_of_one, options):
     exc = failed(lambda: tl.record(ReducesThenLooksUp(), IDS, **options))
     assert ("inputs: [1,3] i64 cpu (values not read: an asynchronous collective's output, perhaps still in "
             "flight), [99,8] f32 cpu") in exc.__notes__[0]
+
+
+class Adds(nn.Module):
+    def forward(self, a, b):
+        return torch.add(a, b)
+
+
+def test_values_are_the_exact_integers_at_any_width():
+    """A uint64 past 2**63 and an int8: shapes that do not broadcast, and what each held."""
+    big = torch.tensor([2**63 + 5, 7], dtype=torch.uint64)
+    small = torch.tensor([-3, 100, 4], dtype=torch.int8)
+    exc = failed(lambda: tl.record(Adds(), big, small))
+    assert exc.partial_trace.attempt.values == (Values(7, 2**63 + 5), Values(-3, 100))
+    assert "inputs: [2] u64 cpu (min=7 max=9223372036854775813), [3] i8 cpu (min=-3 max=100)" in exc.__notes__[0]

@@ -51,23 +51,30 @@ def device_faulted(exc: BaseException) -> bool:
 
 def call_stream(tensors: Sequence[torch.Tensor]):
     """The stream a call on these tensors ran on (the current one of the first CUDA tensor's
-    device), to read them on after it failed; None on the CPU. Called as the call raises: no sync."""
-    for tensor in tensors:
-        if tensor.device.type == "cuda":
-            return torch.cuda.current_stream(tensor.device)
-    return None
+    device), to read them on after it failed; None on the CPU, or where it cannot be told (they
+    are then read on the current stream). Called as the call raises: no sync, never raises."""
+    try:
+        device = next((tensor.device for tensor in tensors if tensor.device.type == "cuda"), None)
+        return torch.cuda.current_stream(device) if device is not None else None
+    except Exception:
+        return None
 
 
 def read_values(tensors: Sequence[torch.Tensor], exc: BaseException,
-                unread: Callable[[torch.Tensor], Optional[str]] = lambda tensor: None,
+                unread: Optional[Callable[[torch.Tensor], Optional[str]]] = None,
                 stream=None) -> Optional[Tuple[Optional[Values], ...]]:
-    """Per tensor, the `Values` of an integer one (None for any other); None when none is an
-    integer tensor. `unread(tensor)` says why its memory must not be read now (None: it may be).
-    Never raises."""
+    """Per tensor, the `Values` of an integer one (None for any other), read on `stream` after
+    `exc` ended the forward; None when none is an integer tensor. `unread(tensor)` says why its
+    memory must not be read now (None: it may be). Never raises."""
     if not any(_integer(tensor) for tensor in tensors):
         return None
     faulted = device_faulted(exc)
+    unread = unread or _anything
     return tuple(_read(tensor, faulted, unread, stream) if _integer(tensor) else None for tensor in tensors)
+
+
+def _anything(tensor) -> Optional[str]:
+    return None
 
 
 def _integer(tensor) -> bool:

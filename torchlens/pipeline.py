@@ -343,9 +343,10 @@ class Pipeline:
         writing it (one no op has read since; under metadata narration, whose ops do not tell
         what they read, any)."""
         note = self.unwritten.unwritten(tensor) if self.unwritten else None
-        if note == IN_FLIGHT or any(shares_memory(tensor, collective.tensors) for _, collective, _ in self._in_flight) \
-                or (self._unwaited and in_memory_of(tensor, self._unwaited)):
-            return "an asynchronous collective's output, perhaps still in flight"  # (waited on, or not)
+        in_flight = (note == IN_FLIGHT or any(shares_memory(tensor, c.tensors) for _, c, _ in self._in_flight)
+                     or (self._unwaited and in_memory_of(tensor, self._unwaited)))
+        if in_flight:  # (its waiting is not seen: perhaps it was waited on, perhaps not)
+            return "an asynchronous collective's output, perhaps still in flight"
         return note
 
     # -- ending the pass ------------------------------------------------------------------------
@@ -392,4 +393,3 @@ class Pipeline:
     @property
     def kept_calls(self) -> dict:
         return self.kept_inputs.calls if self.kept_inputs is not None else {}
-

@@ -260,7 +260,7 @@ class Session:
             call = failed.call.copy() if failed.call is not None else None
             values = failed.values
             if values is None and failed.tensors:
-                values = read_values(failed.tensors, exc, *(() if unread is None else (unread,)), stream=failed.stream)
+                values = read_values(failed.tensors, exc, unread, failed.stream)
             if values is not None and len(values) != len(failed.inputs or ()):
                 values = None  # (described otherwise than read: shown without them)
             return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes, call,
