@@ -180,3 +180,16 @@ def test_values_are_the_exact_integers_at_any_width():
     exc = failed(lambda: tl.record(Adds(), big, small))
     assert exc.partial_trace.attempt.values == (Values(7, 2**63 + 5), Values(-3, 100))
     assert "inputs: [2] u64 cpu (min=7 max=9223372036854775813), [3] i8 cpu (min=-3 max=100)" in exc.__notes__[0]
+
+
+class SelectsWithUnwrittenIndices(nn.Module):
+    """Indices from `torch.empty`, never written: index_select refuses their shape."""
+
+    def forward(self, x):
+        return torch.index_select(x, 0, torch.empty(2, 2, dtype=torch.long))
+
+
+def test_memory_that_holds_no_values_yet_is_not_read_where_the_pass_follows_it():
+    exc = failed(lambda: tl.record(SelectsWithUnwrittenIndices(), torch.zeros(3, 2), on_nonfinite="track"))
+    assert "inputs: [3,2] f32 cpu, [2,2] i64 cpu (values not read: uninitialized)  (not proven culprit)" in \
+        exc.__notes__[0]
