@@ -1046,23 +1046,44 @@ class NormOfZeros(nn.Module):
         return (z / z.norm()).sum()
 
 
-@pytest.mark.parametrize("case", ["nan_in_the_loss", "norm_at_zero"])
+class SqrtAtZero(nn.Module):
+    """`sqrt(z)` with z == 0 in value but not in gradient: a finite forward whose backward divides
+    by zero, whichever compiler runs it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.sqrt(h - h.detach()).sum()
+
+
+@pytest.mark.parametrize("case", ["nan_in_the_loss", "norm_at_zero", "sqrt_at_zero"])
 def test_compiled_inductor_backward_names_what_it_can_see(case):
     """Under inductor a graph's backward is one node: a NaN from the loss is named at the output it
-    reached; one born inside the compiled backward is named at the graph's ops."""
+    reached; one born inside the compiled backward is named at the graph's ops, and one made of the
+    NaN the graph's forward made is said to be its consequence."""
     torch._dynamo.reset()
-    model = NormOfZeros() if case == "norm_at_zero" else SafeSqrt()
+    model = {"norm_at_zero": NormOfZeros, "sqrt_at_zero": SqrtAtZero}.get(case, SafeSqrt)()
     compiled = tl.compile(model, backward=True, on_nonfinite="track")
     out = compiled(torch.randn(3, 4))
     (out * float("nan") if case == "nan_in_the_loss" else out).backward()
-    [backward] = compiled.torchlens.last_recording.backward
-    first = backward.findings[0]
+    recording = compiled.torchlens.last_recording
+    first = recording.backward[0].findings[0]
     if case == "nan_in_the_loss":
         assert first.text.startswith("NaN in the gradient reaching the output out")
-    else:
-        assert first.event.op == "CompiledFunctionBackward" and first.birth
-        assert re.search(r"NaN gradient born at ~\d+ CompiledFunctionBackward, the backward of the compiled "
+    elif case == "sqrt_at_zero":
+        assert recording.findings == () and first.event.op == "CompiledFunctionBackward" and first.birth
+        assert re.search(r"gradient born at ~\d+ CompiledFunctionBackward, the backward of the compiled "
                          r"graph of #2\.\.#\d+", first.text)
+    else:
+        [forward] = recording.findings
+        assert forward.text.startswith("NaN born at #6 div")
+        assert first.event.op == "CompiledFunctionBackward" and not first.birth
+        assert re.search(r"NaN gradient at ~\d+ CompiledFunctionBackward, the backward of the compiled graph of "
+                         r"#2\.\.#\d+ \(nan=\d+\), out of the forward's NaN: #6 div produced NaN$", first.text)
 
 
 @pytest.mark.parametrize("rung", ["off", "exact"])

@@ -253,10 +253,12 @@ def test_the_rank_ddp_poisoned_through_its_gradient_all_reduce_is_told_so(job):
 @pytest.mark.slow
 def test_a_nan_a_gradient_held_before_the_backward_is_not_said_to_be_carried_in(job):
     """Accumulating gradients, the second backward adds a finite gradient to rank 0's NaN `.grad`:
-    nothing outside the graph wrote it, so nothing was carried in (the first backward named the birth)."""
+    nothing outside the graph wrote it, so nothing was carried in (the first backward named the NaN
+    input its weight's gradient was made of)."""
     rank0, rank1 = job
     first, second = rank0["accumulated"]
-    assert [kind for _, kind in first] == ["GRADIENT_BORN"], first
+    assert first == [["NaN gradient at ~1 AddmmBackward0, the backward of #2 linear (nan=2), out of the forward's "
+                      "NaN: #2 linear read NaN from the input input", "GRADIENT_FROM_FORWARD"]], first  # (through JSON)
     assert second == [], second
     assert rank1["accumulated"] == [[], []]
 

@@ -161,7 +161,7 @@ def test_live_mode_says_it_located_the_op_live_and_replays_nothing():
     assert "replay" not in "\n".join(tail) and "not replayed" not in "\n".join(tail)
     assert tail[-2] == LIVE
     assert tail[-1].startswith("!! attempted #4 embedding @embed  test_crash_notes.py:")
-    assert tail[-1].endswith("  inputs: [2,4] i64 cpu, [8,4] f32 cpu  (not proven culprit)")
+    assert tail[-1].endswith("  inputs: [2,4] i64 cpu (min=100 max=100), [8,4] f32 cpu  (not proven culprit)")
     assert exc.partial_trace.attempt.op == "embedding" and exc.partial_trace.attempt.module == "embed"
 
 
@@ -173,7 +173,7 @@ def test_live_mode_names_the_op_in_flight_with_its_real_input_sizes_under_dynami
     tail = exc.partial_trace.narrate(last=2).splitlines()
     assert tail[-2] == LIVE
     assert tail[-1].startswith("!! attempted #") and " embedding @embed  " in tail[-1]
-    assert "inputs: [3,5] i64 cpu, [8,4] f32 cpu" in tail[-1]
+    assert "inputs: [3,5] i64 cpu (min=100 max=100), [8,4] f32 cpu" in tail[-1]
 
 
 class Selects(nn.Module):

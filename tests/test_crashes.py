@@ -190,7 +190,7 @@ def test_compiled_embedding_index_out_of_range_names_the_embedding():
     tail = exc.partial_trace.narrate(last=4).splitlines()
     assert tail[-2] == "-- located by replaying the compiled graph op by op"
     assert tail[-1].startswith("!! attempted #3 embedding @tok  ")
-    assert "inputs: [2,8] i64 cpu, [64,32] f32 cpu  (not proven culprit)" in tail[-1]
+    assert "inputs: [2,8] i64 cpu (min=0 max=1000), [64,32] f32 cpu  (not proven culprit)" in tail[-1]
     assert tail[-3] == "> tok (Embedding)"
 
 

@@ -183,6 +183,35 @@ def test_a_gradient_written_non_finite_after_the_graph_added_it_finite_is_found(
     assert not torch.isfinite(model[0].weight.grad).all()
 
 
+def _replaced_non_finite(p):
+    p.grad = p.grad * float("nan")  # another tensor: the one the graph added keeps its values and its version
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_a_gradient_a_callback_replaced_with_a_non_finite_tensor_is_found(name):
+    """`p.grad = p.grad * nan` at the backward's end leaves the gradient the graph added as it was,
+    version included, and puts a new tensor in `.grad`: a look that told a written `.grad` by its
+    version alone would read nothing and say the gradients are finite."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        t = pytest.importorskip("transformers")
+        model = t.GPT2Model(t.GPT2Config(vocab_size=99, n_positions=16, n_embd=32, n_layer=2, n_head=4))
+        args, weight = (torch.tensor([[5, 17, 23, 42]]),), "h.1.mlp.c_fc.weight"
+    else:
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        args, weight = (torch.randn(2, 4),), "0.weight"
+    model.get_parameter(weight).register_post_accumulate_grad_hook(_at_the_backwards_end(_replaced_non_finite))
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(*args)[0].float().sum().backward()
+    [backward] = rec.recordings[0].backward
+    [finding] = backward.findings
+    assert finding.text.startswith(f"NaN in the gradient of {weight} after the backward: ~"), finding.text
+    assert finding.text.endswith("then something outside the graph wrote it (a callback a hook queued to run at the "
+                                 "backward's end)")
+    assert backward.footer_extra[-1].startswith(f"first non-finite gradient: {finding.text}")
+    assert not torch.isfinite(model.get_parameter(weight).grad).all()
+
+
 def test_a_gradient_rewritten_finite_after_the_backward_is_no_finding():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))

@@ -20,6 +20,7 @@ import inspect
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .provenance import tensor_arguments
@@ -27,8 +28,8 @@ from .torch_seams import degraded
 from .unwritten import storage_key
 from .writes import call_writes, may_return_an_alias
 
-__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "graph_label", "is_functional_collective",
-           "is_wait", "reads_memory", "wait_for"]
+__all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "graph_label", "in_memory_of",
+           "is_functional_collective", "is_wait", "memory_refs", "reads_memory", "shares_memory", "wait_for"]
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
 FUNCTIONAL_NAMESPACE = "_c10d_functional"
@@ -157,11 +158,38 @@ _READ_BEFORE_WRITTEN = frozenset(("all_reduce", "all_reduce_coalesced", "reduce"
 def _memory_keys(tensor) -> List[int]:
     """The storages a tensor's values are in: its own, or those of the tensors a wrapper subclass
     holds (a functional collective's `AsyncCollectiveTensor`, a DTensor's local shard)."""
+    return [key for key in map(storage_key, _plain(tensor)) if key is not None]
+
+
+def _plain(tensor) -> List[torch.Tensor]:
+    """The tensor, or the tensors a wrapper subclass holds (recursively): those with storage."""
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return [key for name in names for key in _memory_keys(getattr(tensor, name))]
-    key = storage_key(tensor)
-    return [] if key is None else [key]
+        return [plain for name in names for plain in _plain(getattr(tensor, name))]
+    return [tensor]
+
+
+def shares_memory(tensor, tensors) -> bool:
+    """Whether `tensor` views the memory of one of `tensors` (a collective's output)."""
+    keys = {key for other in tensors for key in _memory_keys(other)}
+    return any(key in keys for key in _memory_keys(tensor))
+
+
+def memory_refs(tensors) -> list:
+    """Weak references to the storages `tensors` hold their values in (they keep nothing alive)."""
+    refs = []
+    for plain in (plain for tensor in tensors for plain in _plain(tensor)):
+        try:
+            refs.append(StorageWeakRef(plain.untyped_storage()))
+        except Exception:  # no plain storage
+            continue
+    return refs
+
+
+def in_memory_of(tensor, refs) -> bool:
+    """Whether `tensor` views memory one of `refs` (`memory_refs`) still stands for."""
+    keys = {ref.cdata for ref in refs if not ref.expired()}
+    return bool(keys) and any(key in keys for key in _memory_keys(tensor))
 
 
 def _writes_one_of(args, kwargs, touched) -> bool:

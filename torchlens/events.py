@@ -338,11 +338,14 @@ class Attempt:
     `inputs` is None when the call was located without seeing its arguments. `call` keeps the
     function and the arguments themselves when the eager capture saw the call raise (a
     `torchlens.repro.kept.KeptCall`, which `PartialTrace.repro` replays); None otherwise.
+    `values`, one per input, says what an integer input held (`torchlens.integer_values.Values`:
+    its smallest and largest value, or why they were not read; None for any other input), read once
+    the forward had failed; None when no input is an integer tensor whose values were sought.
     """
 
-    __slots__ = ("op", "ordinal", "scope", "site", "inputs", "notes", "call")
+    __slots__ = ("op", "ordinal", "scope", "site", "inputs", "notes", "call", "values")
 
-    def __init__(self, op, ordinal, scope, site, inputs, notes=(), call=None):
+    def __init__(self, op, ordinal, scope, site, inputs, notes=(), call=None, values=None):
         self.op = op
         self.ordinal = ordinal
         self.scope = scope
@@ -350,6 +353,7 @@ class Attempt:
         self.inputs = inputs
         self.notes = tuple(notes)
         self.call = call  # the function and arguments it was called with, for `.repro()` (eager only)
+        self.values = None if values is None else tuple(values)
 
     @property
     def module(self) -> str:

@@ -13,9 +13,10 @@ The kinds are the verdict rules, one member each (docs/statistics.md has the sam
 | `NONFINITE_INPUT` | a forward input holds NaN | no |
 | `REACHES_OUTPUT` | an infinity reaches a forward output, wherever it came from | no |
 | `CARRIED_IN` | a collective (`all_reduce`, `all_gather_into_tensor`, ...) brought a non-finite value nothing this rank sent held: another rank's (`tl.debug.across_ranks` finds whose) | no |
-| `GRADIENT_BORN` | a backward node produced a non-finite gradient from finite ones | yes |
+| `GRADIENT_BORN` | a backward node produced a non-finite gradient from finite ones, and its forward op read and produced finite values | yes |
+| `GRADIENT_FROM_FORWARD` | a non-finite gradient made from finite ones by a node whose forward op read or produced a non-finite value (which it computes with), or reaching an output that held one | no |
 | `GRADIENT_FIRST_SEEN` | a non-finite gradient no watched node sent (a hook, a node outside the forward, an overwrite, unmeasured inputs) | no |
-| `GRADIENT_FROM_OUTSIDE` | the gradient arriving at a forward output is non-finite (the loss) | yes |
+| `GRADIENT_FROM_OUTSIDE` | the gradient arriving at a forward output is non-finite, the output's values finite (the loss) | yes |
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def bits(nan, posinf, neginf) -> int:
 
 class FindingKind(enum.Enum):
     """Which verdict rule made a finding (see the module's table); `birth` says whether it names
-    where the value was born rather than where it was first seen or where it went."""
+    where the value was born rather than where it was first seen or where it went; `consequence`,
+    whether the value it names was made of one the forward read or produced (what to chase is that
+    value, named in its text and, where the forward made a finding of it, there)."""
 
     NAN_BORN = ("NaN born", True)
     NAN_WRITTEN = ("NaN written by a scalar", True)
@@ -53,12 +56,14 @@ class FindingKind(enum.Enum):
     REACHES_OUTPUT = ("infinity reaches the output", False)
     CARRIED_IN = ("carried in by a collective", False)
     GRADIENT_BORN = ("gradient born", True)
+    GRADIENT_FROM_FORWARD = ("gradient out of a forward non-finite value", False, True)
     GRADIENT_FIRST_SEEN = ("gradient first seen", False)
     GRADIENT_FROM_OUTSIDE = ("gradient from outside the forward", True)
 
-    def __init__(self, label: str, birth: bool):
+    def __init__(self, label: str, birth: bool, consequence: bool = False):
         self.label = label
         self.birth = birth
+        self.consequence = consequence
 
 
 class Finding:
@@ -80,6 +85,12 @@ class Finding:
     def birth(self) -> bool:
         """Whether the finding names where the value was born (not only where it was seen)."""
         return self._birth
+
+    @property
+    def consequence(self) -> bool:
+        """Whether it is a backward's non-finite gradient made of a value the forward read or
+        produced (`FindingKind.GRADIENT_FROM_FORWARD`): that value, not this node, is what to chase."""
+        return self.kind is not None and self.kind.consequence
 
     def __repr__(self) -> str:
         return f"Finding({self.text!r})"

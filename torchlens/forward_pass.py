@@ -121,7 +121,7 @@ class ForwardPass:
         self.roots = self.pipeline.roots = None
         with guarded("hooking the backward"):
             self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root,
-                                self._parameters() if world_size() > 1 else ())
+                                self._parameters() if world_size() > 1 else (), self.pipeline.forward_values)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
         """The partial trace of a forward that raised `exc`, attached to it. Never raises."""

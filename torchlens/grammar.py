@@ -33,11 +33,11 @@ import torch
 from .events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, BackwardAttempt, Event, TensorMeta
 from .stats_text import stats_text
 
-__all__ = ["UNFINISHED_NOTE", "backward_footer_parts", "compiled_run_note", "device_name", "dtype_name",
-           "footer_parts", "measurement_notes", "meta_text", "metas_text", "op_ref", "opaque_calls_note", "plural",
-           "render_attempt",
-           "render_dropped_events_note", "render_earlier_lines_note", "render_event", "render_failure",
-           "render_failure_header", "render_footer", "render_limit_note", "render_note", "shape_text", "site_text"]
+__all__ = ["UNFINISHED_NOTE", "attempt_inputs_text", "backward_footer_parts", "compiled_run_note", "device_name",
+           "dtype_name", "footer_parts", "measurement_notes", "meta_text", "metas_text", "op_ref", "opaque_calls_note",
+           "plural", "render_attempt", "render_dropped_events_note", "render_earlier_lines_note", "render_event",
+           "render_failure", "render_failure_header", "render_footer", "render_limit_note", "render_note", "shape_text",
+           "site_text", "values_text"]
 
 TAG_WIDTH = 6
 OP_WIDTH = 14
@@ -280,9 +280,24 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
     if attempt.inputs is None:  # located without seeing its arguments
         inputs = "not read"
     else:
-        inputs = ", ".join(meta_text(m, normalize) for m in attempt.inputs) or "no tensor inputs"
+        inputs = attempt_inputs_text(attempt, normalize) or "no tensor inputs"
     head = f"#{attempt.ordinal} {attempt.op}" + (f" @{attempt.scope.path}" if attempt.scope.path else "")
     return _attempted(head, attempt, f"inputs: {inputs}", "op", normalize)
+
+
+def attempt_inputs_text(attempt: Attempt, normalize: bool = False) -> str:
+    """`[1,3] i64 cpu (min=1 max=200), [128,8] f32 cpu`: the attempted call's tensor inputs, an
+    integer one with what it held (`Attempt.values`)."""
+    values = attempt.values if attempt.values is not None else ()
+    return ", ".join(meta_text(meta, normalize) + (f" ({values_text(values[i])})" if i < len(values) and values[i]
+                                                   else "") for i, meta in enumerate(attempt.inputs or ()))
+
+
+def values_text(values) -> str:
+    """`min=1 max=200`, or `values not read: the device faulted` (`integer_values.Values`)."""
+    if values.unread is not None:
+        return f"values not read: {values.unread}"
+    return f"min={values.low} max={values.high}"
 
 
 def _backward_attempt_lines(attempt: BackwardAttempt, normalize: bool) -> list:

@@ -30,8 +30,8 @@ from .meter import Meter, reads_now
 from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
-from .tracking import UNINITIALIZED, Tracker, can_hold_nonfinite
-from .collectives import Collective, reads_memory, wait_for
+from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
+from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
@@ -87,6 +87,11 @@ class Pipeline:
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[tuple] = []
+        # with tracking and a backward to narrate: the forward's non-finite values by op, for its verdicts
+        self.forward_values: Optional[ForwardValues] = None
+        # metadata only, where nothing lands them: the memory of every asynchronous collective's
+        # output, never read after a failure (`unread`)
+        self._unwaited: list = []
 
     @property
     def lean(self) -> bool:
@@ -156,8 +161,10 @@ class Pipeline:
             nonfinite = event.stats is not None and event.stats.nonfinite
             if nonfinite:
                 self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
-            if nonfinite or tracker.waiting(event):
-                lazy.resolve()  # before its outputs are registered below
+            if nonfinite or tracker.waiting(event) or (self.roots is not None and not tracker.clean):
+                # (before its outputs are registered below; with a backward to come, once a value was
+                # not finite, a finite op may have read it: its backward would compute with it)
+                lazy.resolve()
             else:
                 event.reads = None  # judged finite: what it read is never asked for
         if written is not None and tracker is not None:
@@ -194,6 +201,8 @@ class Pipeline:
                 # (its values are wanted when they arrive; a narration of metadata only wants none,
                 # and waits for nothing torch would not have waited for)
                 self._in_flight.append((event, collective, written))
+            else:
+                self._unwaited.extend(memory_refs(collective.tensors))
         else:
             self._observe(event, value)
             if tracker is not None:
@@ -328,6 +337,18 @@ class Pipeline:
         if self.keeper is not None and value is not None:
             self.keeper(event, value)
 
+    def unread(self, tensor) -> Optional[str]:
+        """Why the memory of `tensor` must not be read now, after a failure (None: it may be): it
+        holds no values yet (`torchlens.unwritten`), or an asynchronous collective may still be
+        writing it (one no op has read since; under metadata narration, whose ops do not tell
+        what they read, any)."""
+        note = self.unwritten.unwritten(tensor) if self.unwritten else None
+        in_flight = (note == IN_FLIGHT or any(shares_memory(tensor, c.tensors) for _, c, _ in self._in_flight)
+                     or (self._unwaited and in_memory_of(tensor, self._unwaited)))
+        if in_flight:  # (its waiting is not seen: perhaps it was waited on, perhaps not)
+            return "an asynchronous collective's output, perhaps still in flight"
+        return note
+
     # -- ending the pass ------------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -355,6 +376,8 @@ class Pipeline:
             for label, value in self._outputs:
                 tracker.output_reached(label, value)
             verdict = tracker.summary(session.incomplete)
+            if self.roots is not None:  # what the backward's verdicts need of it, before it is dropped
+                self.forward_values = tracker.forward_values(session.events)
             for event in session.events:  # provenance served its purpose: keep no pass alive by it
                 event.reads = None
             return verdict

@@ -140,6 +140,11 @@ class Source:
             self._kinds = self._measure()
         return self._kinds
 
+    @property
+    def measured(self) -> bool:
+        """Whether `kinds()` was asked for (it measured the tensor then; asking now reads nothing)."""
+        return self._kinds != -1
+
     def _measure(self) -> Optional[int]:
         tensor = self.ref() if self.ref is not None else None
         if tensor is None or _version(tensor) != self.version:
@@ -255,6 +260,11 @@ class LazyReads:
         self._args = args
         self._kwargs = kwargs
         self._value = None
+
+    @property
+    def resolved(self) -> Optional[tuple]:
+        """`(refs, carried)` once worked out; None while it has not been (nothing is worked out here)."""
+        return self._value
 
     def resolve(self) -> tuple:
         if self._value is None:

@@ -22,6 +22,7 @@ from .options import Settings
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 from .repro.kept import KeptCall
+from .integer_values import call_stream, read_values
 
 __all__ = ["Session", "attach", "attach_finding", "error_summary", "in_chain", "nonfinite_message"]
 
@@ -36,6 +37,9 @@ class FailedCall(NamedTuple):
     exc: BaseException
     notes: tuple
     call: Optional[KeptCall] = None  # the function and its arguments, when the capture saw them
+    tensors: tuple = ()  # its tensor inputs, in `inputs` order: their integer values are read if the forward fails
+    stream: object = None  # the accelerator stream it ran on, to read them on (`integer_values.call_stream`)
+    values: Optional[tuple] = None  # those values, when already read (by an eager re-run of the forward)
 
 
 class Session:
@@ -186,9 +190,13 @@ class Session:
             self.incomplete = why
 
     def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
-                  notes=(), call: Optional[KeptCall] = None) -> None:
-        """A torch call raised: remember it as the attempted op in case the forward fails."""
-        self.failed_call = FailedCall(op, scope or self.scope, site, metas, exc, tuple(notes), call)
+                  notes=(), call: Optional[KeptCall] = None, tensors=(), values: Optional[tuple] = None) -> None:
+        """A torch call raised: remember it as the attempted op in case the forward fails.
+        `tensors` are its tensor inputs (described by `metas`), held while the exception unwinds
+        and read only if the forward fails (`integer_values`); `values`, what was already read."""
+        tensors = tuple(tensors)
+        self.failed_call = FailedCall(op, scope or self.scope, site, metas, exc, tuple(notes), call, tensors,
+                                      call_stream(tensors), values)
 
     # -- ending the pass ------------------------------------------------------------------------
 
@@ -218,8 +226,9 @@ class Session:
         Never raises: a problem here is reported as a warning and the user's exception goes on.
         """
         try:
+            # (before `settle`, which forgets the collectives still in flight: their memory is not read)
+            attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc, pipeline.unread)
             pipeline.settle()
-            attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc)
             error = error_summary(exc)
             partial = PartialTrace(
                 events=self.events,
@@ -241,13 +250,21 @@ class Session:
             internal_error("building the partial trace", inner)
             return None
 
-    def attempt_for(self, exc: BaseException) -> Attempt:
+    def attempt_for(self, exc: BaseException, unread=None) -> Attempt:
+        """The attempted op of a forward that `exc` ends. `unread(tensor)`: why a tensor's memory
+        must not be read (the pipeline's rule), for the values of the call's integer inputs."""
         failed = self.failed_call
         if failed is not None and in_chain(failed.exc, exc):
             # the forward ends here: what the call read is copied, so that the partial trace holds
             # neither the forward's activations nor its graph (`torchlens.repro.kept`)
             call = failed.call.copy() if failed.call is not None else None
-            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes, call)
+            values = failed.values
+            if values is None and failed.tensors:
+                values = read_values(failed.tensors, exc, unread, failed.stream)
+            if values is not None and len(values) != len(failed.inputs or ()):
+                values = None  # (described otherwise than read: shown without them)
+            return Attempt(failed.op, self.ordinal + 1, failed.scope, failed.site, failed.inputs, failed.notes, call,
+                           values)
         scope = self._unwound[0] if self._unwound else self.scope
         return Attempt(None, self.ordinal + 1, scope, user_site_of(exc), ())
 

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .events import INPUT, Event, Stats, StatsGroup
+from .events import INPUT, OP, Event, Stats, StatsGroup
 from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
-from .provenance import Provenance, Source, carried_kinds, tensor_arguments as _tensor_arguments
+from .provenance import LazyReads, Provenance, Source, carried_kinds, tensor_arguments as _tensor_arguments
 from .grammar import op_ref
 from .stats_text import counts_text
 from .unwritten import IN_FLIGHT, NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 
-__all__ = ["UNINITIALIZED", "Tracker", "can_hold_nonfinite", "held", "measured_finite", "settled", "unmeasured_reason"]
+__all__ = ["UNINITIALIZED", "ForwardCause", "ForwardValues", "Tracker", "can_hold_nonfinite", "held", "measured_finite",
+           "settled", "unmeasured_reason"]
 
 UNINITIALIZED = ("empty", "new_empty")  # op names whose outputs hold no values yet (`empty_like`, ...)
 
@@ -147,6 +148,9 @@ class Tracker:
         self._infinities: Dict[Tuple[int, int], Finding] = {}
         self._born = set()  # (id(event), kind) of every infinity born, held back or not
         self._collectives: Dict[int, str] = {}  # id(event) -> its group, for collectives (`collectives`)
+        # No value judged so far held a non-finite value or went unmeasured: an op cannot have read
+        # one (a parameter's NaN no op's output showed aside), whatever it read (`forward_values`)
+        self.clean = True
 
     # -- provenance -----------------------------------------------------------------------------
 
@@ -214,8 +218,11 @@ class Tracker:
             # memory that held no values yet (`torchlens.unwritten`): nothing to find in the op
             # itself, but an op that reads it later read values nobody measured
             self._kinds[id(event)] = None
+            self.clean = False
             return []
         self._kinds[id(event)] = kinds
+        if kinds != 0:
+            self.clean = False
         if kinds is None:
             reason = unmeasured_reason(event)
             self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
@@ -338,6 +345,59 @@ class Tracker:
             return f"born at {_ref(origin)}"
         return _where(origin, bit)
 
+    # -- for the backward -----------------------------------------------------------------------
+
+    def forward_values(self, events) -> "ForwardValues":
+        """What each of the forward's `events` read or produced that was not finite (or may have
+        been), for the backward's verdicts; called at the end of the forward, while each op's
+        reads are still known."""
+        causes: Dict[int, ForwardCause] = {}
+        horizon = math.inf
+        for event in events:
+            if event.kind is OP or event.kind is INPUT:
+                cause = self._forward_cause(event, horizon)
+                if cause is not None:
+                    causes[id(event)] = cause
+                    horizon = min(horizon, event.ordinal)
+        return ForwardValues(causes, horizon)
+
+    def _forward_cause(self, event: Event, horizon: float) -> Optional["ForwardCause"]:
+        """What `event` read or produced that was not finite: a known kind first (NaN before the
+        infinities, what it produced before what it read), else why it is not known; None when it
+        read and produced finite values. `horizon`: the first ordinal where one was not."""
+        name = _ref(event) if event.kind is OP else f"the input {event.label}"
+        produced = self._kinds.get(id(event), -1)
+        if produced is None or produced == -1:
+            return ForwardCause(None, f"{name} was not measured", None)
+        reads = event.reads.resolved if isinstance(event.reads, LazyReads) else event.reads
+        read, unknown = {}, False  # kind -> the origin of what it read of that kind
+        for ref in (reads[0] if reads is not None else ()):
+            if isinstance(ref, Source):
+                kinds = ref.kinds() if ref.measured else 0  # (never measured: no op's output showed it)
+                origins = ((bit, ref) for bit, _ in KINDS if kinds and kinds & bit)
+            else:
+                kinds = self._kinds.get(id(ref))
+                origins = ((bit, self._origin.get((id(ref), bit), ref)) for bit, _ in KINDS if kinds and kinds & bit)
+            unknown = unknown or kinds is None
+            for bit, origin in origins:
+                read.setdefault(bit, origin)
+        for bit, kind in KINDS:
+            if produced & bit:
+                origin = self._origin.get((id(event), bit), event)
+                held_text = f"{kind} {self._where(origin, bit)}"
+                verb = "held" if event.kind is INPUT else "produced" if origin is event else "read"
+                how = f"{name} {verb} {kind}" + ("" if origin is event else f" {self._where(origin, bit)}")
+                return ForwardCause(kind, how, held_text)
+        for bit, kind in KINDS:
+            if bit in read:
+                return ForwardCause(kind, f"{name} read {kind} {self._where(read[bit], bit)}", None)
+        if reads is None and event.kind is OP and horizon < event.ordinal:
+            return ForwardCause(None, f"what {name} read was not kept, and an earlier value was not finite "
+                                      f"or not measured", None)
+        if unknown:
+            return ForwardCause(None, f"{name} read a value that was not measured", None)
+        return None
+
     # -- the footer -----------------------------------------------------------------------------
 
     def summary(self, incomplete: Optional[str] = None) -> str:
@@ -371,6 +431,49 @@ class Tracker:
             if origin is not None:
                 return origin
         return self.absorbed
+
+
+class ForwardCause(NamedTuple):
+    """A non-finite value a forward op read or produced (`kind`: "NaN", "+inf", "-inf"), which a
+    backward node computing with that op's values turns into a non-finite gradient of its own;
+    `kind` None: whether the op's values were finite is not known, `text` says why. `held`: what
+    the op's output held (`NaN from model.embed_tokens.weight`), None when it held no such value."""
+
+    kind: Optional[str]
+    text: str  # `#153 cross_entropy read NaN from model.embed_tokens.weight`, `#5 exp produced +inf`
+    held: Optional[str]
+
+
+class ForwardValues:
+    """The forward's non-finite values by the op that read or produced them, for its backward
+    (`Tracker.forward_values`). A backward node computes with what its forward op read and produced
+    (what autograd saved for it): a non-finite gradient it made from finite ones is that value's
+    consequence when one of those held one, a birth only when all were finite."""
+
+    def __init__(self, causes: Dict[int, ForwardCause], horizon: float):
+        self._causes = causes  # id(event) -> cause, for the ops that read or produced one (or may have)
+        self._horizon = horizon  # the ordinal of the first value that was not finite, or not measured
+
+    def of(self, ops, before: Optional[int] = None) -> Optional[ForwardCause]:
+        """Why a backward node differentiating the forward's `ops` may not have made its non-finite
+        gradient itself: a known cause first, else an unknown one; None when all was finite. A
+        node no op stands for (a custom `autograd.Function`'s) computes with values made before
+        the op `before` that read its output: finite when nothing before it was not."""
+        unknown = None
+        for op in ops:
+            cause = self._causes.get(id(op))
+            if cause is not None and cause.kind is not None:
+                return cause
+            unknown = unknown or cause
+        if unknown is None and not ops and before is not None and self._horizon < before:
+            return ForwardCause(None, f"a value the forward made before #{before} was not finite or not measured",
+                                None)
+        return unknown
+
+    def held(self, ops) -> Optional[ForwardCause]:
+        """The non-finite value the output of one of `ops` held, if any (what a loss computed
+        outside the forward read)."""
+        return next((cause for cause in map(self._causes.get, map(id, ops)) if cause and cause.held), None)
 
 
 def _position(finding: Finding) -> float:

@@ -19,6 +19,7 @@ from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..results import Backward, PartialTrace, Recording, Trace
 from ..selectors import InModule, Selector
 from ..findings import Finding, FindingKind
+from ..integer_values import Values
 from ..repro.kept import KeptCall
 from .calls import loaded_call
 from .encode import FORMAT, READABLE_VERSIONS
@@ -212,7 +213,19 @@ def attempt(doc, tables: _Tables) -> Optional[Attempt]:
     notes = [_expect(note, str, "a note") for note in _expect(doc.get("notes", []), list, "notes")]
     if "forward" in doc:
         return BackwardAttempt(*args, _optional(doc.get("forward"), str, "a forward op"), notes)
-    return Attempt(*args, notes)
+    values = doc.get("values")
+    return Attempt(*args, notes, values=None if values is None else tuple(
+        _input_values(v) for v in _expect(values, list, "the values of its inputs")))
+
+
+def _input_values(doc) -> Optional[Values]:
+    """What an integer input of the attempted op held (`attempt_doc`'s "values")."""
+    if doc is None:
+        return None
+    _expect(doc, dict, "an input's values")
+    if "unread" in doc:
+        return Values(None, None, _expect(doc["unread"], str, "why values were not read"))
+    return Values(_expect(doc.get("low"), int, "a smallest value"), _expect(doc.get("high"), int, "a largest value"))
 
 
 def selector(doc):

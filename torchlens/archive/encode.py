@@ -170,6 +170,9 @@ def attempt_doc(attempt, scopes: _Scopes) -> Optional[dict]:
     doc = {"op": attempt.op, "ordinal": attempt.ordinal, "scope": scopes.index(attempt.scope), "site": attempt.site,
            "inputs": None if attempt.inputs is None else [meta_doc(meta) for meta in attempt.inputs],
            "notes": list(attempt.notes)}
+    if attempt.values is not None:  # what its integer inputs held
+        doc["values"] = [None if v is None else {"unread": v.unread} if v.unread is not None else
+                         {"low": v.low, "high": v.high} for v in attempt.values]
     if isinstance(attempt, BackwardAttempt):
         doc["forward"] = attempt.forward
     return doc

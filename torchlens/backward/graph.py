@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..grammar import op_ref
 from ..results import Recording
 from ..torch_seams import degraded
+from ..tracking import ForwardCause, ForwardValues
 
 __all__ = ["BackwardWatch", "GradientRoots", "NodeRecord", "running_backward"]
 
@@ -34,8 +35,9 @@ def running_backward() -> bool:
 
 
 class GradientRoots:
-    """What one forward's ops fed autograd: (event, node of an output) in order, the sequence
-    number autograd was at when the forward began, and the forward's inputs that are leaves."""
+    """What one forward's ops fed autograd: (event, node of an output, what made it when more than
+    the op, the ops it stands for) in order, the sequence number autograd was at when the forward
+    began, and the forward's inputs that are leaves."""
 
     __slots__ = ("start", "items", "inputs")
 
@@ -44,17 +46,19 @@ class GradientRoots:
         self.items: list = []
         self.inputs: Dict[int, tuple] = {}  # id(tensor) -> (weak reference, label)
 
-    def note(self, event, out, forward: Optional[str] = None) -> None:
+    def note(self, event, out, forward: Optional[str] = None, ops: Optional[tuple] = None) -> None:
         """`event` produced `out` (a tensor or a sequence of them): remember their nodes.
-        `forward` names what made them when it is more than the op (a compiled graph call)."""
+        `forward` names what made them when it is more than the op (a compiled graph call), and
+        `ops` are the ops it stands for (the graph's)."""
+        ops = (event,) if ops is None else ops
         if isinstance(out, _Tensor):
             node = out.grad_fn
             if node is not None:
-                self.items.append((event, node, forward))
+                self.items.append((event, node, forward, ops))
             return
         for tensor in out:
             if isinstance(tensor, _Tensor) and tensor.grad_fn is not None:
-                self.items.append((event, tensor.grad_fn, forward))
+                self.items.append((event, tensor.grad_fn, forward, ops))
 
     def note_input(self, label: str, tensor) -> None:
         if isinstance(tensor, _Tensor) and tensor.requires_grad:
@@ -81,9 +85,9 @@ class NodeRecord:
     share a parameter's accumulator).
     """
 
-    __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges", "leaf")
+    __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges", "leaf", "ops", "before")
 
-    def __init__(self, name, scope, site, forward, label=None, key=None):
+    def __init__(self, name, scope, site, forward, label=None, key=None, ops=(), before=None):
         self.watch = None  # the `BackwardWatch` it reports through
         self.key = id(self) if key is None else key
         self.name = name
@@ -93,6 +97,23 @@ class NodeRecord:
         self.label = label  # for AccumulateGrad: the leaf's name
         self.edges = ()  # per gradient slot: the record of the node it is sent to (None: unwatched)
         self.leaf = None  # for AccumulateGrad: a weak reference to the leaf (its `.grad`, after the backward)
+        # whose values it computes with: the forward ops it differentiates (a compiled graph's, one
+        # node for all), or, where no op stands for it, those before the op ordinal `before`
+        self.ops = ops
+        self.before = before
+
+    def forward_cause(self):
+        """The non-finite value (`tracking.ForwardCause`) its forward op read or produced, or why
+        that is not known; None when they were finite."""
+        values = self.watch.forward_values if self.watch is not None else None
+        if values is None:
+            return ForwardCause(None, "the forward's values were not tracked", None)
+        return values.of(self.ops, self.before)
+
+    def forward_held(self):
+        """The non-finite value its forward op's output held (`tracking.ForwardCause`), if known."""
+        values = self.watch.forward_values if self.watch is not None else None
+        return values.held(self.ops) if values is not None else None
 
     def __call__(self, *grads) -> None:
         watch = self.watch
@@ -149,8 +170,9 @@ class BackwardWatch:
     """The hooks on one forward's graph, and the recording its backwards are added to."""
 
     def __init__(self, narration, recording: Recording, roots: GradientRoots, outputs,
-                 names: dict, root):
+                 names: dict, root, forward_values: Optional[ForwardValues] = None):
         self.narration = narration
+        self.forward_values = forward_values  # what each forward op read or produced that was not finite
         # The recording is held weakly: its output holds the graph (and what it saved for the
         # backward), which the user may drop (`Recorder(keep=0)`, an evaluation never backwarded).
         # What a backward needs of it is held here instead.
@@ -203,16 +225,16 @@ class BackwardWatch:
         starts = list(roots.items)
         last = roots.items[-1][0] if roots.items else None
         if last is not None:
-            starts += [(last, tensor.grad_fn, ("output", label))
+            starts += [(last, tensor.grad_fn, ("output", label), ())
                        for label, tensor in outputs if isinstance(tensor, _Tensor) and tensor.grad_fn is not None]
-        for event, first, forward in starts:
+        for event, first, forward, ops in starts:
             stack = [first]
             while stack:
                 node = stack.pop()
                 if node is None or id(node) in records:
                     continue
                 held.append(node)
-                record = self._record(node, event, forward, start, roots, names)
+                record = self._record(node, event, forward, ops, start, roots, names)
                 if record is None:
                     records[id(node)] = None  # made before this forward: not walked again
                     continue
@@ -233,9 +255,9 @@ class BackwardWatch:
         return records, held
 
     @staticmethod
-    def _record(node, event, forward, start: int, roots: GradientRoots, names: dict) -> Optional[NodeRecord]:
-        """What `node`, reached from `event`'s output, stands for; None for a node made before
-        the forward began (another model's, or preprocessing's)."""
+    def _record(node, event, forward, ops, start: int, roots: GradientRoots, names: dict) -> Optional[NodeRecord]:
+        """What `node`, reached from `event`'s output (made by `ops`), stands for; None for a node
+        made before the forward began (another model's, or preprocessing's)."""
         kind = type(node).__name__
         if kind == "AccumulateGrad":
             leaf = node.variable
@@ -250,11 +272,13 @@ class BackwardWatch:
             reader = (f"returning the output {output}" if output is not None
                       else f"read by {op_ref(event.ordinal, event.op, event.scope.path)}")
             forward = f"{node._forward_cls.__name__}.apply (an autograd.Function), {reader}"
+            ops = ()  # (its values are the Function's, made before the op that read them)
         elif output is not None:
             forward = f"the output {output}, made by no narrated op"
         elif forward is None:
             forward = op_ref(event.ordinal, event.op, event.scope.path)
-        return NodeRecord(node.name(), event.scope, event.site, forward)
+        before = event.ordinal + (output is not None)  # (an output's: made before the forward ended)
+        return NodeRecord(node.name(), event.scope, event.site, forward, ops=ops, before=before)
 
     def _hook_outputs(self, outputs, records: dict, roots: GradientRoots, names: dict) -> None:
         """A `<=` hook on each output (once per tensor), tied to the record of the node it feeds —

@@ -254,13 +254,15 @@ class BackwardNarration:
 
     # -- the forward side -------------------------------------------------------------------------
 
-    def watch(self, recording: Recording, roots: GradientRoots, outputs, names: dict, root, parameters=()) -> None:
+    def watch(self, recording: Recording, roots: GradientRoots, outputs, names: dict, root, parameters=(),
+              forward_values=None) -> None:
         """Hook the graph a forward just built; graphs whose backward already ran are released
         (and, past `MAX_WATCHES`, the oldest ones). `parameters`: (name, weak reference) of the
-        model's, looked at after a backward under a process group (`GradTracker.written_after`)."""
+        model's, looked at after a backward under a process group (`GradTracker.written_after`);
+        `forward_values`: what the forward's ops read or produced that was not finite (tracking)."""
         with self._lock:
             self._release()
-            watch = BackwardWatch(self, recording, roots, outputs, names, root)
+            watch = BackwardWatch(self, recording, roots, outputs, names, root, forward_values)
             watch.parameters = parameters
             self.watches.append(watch)
             _OPEN.add(self)

@@ -166,8 +166,24 @@ class GradTracker:
         if record.key in self.unknown:
             return self._unexplained(event, kinds, where, "not everything it received was measured, so it may have "
                                                           "come from earlier")
+        cause = record.forward_cause()
+        if cause is not None:
+            return self._from_forward(event, kinds, where, cause)
         return self._note(Finding(f"{kind_names(kinds)} gradient born {where} ({_counts(event, kinds)})", event,
                                   FindingKind.GRADIENT_BORN))
+
+    def _from_forward(self, event, kinds: int, where: str, cause) -> List[Finding]:
+        """A node made a non-finite gradient from finite ones while its forward op read or produced
+        a non-finite value (`cause`, a `tracking.ForwardCause`), which it computes with: that value's
+        consequence, no birth; a finding when it is the run's first (the forward's own findings name
+        the value). Not knowing whether the forward's values were finite, it is first seen here."""
+        if cause.kind is None:
+            return self._unexplained(event, kinds, where, f"it may have computed it from the forward's values: "
+                                                          f"{cause.text}")
+        if self.findings:
+            return []
+        return self._note(Finding(f"{kind_names(kinds)} gradient {where} ({_counts(event, kinds)}), out of the "
+                                  f"forward's {cause.kind}: {cause.text}", event, FindingKind.GRADIENT_FROM_FORWARD))
 
     def _unexplained(self, event, kinds: int, where: str, why: str) -> List[Finding]:
         """A non-finite gradient no watched node sent: a finding only when it is the run's first."""
@@ -186,6 +202,11 @@ class GradTracker:
             self.received[node.key] = inside | kinds
         if inside or self.findings:  # sent by its own nodes, or by what a finding already names
             return []
+        held = node.forward_held() if node is not None else None
+        if held is not None:  # what was computed from it outside (the loss) read the forward's value
+            return self._note(Finding(f"{kind_names(kinds)} in the gradient reaching the output {event.label} "
+                                      f"({_counts(event, kinds)}), out of the forward's {held.kind}: the output "
+                                      f"held {held.held}", event, FindingKind.GRADIENT_FROM_FORWARD))
         return self._note(Finding(f"{kind_names(kinds)} in the gradient reaching the output {event.label} "
                                   f"({_counts(event, kinds)}): no node of the narrated forward sent it; it came "
                                   f"from outside, such as the loss", event, FindingKind.GRADIENT_FROM_OUTSIDE))

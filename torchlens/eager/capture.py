@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..events import TensorMeta
 from ..pipeline import Call, Pipeline
+from ..provenance import tensor_arguments
 from ..repro.kept import KeptCall
 from ..guard import contain, guarded, internal_error, is_stop
 from ..session import error_summary
@@ -140,13 +141,7 @@ def output_metas(out):
 
 def input_metas(args, kwargs):
     """TensorMeta of the tensor arguments of a call (one level into lists and tuples)."""
-    metas = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, _Tensor):
-            metas.append(_any_meta(value))
-        elif isinstance(value, (list, tuple)):
-            metas.extend(_any_meta(v) for v in value if isinstance(v, _Tensor))
-    return tuple(metas)
+    return tuple(_any_meta(tensor) for tensor in tensor_arguments(args, kwargs))
 
 
 def _any_meta(tensor) -> TensorMeta:
@@ -256,7 +251,8 @@ class OpReporter:
             self.locate(frame)
             site = find_user_site(frame)  # a failure is rare: always worth its site
             self.session.op_failed(op_name(func), input_metas(args, kwargs), site, exc,
-                                   call=KeptCall(func, args, kwargs, error=error_summary(exc)))
+                                   call=KeptCall(func, args, kwargs, error=error_summary(exc)),
+                                   tensors=tensor_arguments(args, kwargs))
         except Exception as inner:
             internal_error("describing the failed op", inner)
 
@@ -460,7 +456,8 @@ class EagerCapture(OpReporter):
             return
         with guarded("describing the failed compiled graph call"), own_work(True):
             # (a compiled run's gap capture may be active: keep our work from it)
-            self.session.op_failed("compiled", input_metas(args, {}), find_user_site(caller), exc)
+            self.session.op_failed("compiled", input_metas(args, {}), find_user_site(caller), exc,
+                                   tensors=tensor_arguments(args, {}))
 
 
 _ScriptModule = torch.jit.ScriptModule

@@ -64,6 +64,7 @@ class FailedOp(NamedTuple):
     notes: Sequence[str]
     values: Optional[list] = None  # the completed ops' outputs, from the replay, when they are wanted
     call: Optional[tuple] = None  # the replayed node's (function, args, kwargs, exception), for a repro
+    tensors: tuple = ()  # the op's tensor inputs, as `inputs` describes them (the replay's, or the live frame's)
 
 
 def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
@@ -83,7 +84,7 @@ def graph_failed(run, graph, args, scope: Scope, exc: BaseException) -> None:
                 notes.append(f"the compiled graph raised {error_summary(exc)}; replayed eagerly, the op raises "
                              f"{error_summary(replayed)}, which is what this script expects")
             call = KeptCall(func, call_args, call_kwargs, notes, error=error_summary(replayed))
-        run.session.op_failed(where.op, where.inputs, where.site, exc, where.scope, where.notes, call)
+        run.session.op_failed(where.op, where.inputs, where.site, exc, where.scope, where.notes, call, where.tensors)
     except Exception as inner:
         internal_error("locating the failure in a compiled graph", inner)
 
@@ -107,7 +108,8 @@ def _locate(run, graph, args, scope: Scope, exc: BaseException) -> FailedOp:
     notes = [REPLAYED] + [f"replay caveat: {c}" for c in located.caveats]
     if located.node is None:
         return _graph_call(scope, arg_metas, notes)
-    where = _at_node(run, graph, scope, located.node, located.inputs, notes)._replace(call=located.call)
+    where = _at_node(run, graph, scope, located.node, located.inputs, notes)._replace(call=located.call,
+                                                                                      tensors=located.tensors)
     if keep is None or not where.completed or not located.values:
         return where
     values = [located.values.get(op.node) for op in graph.plan.ops[:where.completed]]
@@ -125,7 +127,8 @@ def _locate_live(run, graph, scope: Scope, arg_metas, exc: BaseException):
         return _after_last_narrated(run, graph, scope, arg_metas)
     if located.node.name not in {node.name for node in graph.replay_copy.graph.nodes}:
         return _graph_call(scope, arg_metas, [LIVE_OWN])  # a narration call torchlens inserted raised
-    return _at_node(run, graph, scope, located.node, located.inputs, [LIVE_TYPES, LIVE])
+    return _at_node(run, graph, scope, located.node, located.inputs, [LIVE_TYPES, LIVE])._replace(
+        tensors=located.tensors)
 
 
 def _after_last_narrated(run, graph, scope: Scope, arg_metas):
@@ -264,5 +267,5 @@ def _adopt_eager_failure(run, exc: BaseException, partial) -> bool:
     session = run.session
     session.replace_events(partial.events, attempt)
     note = "dynamo raised while tracing; located by running the forward eagerly"
-    session.op_failed(attempt.op, attempt.inputs, attempt.site, exc, attempt.scope, (note,))
+    session.op_failed(attempt.op, attempt.inputs, attempt.site, exc, attempt.scope, (note,), values=attempt.values)
     return True

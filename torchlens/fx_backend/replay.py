@@ -24,6 +24,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..events import TensorMeta
+from ..integer_values import device_faulted
 from ..writes import node_writes, target_name
 
 __all__ = ["locate_failure", "locate_live", "mutates_inputs", "untouched_copy", "why_not_replay"]
@@ -89,16 +90,18 @@ def _flatten(value) -> List:
 
 
 class FailedNode:
-    """Where a replay failed: the node, the metadata of its tensor inputs, the replay's caveats, and
-    the outputs of the nodes asked for that completed before it (copies, by node name)."""
+    """Where a replay failed: the node, the metadata of its tensor inputs (and the inputs
+    themselves, `tensors`), the replay's caveats, and the outputs of the nodes asked for that
+    completed before it (copies, by node name)."""
 
     def __init__(self, node: Optional[fx.Node], inputs: Tuple[TensorMeta, ...], caveats: List[str], values=None,
-                 call=None):
+                 call=None, tensors: tuple = ()):
         self.node = node
         self.inputs = inputs
         self.caveats = caveats
         self.values = values or {}
         self.call = call  # (function, args, kwargs, exception) of the failing node, when a torch-level call
+        self.tensors = tensors
 
 
 def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = None) -> FailedNode:
@@ -117,7 +120,8 @@ def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = No
             caveats = replay_caveats(gm, watch.drew)
             if locator.copies_failed:
                 caveats.append("the values of the ops before it could not be copied during the replay, and are not kept")
-            return FailedNode(node, inputs, caveats, locator.values, _node_call(node, *locator.current_call, replayed))
+            return FailedNode(node, inputs, caveats, locator.values, _node_call(node, *locator.current_call, replayed),
+                              locator.current_inputs)
     unknown = "the replay ran without error, so the failing op is unknown"
     return FailedNode(None, (), replay_caveats(gm, watch.drew) + [unknown])
 
@@ -212,8 +216,8 @@ def locate_live(gm: fx.GraphModule, exc: BaseException) -> Optional[FailedNode]:
         return None
     node = following[0]
     values = fx.node.map_arg((node.args, node.kwargs), lambda arg: bound[arg.name])
-    inputs = tuple(TensorMeta.of(v) for v in _flatten(values) if isinstance(v, torch.Tensor))
-    return FailedNode(node, inputs, [])
+    tensors = tuple(v for v in _flatten(values) if isinstance(v, torch.Tensor))
+    return FailedNode(node, tuple(TensorMeta.of(t) for t in tensors), [], tensors=tensors)
 
 
 def _frame_running(gm: fx.GraphModule, exc: BaseException):
@@ -235,7 +239,7 @@ def why_not_replay(gm: fx.GraphModule, exc: BaseException) -> Optional[str]:
     place (batch-norm statistics in training, a cache), which a replay would change a second time.
     """
     text = str(exc)
-    if "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text:
+    if device_faulted(exc):
         return "the device reported the error and cannot run a replay"
     if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in text:
         return "the graph ran out of memory; a replay would likely run out again"

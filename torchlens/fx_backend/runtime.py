@@ -337,7 +337,7 @@ class CompiledPass(ForwardPass):
             return
         path = ops[-1].scope.path
         forward = f"the compiled graph of #{ops[0].ordinal}..#{ops[-1].ordinal}" + (f" @{path}" if path else "")
-        self.roots.note(ops[-1], out if isinstance(out, (tuple, list)) else (out,), forward)
+        self.roots.note(ops[-1], out if isinstance(out, (tuple, list)) else (out,), forward, tuple(ops))
 
     def graph_outputs(self, plan: GraphPlan, events: dict, out) -> None:
         """With tracking: the graph's outputs were produced by these ops (code after the graph,

@@ -278,11 +278,25 @@ def shown(counts):
     return " ".join(f"{{k}}={{v}}" for k, v in counts.items() if v) or "finite"
 
 
+def held(tensor):
+    """What an input holds: its non-finite counts, or an integer one's smallest and largest value
+    (an index past a table's end, labels that are all the ignored index)."""
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        return shown(nonfinite_counts(tensor))
+    if tensor.numel() == 0:
+        return "empty"
+    values = tensor.detach().cpu()
+    unsigned64 = values.dtype == getattr(torch, "uint64", None)  # (reduced as int64, its top bit flipped)
+    values = values.view(torch.int64) ^ -2**63 if unsigned64 else values.to(torch.int64)
+    low, high = values.min().item() + unsigned64 * 2**63, values.max().item() + unsigned64 * 2**63
+    return f"min={{low}} max={{high}}"
+
+
 T = load_inputs()
 
 
 def main():
-    described = (f"{{k}} {{list(v.shape)}} {{v.dtype}} {{shown(nonfinite_counts(v))}}" for k, v in T.items())
+    described = (f"{{k}} {{list(v.shape)}} {{v.dtype}} {{held(v)}}" for k, v in T.items())
     print("inputs:", ", ".join(described))
     try:
         with replay_context():

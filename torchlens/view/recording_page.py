@@ -127,7 +127,9 @@ def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: s
     if unmeasured:
         lines.append(_line(unmeasured, "muted"))
     if tracking:
-        lines += [_line("!! " + finding.text, "bad", tree.path(finding.event)) for finding in findings]
+        # (a consequence of a value the forward read or produced is no headline: that value is)
+        lines += [_line("!! " + finding.text, "warn" if finding.consequence else "bad", tree.path(finding.event))
+                  for finding in findings]
         if not findings and failed:
             lines.append(_line("non-finite tracking made no finding before the failure: an infinity is judged by "
                                "what becomes of it, and this run failed before its output", "warn"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OUTPUT, Attempt, BackwardAttempt
-from ..grammar import meta_text, metas_text, render_attempt, site_text
+from ..grammar import attempt_inputs_text, metas_text, render_attempt, site_text
 
 __all__ = ["Tree"]
 
@@ -164,7 +164,7 @@ def _attempt_row(attempt: Attempt) -> dict:
     elif not attempt.inputs:
         given = "no gradients received" if backward else "no tensor inputs"
     else:
-        given = ("received " if backward else "inputs ") + ", ".join(meta_text(meta) for meta in attempt.inputs)
+        given = ("received " if backward else "inputs ") + attempt_inputs_text(attempt)
     row = {"t": "try", "o": attempt.op or "(Python code)", "m": given, "f": ATTEMPT,
            "w": render_attempt(attempt, normalize=False)}
     if attempt.op is not None:  # else no torch call was in flight: no op would have had the number
