@@ -968,15 +968,31 @@ def test_a_compiled_trace_dropped_frees_the_gradients_it_kept():
 
 
 def test_a_backward_on_a_worker_thread_during_the_next_forward_is_written_whole_after_it():
+    """The backward of pass 1 runs on another thread while pass 2's forward is half done: made so,
+    not left to the scheduler (a loaded machine could finish the backward before pass 2 begins)."""
+    import threading
+
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(20)])
     sink = io.StringIO()
-    import threading
+    forward_begun, backward_begun, second = threading.Event(), threading.Event(), []
 
+    def halfway(module, args):  # pass 2, at layer 10: let the backward start, and wait until it has
+        if second:
+            forward_begun.set()
+            assert backward_begun.wait(30)
+
+    def backward_when_forward_begun(loss):
+        assert forward_begun.wait(30)
+        loss.backward()
+
+    model[10].register_forward_pre_hook(halfway)
     with tl.recording.Recorder(model, narrate=sink, backward=True) as rec:
-        loss = model(torch.randn(4, 16)).sum()
-        worker = threading.Thread(target=loss.backward)
+        out = model(torch.randn(4, 16))
+        out.register_hook(lambda grad: backward_begun.set())  # the backward's first node has run
+        worker = threading.Thread(target=backward_when_forward_begun, args=(out.sum(),))
         worker.start()
+        second.append(True)
         model(torch.randn(4, 16))  # pass 2's forward while pass 1's backward runs
         worker.join()
     notes = [line for line in sink.getvalue().splitlines() if line.startswith("-- ")]
