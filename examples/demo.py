@@ -96,7 +96,7 @@ def main():
     banner("the NaN recipe: track non-finite values, print the counts tracking measured anyway")
     print("healthy: the causal mask's -inf is carried in by masked_fill and absorbed by softmax")
     healthy = tl.record(model, idx, on_nonfinite="track")
-    print("  " + healthy.footer_extra[-1])
+    print("  " + healthy.verdict)
     with torch.no_grad():
         model.blocks[1].fc.weight[3, 5] = float("nan")  # one bad weight
     recipe = tl.options.NarrationOptions(sink=out, select=tl.in_module("blocks.1.fc"))

@@ -4,6 +4,7 @@ and tools built on recordings never read a finding's text back to tell what it i
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 
 import pytest
@@ -121,3 +122,49 @@ def _finding_rows(doc):
     elif isinstance(doc, list):
         for value in doc:
             yield from _finding_rows(value)
+
+
+def _llama_with_a_nan_embedding_row():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7, :3] = float("nan")
+    return model, torch.tensor([[3, 7, 9]])
+
+
+def test_a_finding_names_its_op_module_and_source_as_fields_and_a_recording_its_verdict(tmp_path):
+    """Scripts read a finding by its fields, not by parsing `.text`; the recording's verdict is a
+    named attribute (the demo read it as `footer_extra[-1]`), and both survive save and load."""
+    model, ids = _llama_with_a_nan_embedding_row()
+    recording = tl.record(model, ids, on_nonfinite="track")
+    first = recording.findings[0]
+    assert (first.kind, first.op, first.module, first.source) == (
+        K.NONFINITE_SOURCE, "embedding", "model.embed_tokens", "model.embed_tokens.weight")
+    assert first.ordinal == recording.first_nonfinite.ordinal
+    assert recording.verdict.startswith("first non-finite: NaN in model.embed_tokens.weight (nan=3)")
+    assert repr(recording).startswith("<Recording: ") and f"1 finding, the first: {first.text}" in repr(recording)
+    healthy = tl.record(model, torch.tensor([[3, 9]]), on_nonfinite="track")
+    assert healthy.verdict == "no non-finite values" and healthy.findings == ()
+    assert tl.record(model, ids).verdict is None  # no tracking, no verdict
+    loaded = tl.load(recording.save(tmp_path / "run.tl"))
+    assert loaded.verdict == recording.verdict
+    assert [(f.kind, f.op, f.module, f.source) for f in loaded.findings] == [
+        (f.kind, f.op, f.module, f.source) for f in recording.findings]
+
+
+def test_a_nan_input_is_the_findings_source():
+    recording = tl.record(nn.Linear(3, 3), torch.tensor([[1.0, float("nan"), 0.0]]), on_nonfinite="track")
+    assert [(f.kind, f.source) for f in recording.findings] == [(K.NONFINITE_INPUT, "input")]
+
+
+def test_reprs_say_what_a_run_did_at_a_glance():
+    model, ids = _llama_with_a_nan_embedding_row()
+    assert re.fullmatch(r"<Trace: \d+ ops, \d+ module calls; values kept: [\d.]+ KiB>", repr(tl.trace(model, ids)))
+    with pytest.raises(IndexError) as raised:
+        tl.record(model, torch.tensor([[3, 200]]))
+    assert repr(raised.value.partial_trace).startswith(
+        "<PartialTrace: failed in #2 embedding @model.embed_tokens (IndexError: index out of range in self); ")

@@ -67,19 +67,43 @@ class FindingKind(enum.Enum):
 
 
 class Finding:
-    """One verdict. `event` is the op (or backward node) it is shown at; `live` is True when it
-    was known as that op's line was narrated (the `!!` line then follows it). `kind` is None only
-    for a finding loaded from a trace saved before kinds were recorded (its `birth` is then the
-    saved flag)."""
+    """One verdict, to be read by its fields, not its text:
 
-    __slots__ = ("text", "event", "live", "kind", "_birth")
+    - `kind`: the rule that made it (`FindingKind`; None only for a finding loaded from a trace
+      saved before kinds were recorded, whose `birth` is then the saved flag);
+    - `event`: the op (or backward node) it is shown at, and from it `ordinal`, `op` and `module`
+      (the module path, "" for the root);
+    - `source`: for a value no op produced, its name: the parameter or buffer
+      (`model.embed_tokens.weight`) or the forward input (`x`); None otherwise;
+    - `birth`, `consequence`: see `FindingKind`; `text`: the `!!` line's words; `live`: known as
+      its op's line was narrated (the `!!` line then follows it).
+    """
 
-    def __init__(self, text: str, event, kind: Optional[FindingKind], birth: Optional[bool] = None):
+    __slots__ = ("text", "event", "live", "kind", "_birth", "source")
+
+    def __init__(self, text: str, event, kind: Optional[FindingKind], birth: Optional[bool] = None,
+                 source: Optional[str] = None):
         self.text = text
         self.event = event
         self.live = False
         self.kind = kind
         self._birth = kind.birth if kind is not None else bool(birth)
+        self.source = source
+
+    @property
+    def ordinal(self) -> Optional[int]:
+        """The `#N` (a backward node's `~N`) of the op it is shown at."""
+        return self.event.ordinal if self.event is not None else None
+
+    @property
+    def op(self) -> Optional[str]:
+        """The name of the op (or backward node) it is shown at."""
+        return self.event.op if self.event is not None else None
+
+    @property
+    def module(self) -> Optional[str]:
+        """The path of the module that op ran in ("" for the root)."""
+        return self.event.scope.path if self.event is not None else None
 
     @property
     def birth(self) -> bool:
@@ -93,4 +117,5 @@ class Finding:
         return self.kind is not None and self.kind.consequence
 
     def __repr__(self) -> str:
-        return f"Finding({self.text!r})"
+        kind = self.kind.name if self.kind is not None else "?"
+        return f"<Finding {kind} at #{self.ordinal} {self.op}: {self.text}>"

@@ -87,6 +87,7 @@ class Pipeline:
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[tuple] = []
+        self.verdict: Optional[str] = None  # non-finite tracking's, once settled (the footer's words)
         # with tracking and a backward to narrate: the forward's non-finite values by op, for its verdicts
         self.forward_values: Optional[ForwardValues] = None
         # metadata only, where nothing lands them: the memory of every asynchronous collective's
@@ -364,7 +365,7 @@ class Pipeline:
             for collective_event, _, _ in self._in_flight:
                 self.tracker.never_landed(collective_event)
         self._in_flight = []
-        verdict = self._verdict() if self.tracker is not None else None
+        verdict = self.verdict = self._verdict() if self.tracker is not None else None
         session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
 
     def _verdict(self) -> str:

@@ -56,7 +56,8 @@ class Backward:
     - `events`: `BackwardEvent`s in the order they ran: `~N` nodes (each tied to its forward op;
       `AccumulateGrad` nodes name the leaf, such as a parameter) and `<=` gradients received at
       the forward's outputs.
-    - `findings`: with `on_nonfinite=`, where the first non-finite gradient was born.
+    - `findings`: with `on_nonfinite=`, where the first non-finite gradient was born; `verdict`
+      the footer's words on it (None without tracking, or until the backward ended).
     - `error`, `attempt`: when the backward failed, what it raised and the node that was running.
     - `values`: for a `tl.trace(..., backward=True)`, each node's gradients (detached copies) by
       its `~N`, which `tl.debug.compare` aligns; None otherwise.
@@ -69,6 +70,7 @@ class Backward:
         self.events: List[Event] = []
         self.footer_extra: List[str] = []
         self.findings: tuple = ()
+        self.verdict: Optional[str] = None
         self.error: Optional[str] = None
         self.attempt: Optional[Attempt] = None
         self.finished = False
@@ -135,6 +137,9 @@ class Recording:
     - `output`: what the forward returned.
     - `findings`: with `on_nonfinite=`, the tracker's verdicts in order (`torchlens.tracking`):
       NaN and infinity births, non-finite parameters or buffers, infinities reaching the output.
+    - `verdict`: with `on_nonfinite=`, non-finite tracking's verdict as the footer words it
+      (`no non-finite findings`, with what was absorbed; or `first non-finite: NaN in ...`); None
+      without tracking. `findings` hold the same as fields (each `Finding`'s kind, op, module, source).
     - `first_nonfinite`: the op of the first finding (with tracking), else the first op whose
       measured output held NaN or Inf.
     - `backward`: with `backward=True`, each backward run through this forward's graph (`Backward`).
@@ -143,9 +148,10 @@ class Recording:
 
     def __init__(self, events: List[Event], output, settings, header: Optional[str] = None,
                  footer_extra: Sequence[str] = (), values: Optional[Dict[int, Tuple]] = None,
-                 findings: Sequence = ()):
+                 findings: Sequence = (), verdict: Optional[str] = None):
         self.events = events
         self.findings = tuple(findings)
+        self.verdict = verdict
         self.output = output
         self.settings = settings
         self.header = header
@@ -259,8 +265,21 @@ class Recording:
         return len(self.events)
 
     def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self._glance()}>"
+
+    def _glance(self) -> str:
+        """What a prompt shows of a run: its ops and module calls, and what tracking found."""
         ops = sum(1 for e in self.events if e.kind is OP)
-        return f"<{type(self).__name__}: {ops} ops, {len(self.events)} events>"
+        calls = sum(1 for e in self.events if e.kind is EventKind.ENTER)
+        text = f"{ops} op{'s' if ops != 1 else ''}, {calls} module call{'s' if calls != 1 else ''}"
+        if self.findings:
+            count = len(self.findings)
+            text += f"; {count} finding{'s' if count != 1 else ''}, the first: {self.findings[0].text}"
+        elif self.verdict is not None:
+            text += f"; {self.verdict}"
+        if getattr(self, "backward", None):
+            text += f"; {len(self.backward)} backward{'s' if len(self.backward) != 1 else ''}"
+        return text
 
 
 class Trace(Recording):
@@ -277,6 +296,18 @@ class Trace(Recording):
         """The output of op `#ordinal` (the tensor itself for single-output ops)."""
         kept = self._values[ordinal]
         return kept[0] if len(kept) == 1 else kept
+
+    def _glance(self) -> str:
+        size = sum(t.numel() * t.element_size() for kept in (self._values or {}).values() for t in kept
+                   if isinstance(t, torch.Tensor))
+        return f"{super()._glance()}; values kept: {_size_text(size)}"
+
+
+def _size_text(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
 
 
 class PartialTrace(Recording):
@@ -338,6 +369,13 @@ class PartialTrace(Recording):
         from .repro.replay import failure_repro
 
         return failure_repro(self, directory)
+
+    def _glance(self) -> str:
+        attempt = self.attempt
+        where = ""
+        if attempt is not None and attempt.op is not None:
+            where = f" in #{attempt.ordinal} {attempt.op}" + (f" @{attempt.scope.path}" if attempt.scope.path else "")
+        return f"failed{where} ({self.error}); {super()._glance()}"
 
     def short_note(self) -> str:
         """One or two lines for the exception's notes (shown under the traceback)."""

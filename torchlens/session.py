@@ -216,6 +216,7 @@ class Session:
             footer_extra=list(self.footer_extra),
             values=self.values,
             findings=pipeline.findings,
+            verdict=pipeline.verdict,
         )
         made.kept_calls = pipeline.kept_calls
         return made
@@ -238,6 +239,7 @@ class Session:
                 footer_extra=[],
                 values=self.values,
                 findings=pipeline.findings,
+                verdict=pipeline.verdict,
                 attempt=attempt,
                 error=error,
             )

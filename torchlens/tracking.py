@@ -234,7 +234,7 @@ class Tracker:
                     self._origin[(id(event), bit)] = event
             if kinds & NAN:  # an infinity in an input may be a mask (`attn_mask`): judged by its fate
                 return self._note([Finding(f"NaN in the input {event.label} ({_counts(event)})", event,
-                                             FindingKind.NONFINITE_INPUT)])
+                                             FindingKind.NONFINITE_INPUT, source=event.label)])
             if kinds and self.absorbed is None:
                 self.absorbed = event
             return []
@@ -308,7 +308,7 @@ class Tracker:
             return []
         source.reported = True
         return [Finding(f"NaN in {source.label} ({source.counts}), first read by {_ref(event)}", event,
-                        FindingKind.NONFINITE_SOURCE)]
+                        FindingKind.NONFINITE_SOURCE, source=source.label)]
 
     def _nan_cause(self, refs):
         """(` (out of +inf born at #4 exp @m)`, its origin): the infinity a NaN was made of, if any."""

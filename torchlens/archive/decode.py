@@ -191,8 +191,10 @@ def findings(rows, made: List[Event], docs: list) -> tuple:
         index = row.get("event")
         if index is not None:
             _index(index, len(made), "a finding's event")
+        source = row.get("source")  # (absent from traces saved before findings named their source)
         finding = Finding(_expect(row.get("text"), str, "a finding's text"), None if index is None else made[index],
-                          _kind(row.get("kind")), bool(row.get("birth", False)))
+                          _kind(row.get("kind")), bool(row.get("birth", False)),
+                          None if source is None else _expect(source, str, "a finding's source"))
         finding.live = bool(row.get("live", False))
         out.append(finding)
     for event_doc, made_event in zip(docs, made):
@@ -322,7 +324,7 @@ def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) 
     kwargs = dict(header=_optional(doc.get("header"), str, "the header"),
                   footer_extra=[_expect(line, str, "a footer part") for line in _expect(doc.get("footer_extra", []),
                                                                                         list, "the footer")],
-                  values=values, findings=made_findings)
+                  values=values, findings=made_findings, verdict=_optional(doc.get("verdict"), str, "the verdict"))
     output = _output(doc.get("output", {"value": None}), tensors, how)
     if cls is PartialTrace:
         made = PartialTrace(forward, output, run_settings, attempt=attempt(doc.get("attempt"), tables),
@@ -374,6 +376,7 @@ def _backward(doc, tables: _Tables) -> Backward:
     docs = _expect(doc.get("events"), list, "a backward's events")
     run.events = events(docs, tables, backward=True)
     run.findings = findings(doc.get("findings", []), run.events, docs)
+    run.verdict = _optional(doc.get("verdict"), str, "a backward's verdict")
     run.footer_extra = [_expect(line, str, "a footer part") for line in _expect(doc.get("footer_extra", []), list,
                                                                                   "a backward's footer")]
     run.finished = bool(doc.get("finished"))

@@ -160,7 +160,8 @@ def findings_doc(findings, events) -> Tuple[list, Dict[int, int]]:
     for finding in findings:
         index[id(finding)] = len(rows)
         rows.append({"text": finding.text, "event": position.get(id(finding.event)), "live": bool(finding.live),
-                     "birth": bool(finding.birth), "kind": finding.kind.name if finding.kind is not None else None})
+                     "birth": bool(finding.birth), "kind": finding.kind.name if finding.kind is not None else None,
+                     "source": finding.source})
     return rows, index
 
 
@@ -196,6 +197,7 @@ def document(recording) -> dict:
     for run in getattr(recording, "backward", ()):
         run_events, run_findings = _events_doc(run.events, run.findings, scopes, select)
         backwards.append({"header": run.header, "footer_extra": list(run.footer_extra), "finished": run.finished,
+                          "verdict": getattr(run, "verdict", None),
                           "error": run.error, "attempt": attempt_doc(run.attempt, scopes),
                           "findings": run_findings, "events": run_events})
     doc = {
@@ -206,6 +208,7 @@ def document(recording) -> dict:
         "torch": torch.__version__,
         "header": recording.header,
         "footer_extra": list(recording.footer_extra),
+        "verdict": getattr(recording, "verdict", None),  # (absent from a recording pickled before it existed)
         "settings": settings_doc(recording.settings),
         "findings": findings,
         "events": events,

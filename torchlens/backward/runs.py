@@ -140,7 +140,7 @@ class BackwardRun:
         extra = result.footer_extra
         try:
             self._settle()
-            verdict = self.tracker.summary(self.incomplete) if self.tracker is not None else None
+            verdict = result.verdict = self.tracker.summary(self.incomplete) if self.tracker is not None else None
             extra.extend(measurement_notes(self.narration.settings.value_stats, verdict, self.incomplete))
         except Exception as exc:
             internal_error("ending the backward's narration", exc)
