@@ -567,3 +567,23 @@ def test_a_comparison_judged_against_float64_leads_with_the_first_real_divergenc
     headline = browser.find_element("xpath", "//button[starts-with(., 'first real divergence: ')]")
     assert headline.text == report.verdict()
     assert len(browser.find_elements("css selector", ".crow.real")) == report.counts["real"]
+
+
+@pytest.mark.parametrize("how", [dict(on_nonfinite="track"), dict(value_stats="exact")])
+def test_the_output_row_holding_a_nan_is_marked_like_every_other_row_that_holds_one(tmp_path, how):
+    """A NaN that reaches GPT-2's logits: the `=> output` row was the one row left unmarked."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2,
+                                                                 n_positions=16)).eval()
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    recording = tl.record(model, torch.tensor([[1, 2, 3]]), **how)
+    tree = page_data(page_of(recording, tmp_path))["sections"][0]["tree"]
+    outputs = [row for row in rows(tree) if row.get("t") == "out"]
+    logits = next(row for row in outputs if row["l"] == "out['logits']")
+    assert logits.get("f", 0) & NONFINITE and "nan=" in logits["v"]
+    clean = transformers.GPT2LMHeadModel(model.config).eval()
+    tree = page_data(page_of(tl.record(clean, torch.tensor([[1, 2, 3]]), **how), tmp_path))["sections"][0]["tree"]
+    assert not any(row.get("f", 0) & NONFINITE for row in rows(tree))

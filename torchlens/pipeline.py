@@ -262,7 +262,12 @@ class Pipeline:
             self._outputs.append((label, value))
         session = self.session
         session.move_to(session.root)
-        return session.append(Event(OUTPUT, session.ordinal, "output", session.root, metas, None, None, label))
+        event = Event(OUTPUT, session.ordinal, "output", session.root, metas, None, None, label)
+        if self.meter is not None and value is not None and self.unread(value) is None:
+            # what the output holds, for the page and tools (the `=>` line shows no statistics):
+            # usually the producing op's, found again by the meter without another read
+            event.stats = self.meter.measure_output(value, False)
+        return session.append(event)
 
     def produced(self, event: Event, value) -> None:
         """`value` is `event`'s (a compiled graph's output, read by code after the graph)."""
