@@ -12,6 +12,7 @@ each compiled example so that many small compiles never reach its recompile limi
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -203,9 +204,17 @@ def judge_compile_keywords(options: dict) -> list:
             problems.append(Bad(TypeError, ("backend", "compiler=")))
         elif key == "options":
             problems.append(Bad(TypeError, ("options=", "narrate")))
+        elif key in NARRATION_FIELDS:  # a torchlens option in the wrong place: where it goes
+            problems.append(Bad(TypeError, (repr(key), "narrate=tl.options.NarrationOptions(")))
+        elif key in OTHER_ENTRIES_KEYWORDS:
+            problems.append(Bad(TypeError, (repr(key), "not of tl.compile")))
         else:
             problems.append(Bad(TypeError, (repr(key), "narrate", "fullgraph")))
     return problems
+
+
+NARRATION_FIELDS = set(inspect.signature(tl.options.NarrationOptions).parameters) - {"unknown"}
+OTHER_ENTRIES_KEYWORDS = {"keep_on_cpu", "max_bytes", "keep", "tail", "dtensor_stats"}
 
 
 def judge_compiled(value) -> list:
@@ -226,6 +235,10 @@ def judge_backend_options(options) -> list:
     for key, value in options.items():
         if key in ("live", "compiler", "stats_on"):
             problems += judge_compiled_option(key, value)
+        elif key in NARRATION_FIELDS:
+            problems.append(Bad(TypeError, (repr(key), "narrate=tl.options.NarrationOptions(")))
+        elif key in OTHER_ENTRIES_KEYWORDS:
+            problems.append(Bad(TypeError, (repr(key), "not of tl.compile")))
         elif key not in ("narrate", "value_stats", "on_nonfinite"):
             problems.append(Bad(TypeError, (repr(key), "accepted: narrate")))
     return problems
