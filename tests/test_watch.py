@@ -583,3 +583,127 @@ def test_a_step_the_loop_drops_itself_is_judged_by_its_outputs_at_the_next_forwa
     [fault] = watch.faults
     assert fault.step == 2 and "non-finite outputs in the forward" in fault.what and fault.reproduced is False
     assert watch.steps == 5 and model.calls == 5 + 2
+
+
+# -- bounds and bookkeeping a long run relies on ---------------------------------------------------
+
+
+class WideLogits(nn.Module):
+    """Logits of 512 classes (8 KB of gradient per micro-batch of 4) for a loss computed outside;
+    `sqrt(|fc(x)|)` makes the backward NaN where an input row is zero (the bias is zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 512)
+        with torch.no_grad():
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        return self.fc(x).abs().sqrt()
+
+
+def _accumulated_step(tmp_path, max_bytes, bad_micro_batch=None):
+    """One step of 8 micro-batches, the loss outside the model: (held bytes before the update, faults)."""
+    torch.manual_seed(0)
+    model = WideLogits()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = [x + 0.5 for x in _inputs(8, (4, 4))]
+    if bad_micro_batch is not None:
+        micro[bad_micro_batch - 1] = torch.zeros(4, 4)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None, max_bytes=max_bytes) as watch:
+        for x in micro:
+            (F.cross_entropy(model(x), torch.tensor([1, 2, 3, 4])) / 8).backward()
+        held = watch.held_bytes
+        optimizer.step()
+    return held, watch.faults
+
+
+def test_max_bytes_bounds_the_gradients_a_whole_accumulated_step_keeps_not_each_one(tmp_path):
+    floor, _ = _accumulated_step(tmp_path, max_bytes=0)  # what any step holds: the generators' states
+    grad_bytes = 4 * 512 * 4
+    held, faults = _accumulated_step(tmp_path, max_bytes=3 * grad_bytes)
+    assert faults == [] and held == floor + 3 * grad_bytes, (held, floor)
+    # the micro-batch whose gradient was dropped for the bound is faulty: said, never called transient
+    _, [fault] = _accumulated_step(tmp_path, max_bytes=3 * grad_bytes, bad_micro_batch=8)
+    assert fault.reproduced is None and "over max_bytes" in fault.why and "transient" not in str(fault)
+    # within the bound, the same fault is replayed to the sqrt
+    _, [fault] = _accumulated_step(tmp_path, max_bytes=8 * grad_bytes, bad_micro_batch=8)
+    assert fault.reproduced and fault.micro_batch == 8 and "SqrtBackward0" in fault.finding
+
+
+def test_a_step_dropped_with_zero_grad_set_to_none_false_ends_at_the_next_forward(tmp_path):
+    torch.manual_seed(0)
+    model = OnceNaN()  # NaN outputs at step 2, which the loop's guard drops with zero_grad(set_to_none=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None) as watch:
+        for x in _inputs(5):
+            loss = model(x)
+            loss.backward()
+            if not torch.isfinite(loss):
+                optimizer.zero_grad(set_to_none=False)  # the gradients are zeroed in place, not dropped
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    [fault] = watch.faults
+    assert fault.step == 2 and fault.micro_batches == 1, "the dropped step's forward rolled into the next step"
+    assert watch.steps == 5
+
+
+class NormedSqrt(nn.Module):
+    """Linear, BatchNorm (running statistics, dropout-free) and `where(h > 0, sqrt(h), 0)` on the
+    head's `|output|`: a zeroed head makes the backward NaN while every forward is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.head(self.body(x)).abs()
+        return torch.where(h > 0, h.sqrt(), torch.zeros_like(h)).sum()
+
+
+def _batchnorm_run(tmp_path, watched: bool):
+    """Six steps, the head zeroed for step 3 (NaN gradients): skipped by the watch, or by the loop."""
+    torch.manual_seed(0)
+    model = NormedSqrt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    watch = tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) if watched else None
+    head = copy.deepcopy(model.head.state_dict())
+    for step, x in enumerate(_inputs(6, (5, 4))):
+        if step in (3, 4):  # zeroed for step 3, put back for step 4
+            with torch.no_grad():
+                for name, value in model.head.named_parameters():
+                    value.copy_(head[name] if step == 4 else torch.zeros_like(value))
+        model(x).backward()
+        if step == 3 and not watched:
+            optimizer.zero_grad()  # what the watch's skip does
+        optimizer.step()
+        optimizer.zero_grad()
+    if watch is not None:
+        assert [f.step for f in watch.faults] == [3] and watch.faults[0].reproduced
+        watch.close()
+    return model.state_dict()
+
+
+def test_a_replay_leaves_batchnorm_running_statistics_as_the_step_left_them(tmp_path):
+    plain, watched = _batchnorm_run(tmp_path, False), _batchnorm_run(tmp_path, True)
+    assert plain.keys() == watched.keys()
+    for name in plain:
+        assert torch.equal(plain[name], watched[name]), f"{name} differs: the replay changed the model's state"
+
+
+def test_a_replayed_forward_that_makes_nan_outputs_is_exact_nan_matching_nan(tmp_path):
+    torch.manual_seed(0)
+    model = ActivatedNet(lambda h: h.log())  # log of a negative: NaN outputs, deterministically
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.no_grad():
+        model.fc.weight.abs_()
+        model.fc.bias.fill_(1.0)
+    inputs = [x.abs() for x in _inputs(3)]
+    inputs[1] = torch.full((3, 4), -10.0)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        _train(model, optimizer, inputs)
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced and fault.replay == 1
+    assert fault.notes == [], f"an exact replay was noted as inexact: {fault.notes}"

@@ -96,7 +96,13 @@ class StepRecord:
         self.backwards = 0
 
     @property
+    def received_bytes(self) -> int:
+        """The bytes of the gradients into the outputs the step keeps, all its forwards together
+        (what the watch's `max_bytes` bounds)."""
+        return sum(f.received_bytes for f in self.forwards)
+
+    @property
     def held_bytes(self) -> int:
         """The bytes this step keeps alive that plain training would have freed: the gradients
-        into the outputs, and the generators' states."""
+        into the outputs, and the generators' states (kept whatever the bound: a replay needs them)."""
         return sum(f.received_bytes + f.rng.nbytes for f in self.forwards)

@@ -69,7 +69,7 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
     gradients cleared, so the update changes nothing, and training goes on) or "report".
     `check="outputs"` screens the forwards' outputs only. The fault's line goes to `narrate`
     (any narration sink; None for none); its page, trace, repro and inputs to `out`/step-N/.
-    `max_bytes` bounds the gradient kept per step for a loss computed outside the model;
+    `max_bytes` bounds the gradients a step keeps (all its micro-batches) for a loss computed outside the model;
     `scaler` (a `GradScaler`) lets a collapsing scale count as a fault; `compiler` is what
     replays a compiled model whose eager replays find nothing.
     """
@@ -321,7 +321,7 @@ class Watch:
                 return None  # it flows from a loss output, whose gradient is kept
             else:
                 size = grad.numel() * grad.element_size()
-                if self._step.held_bytes + size > self.max_bytes:
+                if self._step.received_bytes + size > self.max_bytes:
                     forward.dropped = (f"the gradient into an output of forward {forward.number} "
                                        f"({size / 2 ** 20:.1f} MiB) is over max_bytes={self.max_bytes}")
                     return None
