@@ -170,7 +170,11 @@ def test_a_nan_loss_under_a_gradscaler_raises_from_the_same_step(tmp_path):
     fault = caught.value.fault
     assert fault.step == 1 and fault.what == "a non-finite loss (given to scaler.scale)"
     assert torch.equal(before, model.fc1.weight)
-    assert fault.reproduced and fault.phase == "backward" and "output" in fault.finding, fault.finding
+    # the loss went NaN outside the model (a NaN target), its outputs finite: named on the loss's graph
+    assert fault.phase == "loss" and fault.reproduced is None, fault.finding
+    assert fault.finding.startswith("NaN loss from the model's finite outputs (forward 1)"), fault.finding
+    assert "(MseLossBackward0, as autograd names them)" in fault.finding
+    assert "scaler.scale called at test_watch_models.py:" in fault.finding
     assert watch.steps == 2
 
 

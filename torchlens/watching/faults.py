@@ -10,7 +10,11 @@ import torch
 from ..errors import ReproError, warn_safely
 from .replay import Outcome
 
-__all__ = ["Fault"]
+__all__ = ["Fault", "MEASURED"]
+
+# the phases a fault is named in without a replay: a loss the loop computed outside the model (on
+# its autograd graph), and an optimizer's update (the parameters it wrote, read after it ran)
+MEASURED = ("loss", "update")
 
 
 class Fault:
@@ -67,7 +71,14 @@ class Fault:
     def __str__(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         head = f"{rank}step {self.step}: {self.what}"
-        if self.reproduced:
+        if self.phase in MEASURED:  # found where it happened, without a replay
+            where = self.finding or "not named"
+            if self.micro_batch is not None and self.micro_batches > 1:
+                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
+            if self.birth_rank is not None and self.birth_rank != self.rank:
+                where = f"on rank {self.birth_rank}: {where}"
+            text = f"{head}; {where}" + (f"; not replayed: {self.why}" if self.phase == "loss" else "")
+        elif self.reproduced:
             where = self.finding or "non-finite values"
             if self.micro_batch is not None and self.micro_batches > 1:
                 where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"

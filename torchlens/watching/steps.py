@@ -55,10 +55,13 @@ class WatchedForward:
     """One forward of a step, as the replay needs it (see the module's docstring)."""
 
     __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "sums", "received",
-                 "received_bytes", "dropped", "loss_fed", "__weakref__")
+                 "received_bytes", "dropped", "loss_fed", "nodes", "_first", "__weakref__")
 
-    def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...]):
+    def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...], first_node: Optional[int]):
         self.number = number  # 1-based, within the step
+        # the sequence numbers of the autograd nodes it made: [first, last), once it has returned
+        self.nodes: Optional[Tuple[int, int]] = None
+        self._first = first_node
         self.args = args
         self.kwargs = kwargs
         self.versions = tensor_versions((args, kwargs))
@@ -76,7 +79,10 @@ class WatchedForward:
         """How many of its argument tensors were modified in place after it ran."""
         return sum(1 for tensor, version in self.versions if tensor._version != version)
 
-    def screen(self, output) -> List[torch.Tensor]:
+    def screen(self, output, next_node: Optional[int]) -> List[torch.Tensor]:
+        """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number)."""
+        if self._first is not None and next_node is not None:
+            self.nodes = (self._first, next_node)
         leaves = floating_leaves(output)
         self.sums = screen_sums(leaves)
         return leaves
@@ -87,11 +93,11 @@ class StepRecord:
     backward (to tell, at the next forward, that they were reset without an optimizer step: a step
     a GradScaler skipped, or a `zero_grad` before a step was taken)."""
 
-    __slots__ = ("forwards", "after_backward", "backwards", "losses")
+    __slots__ = ("forwards", "after_backward", "backwards", "roots")
 
     def __init__(self):
         self.forwards: List[WatchedForward] = []
-        self.losses: List[torch.Tensor] = []  # the screens of the losses a GradScaler scaled
+        self.roots: list = []  # `roots.Root`: what each backward into the model started from
         self.after_backward: Optional[Tuple[int, int, int]] = None  # (param index, id(grad), grad version)
         self.backwards = 0
 

@@ -1,0 +1,189 @@
+"""The tensors each backward starts from: the loss, even one the loop computes outside the model.
+
+The model's hooks see its outputs and the gradients into them, not the loss the loop computes
+from them. A loss can be NaN while every output and gradient is finite: `F.cross_entropy` over a
+batch whose labels are all `ignore_index` is 0/0, and its backward sends exactly zero into the
+logits. So while a watch is open `torch.autograd.backward` (which `Tensor.backward` calls) is
+wrapped: after a backward on the watch's thread returns, the watch is told the tensors it started
+from, and keeps a `Root` for each backward that reached its model. One wrapper serves every watch;
+it is put back when the last one closes (`listen` returns the handle).
+
+Where such a loss went non-finite is on its autograd graph: the nodes between it and the model's
+outputs are the loss's own ops. They are told from the model's by autograd's sequence numbers
+(each watched forward notes the range its nodes got): `loss_ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import warn_safely
+from ..torch_seams import degraded
+
+__all__ = ["Root", "listen", "loss_ops", "next_node_number"]
+
+OPS_SHOWN = 6  # the loss's ops a finding lists (the rest counted)
+OPS_WALKED = 64  # the nodes a walk of the loss's graph visits at most
+_LEAF = 2 ** 63  # sequence numbers from here up are AccumulateGrad's (a leaf: a parameter, an input)
+
+
+def next_node_number() -> Optional[int]:
+    """The sequence number autograd gives the next node made on this thread (None where torch no
+    longer says: the loss's ops then go unnamed)."""
+    try:
+        return torch._C._autograd._get_sequence_nr()
+    except Exception as exc:
+        degraded("autograd sequence numbers", exc)
+        return None
+
+
+def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> Tuple[Tuple[str, ...], int, Tuple[int, ...]]:
+    """(the names of the nodes between `tensors` and the outputs of the watched `forwards`, in the
+    order they were made, at most `OPS_SHOWN`; how many more there were; the numbers of the forwards
+    whose outputs they read). A node a forward made (its sequence number in the forward's range)
+    ends the walk there, and so does a leaf."""
+    ranges = [(f.nodes[0], f.nodes[1], f.number) for f in forwards if f.nodes is not None]
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen, ops, read = set(), [], set()
+    try:
+        while stack and len(seen) < OPS_WALKED:
+            node = stack.pop()
+            number = node._sequence_nr()
+            if number >= _LEAF or number in seen:
+                continue
+            seen.add(number)
+            forward = next((n for first, last, n in ranges if first <= number < last), None)
+            if forward is not None:
+                read.add(forward)
+                continue
+            ops.append((number, node.name()))
+            stack.extend(following for following, _ in node.next_functions if following is not None)
+    except Exception as exc:  # (a node type that does not answer: the walk stops, what it found stands)
+        degraded("autograd sequence numbers", exc)
+    ops.sort()
+    names = tuple(name for _, name in ops)
+    more = len(names) - OPS_SHOWN + (1 if stack else 0)
+    return names[:OPS_SHOWN], max(more, 0), tuple(sorted(read))
+
+
+class Root:
+    """What the watch keeps of the tensors one backward started from (or of the loss a GradScaler
+    scaled): how many of their elements are not finite (counted on their device, read with the
+    step's screen), the loss's value when it is one number (a 0-dim view, no graph), where the
+    call was made, and the ops of the loss outside the model (`loss_ops`)."""
+
+    __slots__ = ("bad", "value", "via", "site", "ops", "more", "read", "after")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], forwards, via: str, site: Optional[str]):
+        with torch.no_grad():
+            counts = [(~torch.isfinite(t)).sum() for t in tensors]
+            self.bad = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
+        self.value = tensors[0].detach() if len(tensors) == 1 and tensors[0].numel() == 1 else None
+        self.via = via  # "backward()" or "scaler.scale"
+        self.site = site
+        self.ops, self.more, self.read = loss_ops(tensors, forwards)
+        self.after = len(forwards)  # the forwards run before it: its micro-batch
+
+    def what(self) -> str:
+        """The loss, as the fault's check saw it."""
+        if self.via == "scaler.scale":
+            return "a non-finite loss (given to scaler.scale)"
+        return "a non-finite loss (the tensor backward() started from)"
+
+    def finding(self) -> str:
+        """Where the loss went non-finite: outside the model, after its finite outputs (the fault is
+        only blamed on the loss when they were finite), in the loss's ops or in an input of theirs
+        the model did not make (labels, class weights)."""
+        kind = self._kind()
+        read = (f" (forward{'s' if len(self.read) > 1 else ''} {', '.join(map(str, self.read))})"
+                if self.read else "")
+        if self.ops:
+            listed = " -> ".join(self.ops) + (f" and {self.more} more" if self.more else "")
+            where = f"in its ops outside the model ({listed}, as autograd names them) or an input of theirs " \
+                    f"the model did not make"
+        else:
+            where = "in ops autograd does not name here, or an input the model did not make"
+        site = f"; {self.via} called at {self.site}" if self.site else ""
+        return f"{kind} from the model's finite outputs{read}: it went non-finite {where}{site}"
+
+    def _kind(self) -> str:
+        if self.value is not None and not self.value.is_complex():
+            value = float(self.value)
+            return "NaN loss" if value != value else f"{'-' if value < 0 else ''}inf loss"
+        return f"a loss with {int(self.bad)} non-finite elements"
+
+
+# -- the wrapper: one for every open watch, on the threads that listen --------------------------
+
+_lock = threading.Lock()
+_listeners: Dict[int, List[Tuple[Callable, Callable]]] = {}  # thread id -> [(before, after)]
+_wrapper: Optional[Callable] = None  # ours, while it is installed (or left idle under another's)
+
+
+def listen(before: Callable[[], object], after: Callable[[object, tuple, object], None]) -> "_Listening":
+    """Tell this thread's backwards to `after(before(), tensors, caller_frame)` once they return
+    (not when they raise). Returns the handle whose `remove()` stops it; the last one removed puts
+    `torch.autograd.backward` back."""
+    global _wrapper
+    entry = (before, after)
+    thread = threading.get_ident()
+    with _lock:
+        if _wrapper is None:
+            _wrapper = _wrap(torch.autograd.backward)
+            torch.autograd.backward = _wrapper
+        _listeners.setdefault(thread, []).append(entry)
+    return _Listening(thread, entry)
+
+
+class _Listening:
+    """The handle `listen` returns (removed like a hook's)."""
+
+    def __init__(self, thread: int, entry):
+        self.thread, self.entry = thread, entry
+
+    def remove(self) -> None:
+        global _wrapper
+        with _lock:
+            entries = _listeners.get(self.thread, [])
+            if self.entry not in entries:
+                return
+            entries.remove(self.entry)
+            if not entries:
+                del _listeners[self.thread]
+            if not _listeners and torch.autograd.backward is _wrapper:
+                torch.autograd.backward, _wrapper = _wrapper.__wrapped__, None
+            # (another library that wrapped it after us keeps ours under its own, idle: no listener)
+
+
+def _wrap(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def backward(tensors, *args, **kwargs):
+        """`torch.autograd.backward`, telling this thread's listeners the tensors it started from."""
+        entries = tuple(_listeners.get(threading.get_ident(), ()))
+        if not entries or torch.compiler.is_compiling():
+            return original(tensors, *args, **kwargs)
+        marks = [_quietly(before) for before, _ in entries]
+        result = original(tensors, *args, **kwargs)
+        roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        roots = tuple(t for t in roots if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
+        if roots:
+            frame = sys._getframe(1)
+            for (_, after), mark in zip(entries, marks):
+                _quietly(after, mark, roots, frame)
+        return result
+
+    return backward
+
+
+def _quietly(function, *args):
+    """A listener's call; what it raises is said, never given to the user's backward."""
+    try:
+        return function(*args)
+    except Exception as exc:
+        warn_safely(f"torchlens watch: an internal error watching a backward ({type(exc).__name__}: {exc})")
+        return None
