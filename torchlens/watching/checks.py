@@ -19,6 +19,7 @@ __all__ = ["Screen", "floating_leaves", "local", "nonfinite_counts", "nonfinite_
            "screen_sums"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,8 @@ def floating_leaves(value) -> List[torch.Tensor]:
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype is torch.float32 and tensor.layout is torch.strided and type(tensor) in _PLAIN:
+        return tensor.sum()  # (the common case, first: this runs for every gradient and weight of every step)
     tensor = local(tensor)
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)

@@ -26,7 +26,10 @@ class Fault:
       "non-finite outputs in forward 2 of 4").
     - `reproduced`: True when a replay found it again, False when no replay did (a **transient**
       fault: a nondeterministic kernel, a race, the hardware; the step's inputs are saved),
-      None when the replays could not tell (`why` says why, e.g. the backward was not replayed).
+      None when the replays could not tell, or none ran (`why` says why, e.g. the backward was not
+      replayed; a loss or an update fault is measured where it happened).
+    - `phase`: "forward" or "backward" (where a replay found it), "loss" (a loss computed outside
+      the model, named on its autograd graph) or "update" (what an optimizer's update wrote).
     - `replay`: which replay reproduced it (1-based), `replays`: how many ran.
     - `finding`: the first finding's text (where the value was born), `birth_rank`: under a
       process group, the rank it was born on (`tl.debug.across_ranks` over the replays).

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import warn_safely
 from ..torch_seams import degraded
+from .checks import Screen, nonfinite_counts
 
 __all__ = ["Root", "listen", "loss_ops", "next_node_number"]
 
@@ -77,17 +78,31 @@ class Root:
     step's screen), the loss's value when it is one number (a 0-dim view, no graph), where the
     call was made, and the ops of the loss outside the model (`loss_ops`)."""
 
-    __slots__ = ("bad", "value", "via", "site", "ops", "more", "read", "after")
+    __slots__ = ("value", "count", "via", "site", "ops", "more", "read", "after")
 
     def __init__(self, tensors: Sequence[torch.Tensor], forwards, via: str, site: Optional[str]):
-        with torch.no_grad():
-            counts = [(~torch.isfinite(t)).sum() for t in tensors]
-            self.bad = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
-        self.value = tensors[0].detach() if len(tensors) == 1 and tensors[0].numel() == 1 else None
+        one = len(tensors) == 1 and tensors[0].numel() == 1 and not tensors[0].is_complex()
+        # a loss of one number is its own screen (exact); anything else, its non-finite elements counted
+        self.value = tensors[0].detach() if one else None
+        self.count = None if one else nonfinite_counts(tensors).sum()
         self.via = via  # "backward()" or "scaler.scale"
         self.site = site
         self.ops, self.more, self.read = loss_ops(tensors, forwards)
         self.after = len(forwards)  # the forwards run before it: its micro-batch
+
+    def screen(self, screen: Screen) -> None:
+        """Add this to the step's screen."""
+        if self.value is not None:
+            screen.add(self.value.reshape(1).float())
+        else:
+            screen.add_count(self.count)
+
+    @property
+    def bad(self) -> int:
+        """How many of the tensors' elements are not finite (a host read: an alarm's question)."""
+        if self.value is not None:
+            return int(not bool(torch.isfinite(self.value)))
+        return int(self.count)
 
     def what(self) -> str:
         """The loss, as the fault's check saw it."""
@@ -112,7 +127,7 @@ class Root:
         return f"{kind} from the model's finite outputs{read}: it went non-finite {where}{site}"
 
     def _kind(self) -> str:
-        if self.value is not None and not self.value.is_complex():
+        if self.value is not None:
             value = float(self.value)
             return "NaN loss" if value != value else f"{'-' if value < 0 else ''}inf loss"
         return f"a loss with {int(self.bad)} non-finite elements"

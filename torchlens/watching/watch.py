@@ -4,12 +4,17 @@ How a step is watched (see docs/watch.md):
 
 1. each forward of the model (called with gradients enabled) keeps references to its arguments
    and the random generators' states, and screens its outputs (one sum per output, on the device);
-2. each backward into its outputs keeps the gradient it sent in (see `steps`);
+2. each backward into its outputs keeps the gradient it sent in (see `steps`), and the screen of
+   the tensor it started from: the loss, even one computed outside the model (see `roots`);
 3. at `optimizer.step()` (a step pre-hook, so before any weight changes) the gradients are screened
-   too, and the step's screens are read as one number: the step's only host read. A finite number
-   is a healthy step and ends it; under a process group the ranks agree with one small all-reduce;
-4. otherwise the fault is confirmed and the step replayed under tracking (`replay`), and the watch
-   raises from `optimizer.step()`, skips the update, or only reports, as `on_fault=` says.
+   too, and the step's screens are read as one number. A finite number is a healthy step and ends
+   it; under a process group the ranks agree with one small all-reduce;
+4. otherwise the fault is confirmed and the step replayed under tracking (`replay`), or, for a loss
+   that went non-finite outside the model, named on its graph; and the watch raises from
+   `optimizer.step()`, skips the update, or only reports, as `on_fault=` says;
+5. after the update (a step post-hook) the optimizer's parameters are screened and read: the
+   step's second read. A non-finite value the update wrote from finite gradients is a fault
+   raised from that `optimizer.step()` (see `updates`).
 
 A step ends at `optimizer.step()`, or, when the gradients were reset without one (a step a
 `GradScaler` skipped for overflowing gradients, or a `zero_grad` before any step), at the next
@@ -66,12 +71,14 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
             optimizer.zero_grad()                   # its `.fault` naming where the value was born
         watch.close()
 
-    A healthy step costs a sum per output and per gradient and one host read. On the first
-    non-finite output or gradient, before the optimizer changes a weight, the step is replayed
-    exactly under tracking (up to `replays` times: a fault no replay reproduces is transient),
-    and `on_fault` decides: "raise" (from `optimizer.step()`, weights untouched), "skip" (the
-    gradients cleared, so the update changes nothing, and training goes on) or "report".
-    `check="outputs"` screens the forwards' outputs only. The fault's line goes to `narrate`
+    A healthy step costs a sum per output, per gradient and per weight and two host reads. On the
+    first non-finite output, loss or gradient, before the optimizer changes a weight, the step is
+    replayed exactly under tracking (up to `replays` times: a fault no replay reproduces is
+    transient; a loss computed outside the model is named on its graph instead), and `on_fault`
+    decides: "raise" (from `optimizer.step()`, weights untouched), "skip" (the gradients cleared,
+    so the update changes nothing, and training goes on) or "report". An update that writes a
+    non-finite value from finite gradients is a fault of its own, raised from the `optimizer.step()`
+    that ran it. `check="outputs"` screens the forwards' outputs and losses only. The fault's line goes to `narrate`
     (any narration sink; None for none); its page, trace, repro and inputs to `out`/step-N/.
     `max_bytes` bounds the gradients a step keeps (all its micro-batches) for a loss computed outside the model;
     `scaler` (a `GradScaler`) lets a collapsing scale count as a fault; `compiler` is what
@@ -172,7 +179,7 @@ class _Confirmed:
         self.grads = grads
         self.forwards = [f.number for f in step.forwards
                          if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
-        self.roots = [root for root in step.roots if int(root.bad)]
+        self.roots = [root for root in step.roots if root.bad]
         self.loss_first = bool(self.roots) and not self.forwards
 
     def __bool__(self) -> bool:
@@ -468,7 +475,7 @@ class Watch:
         for forward in step.forwards:
             screen.add(forward.sums)
         for root in step.roots:
-            screen.add_count(root.bad)
+            root.screen(screen)
         screen.add(screen_sums([p.grad for _, p in grads]))
         if not agree(screen.alarm()):
             return None
@@ -496,7 +503,7 @@ class Watch:
         """The fault is the loss's (`root`; on another rank when None): named on its autograd graph."""
         birth_rank, finding = first_rank_text(root.finding() if root is not None else None)
         fault.finding, fault.phase, fault.reproduced = finding, "loss", None
-        fault.why = "the loss is computed by the loop, outside the model: a replay runs the model alone"
+        fault.why = "the loop computes the loss, outside the model, and a replay runs the model alone"
         if root is not None:
             fault.micro_batch = root.after
         if fault.rank is not None:
@@ -626,9 +633,7 @@ class Watch:
         the ranks agree, and a rank that wrote nothing names the rank that did."""
         check = self._updates
         indices, sums = check.screen(optimizer)
-        screen = Screen()
-        screen.add(sums)
-        if not agree(screen.alarm()):
+        if not agree(None if sums is None else (~torch.isfinite(sums.sum())).to(torch.int64)):
             check.settle(optimizer)
             return None
         written = check.written(optimizer, indices)
