@@ -14,20 +14,21 @@ from ..ranks import rank_and_world_size
 __all__ = ["agree", "first_rank_text", "flag"]
 
 
-def agree(flag: Optional[torch.Tensor]) -> bool:
-    """Whether `flag` (0/1, or None for 0) is set on any rank: one small all-reduce under a
-    process group of several ranks, then a host read."""
+def agree(raised: Optional[torch.Tensor]) -> bool:
+    """Whether `raised` (a 0-dim bool or 0/1 tensor, on the tensors' device; None for 0) is set on
+    any rank: one small all-reduce under a process group of several ranks, then a host read."""
     if rank_and_world_size()[1] > 1:
         import torch.distributed as dist
 
-        value = (flag if flag is not None else torch.zeros((), dtype=torch.int64)).to(collective_device(None))
+        value = (raised if raised is not None else torch.zeros((), dtype=torch.int64)).to(collective_device(None))
         value = value.to(torch.int64).reshape(1)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
-    return flag is not None and bool(flag)
+    return raised is not None and bool(raised)
 
 
-def flag(value: bool) -> torch.Tensor:
+def flag(value) -> torch.Tensor:
+    """`value`'s truth as a 0/1 tensor, for `agree` (what this rank found, known on the host)."""
     return torch.tensor(int(bool(value)))
 
 

@@ -45,9 +45,9 @@ def next_node_number() -> Optional[int]:
 
 def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> Tuple[Tuple[str, ...], int, Tuple[int, ...]]:
     """(the names of the nodes between `tensors` and the outputs of the watched `forwards`, in the
-    order they were made, at most `OPS_SHOWN`; how many more there were; the numbers of the forwards
-    whose outputs they read). A node a forward made (its sequence number in the forward's range)
-    ends the walk there, and so does a leaf."""
+    order they were made, at most `OPS_SHOWN`, then "..." when the walk stopped at `OPS_WALKED`;
+    how many more it found; the numbers of the forwards whose outputs they read). A node a forward
+    made (its sequence number in the forward's range) ends the walk there, and so does a leaf."""
     ranges = [(f.nodes[0], f.nodes[1], f.number) for f in forwards if f.nodes is not None]
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen, ops, read = set(), [], set()
@@ -68,22 +68,22 @@ def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> Tuple[Tuple[str, ...]
         degraded("autograd sequence numbers", exc)
     ops.sort()
     names = tuple(name for _, name in ops)
-    more = len(names) - OPS_SHOWN + (1 if stack else 0)
-    return names[:OPS_SHOWN], max(more, 0), tuple(sorted(read))
+    return names[:OPS_SHOWN] + (("...",) if stack else ()), max(len(names) - OPS_SHOWN, 0), tuple(sorted(read))
 
 
 class Root:
     """What the watch keeps of the tensors one backward started from (or of the loss a GradScaler
-    scaled): how many of their elements are not finite (counted on their device, read with the
-    step's screen), the loss's value when it is one number (a 0-dim view, no graph), where the
-    call was made, and the ops of the loss outside the model (`loss_ops`)."""
+    scaled), for the step's screen: the loss's value when it is one number (detached: no graph),
+    else a count of their non-finite elements (on their device); where the call was made, and the
+    ops of the loss outside the model (`loss_ops`). Nothing is read until the step's screen is."""
 
     __slots__ = ("value", "count", "via", "site", "ops", "more", "read", "after")
 
     def __init__(self, tensors: Sequence[torch.Tensor], forwards, via: str, site: Optional[str]):
         one = len(tensors) == 1 and tensors[0].numel() == 1 and not tensors[0].is_complex()
-        # a loss of one number is its own screen (exact); anything else, its non-finite elements counted
-        self.value = tensors[0].detach() if one else None
+        # a loss of one number is its own screen (exact; copied when it views a larger tensor, which
+        # it would keep alive); anything else, its non-finite elements counted
+        self.value = (tensors[0].detach() if tensors[0]._base is None else tensors[0].detach().clone()) if one else None
         self.count = None if one else nonfinite_counts(tensors).sum()
         self.via = via  # "backward()" or "scaler.scale"
         self.site = site

@@ -633,7 +633,7 @@ class Watch:
         the ranks agree, and a rank that wrote nothing names the rank that did."""
         check = self._updates
         indices, sums = check.screen(optimizer)
-        if not agree(None if sums is None else (~torch.isfinite(sums.sum())).to(torch.int64)):
+        if not agree(None if sums is None else ~torch.isfinite(sums.sum())):
             check.settle(optimizer)
             return None
         written = check.written(optimizer, indices)
