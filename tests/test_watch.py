@@ -793,6 +793,40 @@ def test_a_finite_loss_of_zero_labels_is_no_fault_and_the_backward_is_put_back_a
     assert torch.autograd.backward is original, "the watch left its wrapper on torch.autograd.backward"
 
 
+class AuxLossNet(nn.Module):
+    """Returns its logits; keeps an auxiliary loss on itself (as a mixture of experts keeps its
+    balancing loss) that the loop adds to its own. `log` of a negative makes the auxiliary NaN
+    inside the model while the logits stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.aux = None
+
+    def forward(self, x):
+        logits = self.fc(x)
+        self.aux = (self.scale * x.sum(-1)).log().mean()
+        return logits
+
+
+def test_a_nan_loss_that_read_a_tensor_the_model_made_but_did_not_return_is_replayed_into_the_model(tmp_path):
+    torch.manual_seed(0)
+    model = AuxLossNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = [x.abs() + 0.1 for x in _inputs(3)]
+    inputs[1] = -inputs[1]  # log of a negative sum: NaN inside the model, finite logits
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for x in inputs:
+            (F.cross_entropy(model(x), torch.tensor([0, 1, 2])) + 0.1 * model.aux).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.what.startswith("a non-finite loss")
+    assert fault.reproduced and fault.phase == "forward" and "log" in fault.finding, fault.finding
+    assert "outside the model" not in fault.finding, "the NaN was born inside the model, not in the loss's ops"
+
+
 # -- what an optimizer's update writes -----------------------------------------------------------------
 
 

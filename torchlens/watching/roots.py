@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,7 +26,7 @@ from ..errors import warn_safely
 from ..torch_seams import degraded
 from .checks import Screen, nonfinite_counts
 
-__all__ = ["Root", "listen", "loss_ops", "next_node_number"]
+__all__ = ["LossOps", "Root", "listen", "loss_ops", "next_node_number"]
 
 OPS_SHOWN = 6  # the loss's ops a finding lists (the rest counted)
 OPS_WALKED = 64  # the nodes a walk of the loss's graph visits at most
@@ -43,14 +43,22 @@ def next_node_number() -> Optional[int]:
         return None
 
 
-def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> Tuple[Tuple[str, ...], int, Tuple[int, ...]]:
-    """(the names of the nodes between `tensors` and the outputs of the watched `forwards`, in the
-    order they were made, at most `OPS_SHOWN`, then "..." when the walk stopped at `OPS_WALKED`;
-    how many more it found; the numbers of the forwards whose outputs they read). A node a forward
-    made (its sequence number in the forward's range) ends the walk there, and so does a leaf."""
-    ranges = [(f.nodes[0], f.nodes[1], f.number) for f in forwards if f.nodes is not None]
+class LossOps(NamedTuple):
+    """The loss's ops outside the model, from its autograd graph (`loss_ops`)."""
+
+    names: Tuple[str, ...]  # in the order they were made, at most OPS_SHOWN, then "..." if the walk stopped
+    more: int  # how many more it found
+    read: Tuple[int, ...]  # the forwards whose outputs they read
+    unscreened: Tuple[int, ...]  # the forwards they read a tensor of that is not an output (not screened)
+
+
+def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> LossOps:
+    """Walk the graph from `tensors` to the watched `forwards`: a node a forward made (its sequence
+    number in the forward's range) ends the walk there, and so does a leaf; the others are the
+    loss's own ops."""
+    ranges = [(f.nodes[0], f.nodes[1], f) for f in forwards if f.nodes is not None]
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen, ops, read = set(), [], set()
+    seen, ops, read, unscreened = set(), [], set(), set()
     try:
         while stack and len(seen) < OPS_WALKED:
             node = stack.pop()
@@ -58,9 +66,9 @@ def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> Tuple[Tuple[str, ...]
             if number >= _LEAF or number in seen:
                 continue
             seen.add(number)
-            forward = next((n for first, last, n in ranges if first <= number < last), None)
+            forward = next((f for first, last, f in ranges if first <= number < last), None)
             if forward is not None:
-                read.add(forward)
+                (read if number in forward.output_nodes else unscreened).add(forward.number)
                 continue
             ops.append((number, node.name()))
             stack.extend(following for following, _ in node.next_functions if following is not None)
@@ -68,7 +76,8 @@ def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> Tuple[Tuple[str, ...]
         degraded("autograd sequence numbers", exc)
     ops.sort()
     names = tuple(name for _, name in ops)
-    return names[:OPS_SHOWN] + (("...",) if stack else ()), max(len(names) - OPS_SHOWN, 0), tuple(sorted(read))
+    return LossOps(names[:OPS_SHOWN] + (("...",) if stack else ()), max(len(names) - OPS_SHOWN, 0),
+                   tuple(sorted(read)), tuple(sorted(unscreened)))
 
 
 class Root:
@@ -77,7 +86,7 @@ class Root:
     else a count of their non-finite elements (on their device); where the call was made, and the
     ops of the loss outside the model (`loss_ops`). Nothing is read until the step's screen is."""
 
-    __slots__ = ("value", "count", "via", "site", "ops", "more", "read", "after")
+    __slots__ = ("value", "count", "via", "site", "ops", "after")
 
     def __init__(self, tensors: Sequence[torch.Tensor], forwards, via: str, site: Optional[str]):
         one = len(tensors) == 1 and tensors[0].numel() == 1 and not tensors[0].is_complex()
@@ -87,7 +96,7 @@ class Root:
         self.count = None if one else nonfinite_counts(tensors).sum()
         self.via = via  # "backward()" or "scaler.scale"
         self.site = site
-        self.ops, self.more, self.read = loss_ops(tensors, forwards)
+        self.ops = loss_ops(tensors, forwards)
         self.after = len(forwards)  # the forwards run before it: its micro-batch
 
     def screen(self, screen: Screen) -> None:
@@ -112,25 +121,31 @@ class Root:
 
     def finding(self) -> str:
         """Where the loss went non-finite: outside the model, after its finite outputs (the fault is
-        only blamed on the loss when they were finite), in the loss's ops or in an input of theirs
-        the model did not make (labels, class weights)."""
-        kind = self._kind()
-        read = (f" (forward{'s' if len(self.read) > 1 else ''} {', '.join(map(str, self.read))})"
-                if self.read else "")
-        if self.ops:
-            listed = " -> ".join(self.ops) + (f" and {self.more} more" if self.more else "")
-            where = f"in its ops outside the model ({listed}, as autograd names them) or an input of theirs " \
-                    f"the model did not make"
-        else:
-            where = "in ops autograd does not name here, or an input the model did not make"
+        only blamed on the loss when they were finite, and a replay found nothing in the model), in
+        the loss's ops, in what it read of the model that is not an output (not screened), or in an
+        input without a gradient (labels, class weights: not on the graph, so not told apart)."""
+        ops = self.ops
+        read = f" ({_forwards(ops.read)})" if ops.read else ""
+        places = []
+        if ops.names:
+            listed = " -> ".join(ops.names) + (f" and {ops.more} more" if ops.more else "")
+            places.append(f"in its ops outside the model ({listed}, as autograd names them)")
+        if ops.unscreened:
+            places.append(f"in a tensor of {_forwards(ops.unscreened)} that is not an output (not screened)")
+        places.append("in an input of theirs without a gradient (labels, say: not on the graph)")
+        where = ", ".join(places[:-1]) + f" or {places[-1]}" if len(places) > 1 else places[0]
         site = f"; {self.via} called at {self.site}" if self.site else ""
-        return f"{kind} from the model's finite outputs{read}: it went non-finite {where}{site}"
+        return f"{self._kind()} from the model's finite outputs{read}: it went non-finite {where}{site}"
 
     def _kind(self) -> str:
         if self.value is not None:
             value = float(self.value)
             return "NaN loss" if value != value else f"{'-' if value < 0 else ''}inf loss"
         return f"a loss with {int(self.bad)} non-finite elements"
+
+
+def _forwards(numbers: Sequence[int]) -> str:
+    return f"forward{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}"
 
 
 # -- the wrapper: one for every open watch, on the threads that listen --------------------------

@@ -55,12 +55,14 @@ class WatchedForward:
     """One forward of a step, as the replay needs it (see the module's docstring)."""
 
     __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "sums", "received",
-                 "received_bytes", "dropped", "loss_fed", "nodes", "_first", "__weakref__")
+                 "received_bytes", "dropped", "loss_fed", "nodes", "output_nodes", "_first", "__weakref__")
 
     def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...], first_node: Optional[int]):
         self.number = number  # 1-based, within the step
-        # the sequence numbers of the autograd nodes it made: [first, last), once it has returned
+        # the sequence numbers of the autograd nodes it made, [first, last), once it has returned,
+        # and those of its screened outputs' nodes (what a loss computed from them reads)
         self.nodes: Optional[Tuple[int, int]] = None
+        self.output_nodes: frozenset = frozenset()
         self._first = first_node
         self.args = args
         self.kwargs = kwargs
@@ -81,9 +83,10 @@ class WatchedForward:
 
     def screen(self, output, next_node: Optional[int]) -> List[torch.Tensor]:
         """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number)."""
+        leaves = floating_leaves(output)
         if self._first is not None and next_node is not None:
             self.nodes = (self._first, next_node)
-        leaves = floating_leaves(output)
+            self.output_nodes = frozenset(leaf.grad_fn._sequence_nr() for leaf in leaves if leaf.grad_fn is not None)
         self.sums = screen_sums(leaves)
         return leaves
 

@@ -173,7 +173,8 @@ class _Confirmed:
     """What of a step that raised an alarm holds non-finite values, element by element: the
     parameters whose gradients do (`grads`, their indices), the forwards whose outputs do (their
     numbers), the losses (`roots.Root`). `loss_first`: a loss is non-finite while every output is
-    finite (it went non-finite outside the model, before any backward)."""
+    finite (it went non-finite outside the model, before any backward, unless it read a tensor of
+    the model that is not an output: `loss_reads_inside`, which a replay looks into first)."""
 
     def __init__(self, step: StepRecord, grads: List[int]):
         self.grads = grads
@@ -181,6 +182,7 @@ class _Confirmed:
                          if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
         self.roots = [root for root in step.roots if root.bad]
         self.loss_first = bool(self.roots) and not self.forwards
+        self.loss_reads_inside = self.loss_first and any(root.ops.unscreened for root in self.roots)
 
     def __bool__(self) -> bool:
         return bool(self.grads or self.forwards or self.roots)
@@ -486,10 +488,14 @@ class Watch:
         rank, world = rank_and_world_size()
         fault = Fault(self.steps, self._what(bad, step), rank if world > 1 else None)
         fault.micro_batches = len(step.forwards)
-        if agree(flag(bad.forwards)) or not agree(flag(bad.loss_first)):
+        inside = agree(flag(bad.forwards or bad.loss_reads_inside))
+        if inside or not agree(flag(bad.loss_first)):
             self._replay(fault, step, gradients=bool(bad.grads or bad.roots),
-                         prefer=None if bad.forwards else "backward")
-            if fault.reproduced is False and not bad.grads and self._false_output_alarm:
+                         prefer=None if bad.forwards or bad.loss_reads_inside else "backward")
+            # (every rank asks, whatever its own replay found: the question is a collective)
+            if agree(flag(bad.loss_first and fault.reproduced is not True)):
+                self._blame_loss(fault, bad.roots[0] if bad.loss_first and fault.reproduced is not True else None)
+            elif fault.reproduced is False and not bad.grads and self._false_output_alarm:
                 self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
                 return None
         else:  # the loss went non-finite first, outside the model: nothing in the model to replay
