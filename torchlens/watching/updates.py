@@ -10,9 +10,9 @@ now, how it was before the update and how its gradient was (`UpdateCheck.written
 
 "Before the update" costs no second pass over the weights: every parameter is screened after each
 update, and its version counter (which every in-place write bumps, the optimizer's included) tells
-whether anything wrote it since. Only a parameter something else wrote since the last check (and
-every one, at the first update) is looked at again before the update (`UpdateCheck.before`: its
-non-finite elements counted, read only on an alarm). A write
+whether anything wrote it since. Only a parameter something else wrote since the last check is
+summed again before the update (`UpdateCheck.before`, read only on an alarm); the first check is
+made with the watch, outside any step. A write
 through `.data` does not bump the counter: a value written that way between two steps is not seen
 before the update (docs/watch.md says so).
 """
@@ -23,7 +23,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .checks import local, nonfinite_counts, nonfinite_positions, screen_sums
+from .checks import local, nonfinite_positions, screen_sums
 
 __all__ = ["UpdateCheck", "Written", "describe", "origins"]
 
@@ -55,16 +55,20 @@ class UpdateCheck:
             mine = [position[id(p)] for group in opt.param_groups for p in group["params"] if id(p) in position]
             self.indices[id(opt)] = [i for i in dict.fromkeys(mine) if i not in taken]
             taken.update(mine)
-        self.versions: List[Optional[int]] = [None] * len(self.params)  # after the last check
         self.held: Dict[int, str] = {}  # index -> what wrote the non-finite values it holds, as known
         self._before: Dict[int, Tuple[List[int], Optional[torch.Tensor]]] = {}
+        # the first check, when the watch is made (not in a step): one sum each, one read
+        self.versions: List[int] = [p._version for p in self.params]  # as of the last check
+        sums = screen_sums(self.params)
+        if sums is not None and not bool(torch.isfinite(sums.sum())):
+            self.held.update((i, "") for i in nonfinite_positions(self.params))
 
     def before(self, optimizer) -> None:
         """Before `optimizer`'s update: screen each of its parameters written since the last check."""
         changed = [i for i in self.indices.get(id(optimizer), ()) if self.versions[i] != self.params[i]._version]
         for i in changed:
             self.held.pop(i, None)  # (learned again from this screen)
-        self._before[id(optimizer)] = (changed, nonfinite_counts([self.params[i] for i in changed]))
+        self._before[id(optimizer)] = (changed, screen_sums([self.params[i] for i in changed]))
 
     def screen(self, optimizer) -> Tuple[List[int], Optional[torch.Tensor]]:
         """After `optimizer`'s update: (the parameters screened, their sums), leaving out those
@@ -81,20 +85,22 @@ class UpdateCheck:
     def written(self, optimizer, indices: List[int]) -> List[Written]:
         """The screened parameters that hold non-finite values now (exact: an alarm's answer)."""
         bad = [indices[k] for k in nonfinite_positions([self.params[i] for i in indices])]
-        changed, counts = self._before.get(id(optimizer), (None, None))
+        changed, sums = self._before.get(id(optimizer), (None, None))
         found = []
         for i in bad:
             p = local(self.params[i].detach())
             with torch.no_grad():
                 nan, inf = int(torch.isnan(p).sum()), int(torch.isinf(p).sum())
-            found.append(Written(i, nan, inf, self._state_before(i, changed, counts), _grad_state(self.params[i])))
+            found.append(Written(i, nan, inf, self._state_before(i, changed, sums), _grad_state(self.params[i])))
         return found
 
-    def _state_before(self, i: int, changed: Optional[List[int]], counts: Optional[torch.Tensor]) -> str:
+    def _state_before(self, i: int, changed: Optional[List[int]], sums: Optional[torch.Tensor]) -> str:
         if changed is None:  # (no check ran before this update: `check_step` was not called)
             return "unknown"
         if i in changed:
-            return "non-finite" if int(counts[changed.index(i)]) else "finite"
+            # (a sum that overflowed on finite values reads as non-finite: the update is then not
+            # blamed, a fault missed rather than one claimed without being measured)
+            return "finite" if bool(torch.isfinite(sums[changed.index(i)])) else "non-finite"
         return "finite"  # finite at the last check, and not written since (its version counter)
 
     def hold(self, written: Sequence[Written], origin: Dict[int, str]) -> None:
