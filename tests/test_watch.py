@@ -825,6 +825,18 @@ def test_a_nan_loss_that_read_a_tensor_the_model_made_but_did_not_return_is_repl
     assert fault.step == 1 and fault.what.startswith("a non-finite loss")
     assert fault.reproduced and fault.phase == "forward" and "log" in fault.finding, fault.finding
     assert "outside the model" not in fault.finding, "the NaN was born inside the model, not in the loss's ops"
+    # the same loop, the auxiliary finite and every label ignored: the replay finds nothing, the loss is named
+    model = AuxLossNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, x in enumerate([x.abs() + 0.1 for x in _inputs(3)]):
+            (F.cross_entropy(model(x), _labels(step, 1)) + 0.1 * model.aux).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.phase == "loss" and fault.reproduced is None
+    assert "in a tensor of forward 1 that is not an output (not screened)" in fault.finding, fault.finding
+    assert str(fault).endswith("; the model's replay found nothing there, and the loop's loss is not replayed")
 
 
 # -- what an optimizer's update writes -----------------------------------------------------------------

@@ -80,7 +80,7 @@ class Fault:
                 where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
             if self.birth_rank is not None and self.birth_rank != self.rank:
                 where = f"on rank {self.birth_rank}: {where}"
-            text = f"{head}; {where}" + (f"; not replayed: {self.why}" if self.phase == "loss" else "")
+            text = f"{head}; {where}" + (f"; {self.why}" if self.phase == "loss" and self.why else "")
         elif self.reproduced:
             where = self.finding or "non-finite values"
             if self.micro_batch is not None and self.micro_batches > 1:

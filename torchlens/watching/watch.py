@@ -494,22 +494,25 @@ class Watch:
                          prefer=None if bad.forwards or bad.loss_reads_inside else "backward")
             # (every rank asks, whatever its own replay found: the question is a collective)
             if agree(flag(bad.loss_first and fault.reproduced is not True)):
-                self._blame_loss(fault, bad.roots[0] if bad.loss_first and fault.reproduced is not True else None)
+                mine = bad.loss_first and fault.reproduced is not True
+                self._blame_loss(fault, bad.roots[0] if mine else None, replayed=True)
             elif fault.reproduced is False and not bad.grads and self._false_output_alarm:
                 self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
                 return None
         else:  # the loss went non-finite first, outside the model: nothing in the model to replay
-            self._blame_loss(fault, bad.roots[0] if bad.loss_first else None)
+            self._blame_loss(fault, bad.roots[0] if bad.loss_first else None, replayed=False)
         fault.notes += self._updates.notes(self._names) if self._updates is not None else []
         directory = os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}")
         fault.write(directory, step.forwards)
         return fault
 
-    def _blame_loss(self, fault: Fault, root: Optional[roots.Root]) -> None:
-        """The fault is the loss's (`root`; on another rank when None): named on its autograd graph."""
+    def _blame_loss(self, fault: Fault, root: Optional[roots.Root], replayed: bool) -> None:
+        """The fault is the loss's (`root`; on another rank when None): named on its autograd graph.
+        `replayed`: the model was replayed first (the loss read a tensor of it no screen saw)."""
         birth_rank, finding = first_rank_text(root.finding() if root is not None else None)
         fault.finding, fault.phase, fault.reproduced = finding, "loss", None
-        fault.why = "the loop computes the loss, outside the model, and a replay runs the model alone"
+        fault.why = ("the model's replay found nothing there, and the loop's loss is not replayed" if replayed else
+                     "not replayed: the loop computes the loss, outside the model, and a replay runs the model alone")
         if root is not None:
             fault.micro_batch = root.after
         if fault.rank is not None:
