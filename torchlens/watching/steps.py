@@ -85,8 +85,12 @@ class WatchedForward:
         """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number)."""
         leaves = floating_leaves(output)
         if self._first is not None and next_node is not None:
-            self.nodes = (self._first, next_node)
-            self.output_nodes = frozenset(leaf.grad_fn._sequence_nr() for leaf in leaves if leaf.grad_fn is not None)
+            try:
+                self.output_nodes = frozenset(leaf.grad_fn._sequence_nr() for leaf in leaves
+                                              if leaf.grad_fn is not None)
+                self.nodes = (self._first, next_node)
+            except Exception:  # (torch no longer numbers its nodes so: the loss's ops go unnamed)
+                self.nodes = None
         self.sums = screen_sums(leaves)
         return leaves
 

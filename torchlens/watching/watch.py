@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 from torch import nn
