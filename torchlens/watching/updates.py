@@ -56,6 +56,9 @@ class UpdateCheck:
             self.indices[id(opt)] = [i for i in dict.fromkeys(mine) if i not in taken]
             taken.update(mine)
         self.held: Dict[int, str] = {}  # index -> what wrote the non-finite values it holds, as known
+        # the parameters whose gradients the step's own check found non-finite (the optimizer may
+        # change a gradient in place: what it held before the update is what counts)
+        self.bad_grads: set = set()
         self._before: Dict[int, Tuple[List[int], Optional[torch.Tensor]]] = {}
         # the first check, when the watch is made (not in a step): one sum each, one read
         self.versions: List[int] = [p._version for p in self.params]  # as of the last check
@@ -91,7 +94,8 @@ class UpdateCheck:
             p = local(self.params[i].detach())
             with torch.no_grad():
                 nan, inf = int(torch.isnan(p).sum()), int(torch.isinf(p).sum())
-            found.append(Written(i, nan, inf, self._state_before(i, changed, sums), _grad_state(self.params[i])))
+            grad = "non-finite" if i in self.bad_grads else _grad_state(self.params[i])
+            found.append(Written(i, nan, inf, self._state_before(i, changed, sums), grad))
         return found
 
     def _state_before(self, i: int, changed: Optional[List[int]], sums: Optional[torch.Tensor]) -> str:

@@ -452,6 +452,8 @@ class Watch:
 
     def _end_step(self, outputs_only: bool, skipped: bool) -> None:
         step, self._step = self._step, StepRecord()
+        if self._updates is not None:
+            self._updates.bad_grads = set()
         fault = None
         try:
             fault = self._judge(step, outputs_only)
@@ -482,6 +484,8 @@ class Watch:
         if not agree(screen.alarm()):
             return None
         bad = _Confirmed(step, [grads[i][0] for i in nonfinite_positions([p.grad for _, p in grads])])
+        if self._updates is not None:
+            self._updates.bad_grads = set(bad.grads)
         if not agree(flag(bad)):
             self.false_alarms += 1
             return None
