@@ -2,6 +2,7 @@
 
     python benchmarks/watch_bench.py            # resnet18 and GPT-2 (124M), batch 1
     python benchmarks/watch_bench.py --quick    # small models, few rounds: proves the script works
+    python benchmarks/watch_bench.py --models gpt2 --modes plain,watch   # one model, two modes
 
 One step is the whole of a training step: `zero_grad`, forward, loss, backward and an AdamW
 update. The modes: plain (the baseline); `tl.watch(check="outputs")`; `tl.watch` (outputs and
@@ -57,28 +58,32 @@ class SmallConvNet(nn.Module):
         return self.fc(torch.flatten(self.features(x), 1))
 
 
-def build(quick: bool):
-    """(name, model, step inputs, step keywords, loss of the model's output) per model."""
+def build(quick: bool, only=None):
+    """(name, model, step inputs, step keywords, loss of the model's output) per model: each one
+    named in `only` (all when None), built only then (resnet18 needs torchvision)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if quick:
-        gpt_config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
-        conv, image = SmallConvNet(), torch.randn(1, 3, 32, 32)
-    else:
-        import torchvision
+    models = []
+    conv_name, gpt_name = ("small-convnet", "small-gpt2") if quick else ("resnet18", "gpt2")
+    if only is None or conv_name in only:
+        torch.manual_seed(0)
+        if quick:
+            conv, image = SmallConvNet(), torch.randn(1, 3, 32, 32)
+        else:
+            import torchvision
 
-        gpt_config = transformers.GPT2Config()  # the 124M configuration, random weights
-        conv, image = torchvision.models.resnet18(weights=None), torch.randn(1, 3, 224, 224)
-    gpt = transformers.GPT2LMHeadModel(gpt_config)
-    ids = torch.randint(0, gpt_config.vocab_size, (1, 64))
-    label = torch.tensor([1])
-    return [
-        ("resnet18" if not quick else "small-convnet", conv.train(), (image,), {},
-         lambda out: F.cross_entropy(out, label)),
-        ("gpt2" if not quick else "small-gpt2", gpt.train(), (ids,), {"labels": ids}, lambda out: out.loss),
-    ]
+            conv, image = torchvision.models.resnet18(weights=None), torch.randn(1, 3, 224, 224)
+        label = torch.tensor([1])
+        models.append((conv_name, conv.train(), (image,), {}, lambda out: F.cross_entropy(out, label)))
+    if only is None or gpt_name in only:
+        torch.manual_seed(0)
+        gpt_config = (transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+                      if quick else transformers.GPT2Config())  # the 124M configuration, random weights
+        gpt = transformers.GPT2LMHeadModel(gpt_config)
+        ids = torch.randint(0, gpt_config.vocab_size, (1, 64))
+        models.append((gpt_name, gpt.train(), (ids,), {"labels": ids}, lambda out: out.loss))
+    return models
 
 
 class UnderflowOverflowHooks:
@@ -131,11 +136,12 @@ def mode_context(mode: str, model: nn.Module, optimizer, out: str):
     return contextlib.nullcontext()
 
 
-def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, warmup: int) -> Dict:
+def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, warmup: int, modes=None) -> Dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = make_step(model, optimizer, args, kwargs, loss_of)
     out = tempfile.mkdtemp(prefix="torchlens-watch-bench-")
-    times: Dict[str, List[float]] = {mode: [] for mode, _ in MODES}
+    chosen = [(mode, description) for mode, description in MODES if modes is None or mode in modes]
+    times: Dict[str, List[float]] = {mode: [] for mode, _ in chosen}
     held: Dict[str, int] = {}
     faults: Dict[str, int] = {}
 
@@ -154,15 +160,15 @@ def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, war
                 faults[mode] = faults.get(mode, 0) + len(context.faults) + context.false_alarms
         return seconds
 
-    for mode, _ in MODES:
+    for mode, _ in chosen:
         run(mode, warmup)
     for turn in range(rounds):
         # the order turns each round: a mode that allocates a lot slows whichever runs after it
-        for mode, _ in MODES[turn % len(MODES):] + MODES[:turn % len(MODES)]:
+        for mode, _ in chosen[turn % len(chosen):] + chosen[:turn % len(chosen)]:
             times[mode].append(run(mode, block) / block)
     plain = times["plain"]
     rows = []
-    for mode, description in MODES:
+    for mode, description in chosen:
         rows.append({"mode": mode, "description": description,
                      "median_ms": statistics.median(times[mode]) * 1e3,
                      "multiplier": statistics.median(a / b for a, b in zip(times[mode], plain)),
@@ -192,7 +198,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--block", type=int, default=None, help="steps per mode per round")
-    parser.add_argument("--models", default=None)
+    parser.add_argument("--models", default=None, help="comma-separated: resnet18, gpt2 (small-convnet, "
+                        "small-gpt2 with --quick)")
+    parser.add_argument("--modes", default=None, help="comma-separated modes to time (plain always): "
+                        + ", ".join(mode for mode, _ in MODES))
     parser.add_argument("--json", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -200,11 +209,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 9)
     block = args.block or (2 if args.quick else 5)
+    only = args.models.split(",") if args.models else None
+    modes = {"plain", *args.modes.split(",")} if args.modes else None
+    unknown = (modes or set()) - {mode for mode, _ in MODES}
+    if unknown:
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
     results = []
-    for name, model, inputs, kwargs, loss_of in build(args.quick):
-        if args.models and name not in args.models.split(","):
-            continue
-        results.append(bench_model(name, model, inputs, kwargs, loss_of, rounds, block, warmup=2))
+    for name, model, inputs, kwargs, loss_of in build(args.quick, only):
+        results.append(bench_model(name, model, inputs, kwargs, loss_of, rounds, block, warmup=2, modes=modes))
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -583,3 +583,372 @@ def test_a_step_the_loop_drops_itself_is_judged_by_its_outputs_at_the_next_forwa
     [fault] = watch.faults
     assert fault.step == 2 and "non-finite outputs in the forward" in fault.what and fault.reproduced is False
     assert watch.steps == 5 and model.calls == 5 + 2
+
+
+# -- bounds and bookkeeping a long run relies on ---------------------------------------------------
+
+
+class WideLogits(nn.Module):
+    """Logits of 512 classes (8 KB of gradient per micro-batch of 4) for a loss computed outside;
+    `sqrt(|fc(x)|)` makes the backward NaN where an input row is zero (the bias is zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 512)
+        with torch.no_grad():
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        return self.fc(x).abs().sqrt()
+
+
+def _accumulated_step(tmp_path, max_bytes, bad_micro_batch=None):
+    """One step of 8 micro-batches, the loss outside the model: (held bytes before the update, faults)."""
+    torch.manual_seed(0)
+    model = WideLogits()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = [x + 0.5 for x in _inputs(8, (4, 4))]
+    if bad_micro_batch is not None:
+        micro[bad_micro_batch - 1] = torch.zeros(4, 4)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None, max_bytes=max_bytes) as watch:
+        for x in micro:
+            (F.cross_entropy(model(x), torch.tensor([1, 2, 3, 4])) / 8).backward()
+        held = watch.held_bytes
+        optimizer.step()
+    return held, watch.faults
+
+
+def test_max_bytes_bounds_the_gradients_a_whole_accumulated_step_keeps_not_each_one(tmp_path):
+    floor, _ = _accumulated_step(tmp_path, max_bytes=0)  # what any step holds: the generators' states
+    grad_bytes = 4 * 512 * 4
+    held, faults = _accumulated_step(tmp_path, max_bytes=3 * grad_bytes)
+    assert faults == [] and held == floor + 3 * grad_bytes, (held, floor)
+    # the micro-batch whose gradient was dropped for the bound is faulty: said, never called transient
+    _, [fault] = _accumulated_step(tmp_path, max_bytes=3 * grad_bytes, bad_micro_batch=8)
+    assert fault.reproduced is None and "over max_bytes" in fault.why and "transient" not in str(fault)
+    # within the bound, the same fault is replayed to the sqrt
+    _, [fault] = _accumulated_step(tmp_path, max_bytes=8 * grad_bytes, bad_micro_batch=8)
+    assert fault.reproduced and fault.micro_batch == 8 and "SqrtBackward0" in fault.finding
+
+
+def test_a_step_dropped_with_zero_grad_set_to_none_false_ends_at_the_next_forward(tmp_path):
+    torch.manual_seed(0)
+    model = OnceNaN()  # NaN outputs at step 2, which the loop's guard drops with zero_grad(set_to_none=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None) as watch:
+        for x in _inputs(5):
+            loss = model(x)
+            loss.backward()
+            if not torch.isfinite(loss):
+                optimizer.zero_grad(set_to_none=False)  # the gradients are zeroed in place, not dropped
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    [fault] = watch.faults
+    assert fault.step == 2 and fault.micro_batches == 1, "the dropped step's forward rolled into the next step"
+    assert watch.steps == 5
+
+
+class NormedSqrt(nn.Module):
+    """Linear, BatchNorm (running statistics, dropout-free) and `where(h > 0, sqrt(h), 0)` on the
+    head's `|output|`: a zeroed head makes the backward NaN while every forward is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.head(self.body(x)).abs()
+        return torch.where(h > 0, h.sqrt(), torch.zeros_like(h)).sum()
+
+
+def _batchnorm_run(tmp_path, watched: bool):
+    """Six steps, the head zeroed for step 3 (NaN gradients): skipped by the watch, or by the loop."""
+    torch.manual_seed(0)
+    model = NormedSqrt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    watch = tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) if watched else None
+    head = copy.deepcopy(model.head.state_dict())
+    for step, x in enumerate(_inputs(6, (5, 4))):
+        if step in (3, 4):  # zeroed for step 3, put back for step 4
+            with torch.no_grad():
+                for name, value in model.head.named_parameters():
+                    value.copy_(head[name] if step == 4 else torch.zeros_like(value))
+        model(x).backward()
+        if step == 3 and not watched:
+            optimizer.zero_grad()  # what the watch's skip does
+        optimizer.step()
+        optimizer.zero_grad()
+    if watch is not None:
+        assert [f.step for f in watch.faults] == [3] and watch.faults[0].reproduced
+        watch.close()
+    return model.state_dict()
+
+
+def test_a_replay_leaves_batchnorm_running_statistics_as_the_step_left_them(tmp_path):
+    plain, watched = _batchnorm_run(tmp_path, False), _batchnorm_run(tmp_path, True)
+    assert plain.keys() == watched.keys()
+    for name in plain:
+        assert torch.equal(plain[name], watched[name]), f"{name} differs: the replay changed the model's state"
+
+
+def test_a_replayed_forward_that_makes_nan_outputs_is_exact_nan_matching_nan(tmp_path):
+    torch.manual_seed(0)
+    model = ActivatedNet(lambda h: h.log())  # log of a negative: NaN outputs, deterministically
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.no_grad():
+        model.fc.weight.abs_()
+        model.fc.bias.fill_(1.0)
+    inputs = [x.abs() for x in _inputs(3)]
+    inputs[1] = torch.full((3, 4), -10.0)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        _train(model, optimizer, inputs)
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.reproduced and fault.replay == 1
+    assert fault.notes == [], f"an exact replay was noted as inexact: {fault.notes}"
+
+
+# -- a loss computed outside the model ----------------------------------------------------------------
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _labels(step: int, bad_step: int, n: int = 3):
+    """Labels for a step; at `bad_step`, every one ignored (a batch of padding, say): the mean over
+    no labels is 0/0, and its backward sends exactly zero into the logits."""
+    return torch.full((n,), -100) if step == bad_step else torch.arange(n) % 5
+
+
+def test_a_nan_loss_computed_outside_the_model_is_a_fault_named_at_the_losss_ops(tmp_path):
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sink = io.StringIO()
+    with tl.watch(model, optimizer, out=tmp_path, narrate=sink) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for step, x in enumerate(_inputs(5)):
+                before = _state(model, optimizer)
+                loss = F.cross_entropy(model(x), _labels(step, 2))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    fault = caught.value.fault
+    assert step == 2 and fault.step == 2 and torch.isnan(loss)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters()), "finite, zero gradients"
+    assert _same_state(before, _state(model, optimizer)), "the update ran on the NaN loss's step"
+    assert fault.what == "a non-finite loss (the tensor backward() started from)"
+    assert fault.phase == "loss" and fault.reproduced is None and fault.micro_batch == 1
+    assert fault.finding.startswith("NaN loss from the model's finite outputs (forward 1): it went non-finite in "
+                                    "its ops outside the model (LogSoftmaxBackward0 -> NllLossBackward0"), fault.finding
+    assert "backward() called at test_watch.py:" in fault.finding and "not replayed" in str(fault)
+    assert sink.getvalue() == f"!! watch: {fault}\n" and watch.faults == [fault]
+
+
+def test_a_nan_loss_in_one_micro_batch_names_it_and_skip_trains_on_as_the_loop_would(tmp_path):
+    def run(watched: bool):
+        torch.manual_seed(0)
+        model = Classifier()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        watch = tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) if watched else None
+        batches = iter(_inputs(12))
+        for step in range(3):
+            for micro in range(4):
+                F.cross_entropy(model(next(batches)), _labels(step * 4 + micro, 6)).div(4).backward()
+            if step == 1 and not watched:
+                optimizer.zero_grad()  # what the watch's skip does
+            optimizer.step()
+            optimizer.zero_grad()
+        if watch is not None:
+            watch.close()
+        return [p.detach().clone() for p in model.parameters()], watch
+
+    (plain, _), (params, watch) = run(False), run(True)
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.micro_batch == 3 and fault.micro_batches == 4 and fault.phase == "loss"
+    assert "in the loss of micro-batch 3 of 4" in str(fault) and "DivBackward0" in fault.finding
+    assert all(torch.equal(a, b) for a, b in zip(plain, params)), "skip must train as the loop's own skip"
+
+
+def test_a_finite_loss_of_zero_labels_is_no_fault_and_the_backward_is_put_back_at_close(tmp_path):
+    original = torch.autograd.backward
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        assert torch.autograd.backward is not original
+        for step, x in enumerate(_inputs(3)):
+            # every label ignored with reduction="sum": 0, not 0/0
+            F.cross_entropy(model(x), _labels(step, 1), reduction="sum").backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert watch.faults == [] and watch.steps == 3
+    assert torch.autograd.backward is original, "the watch left its wrapper on torch.autograd.backward"
+
+
+class AuxLossNet(nn.Module):
+    """Returns its logits; keeps an auxiliary loss on itself (as a mixture of experts keeps its
+    balancing loss) that the loop adds to its own. `log` of a negative makes the auxiliary NaN
+    inside the model while the logits stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.aux = None
+
+    def forward(self, x):
+        logits = self.fc(x)
+        self.aux = (self.scale * x.sum(-1)).log().mean()
+        return logits
+
+
+def test_a_nan_loss_that_read_a_tensor_the_model_made_but_did_not_return_is_replayed_into_the_model(tmp_path):
+    torch.manual_seed(0)
+    model = AuxLossNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = [x.abs() + 0.1 for x in _inputs(3)]
+    inputs[1] = -inputs[1]  # log of a negative sum: NaN inside the model, finite logits
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for x in inputs:
+            (F.cross_entropy(model(x), torch.tensor([0, 1, 2])) + 0.1 * model.aux).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.what.startswith("a non-finite loss")
+    assert fault.reproduced and fault.phase == "forward" and "log" in fault.finding, fault.finding
+    assert "outside the model" not in fault.finding, "the NaN was born inside the model, not in the loss's ops"
+    # the same loop, the auxiliary finite and every label ignored: the replay finds nothing, the loss is named
+    model = AuxLossNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step, x in enumerate([x.abs() + 0.1 for x in _inputs(3)]):
+            (F.cross_entropy(model(x), _labels(step, 1)) + 0.1 * model.aux).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [fault] = watch.faults
+    assert fault.step == 1 and fault.phase == "loss" and fault.reproduced is None
+    assert "in a tensor of forward 1 that is not an output (not screened)" in fault.finding, fault.finding
+    assert str(fault).endswith("; the model's replay found nothing there, and the loop's loss is not replayed")
+
+
+# -- what an optimizer's update writes -----------------------------------------------------------------
+
+
+class Bag(nn.Module):
+    """An embedding of 32 rows of which each batch reads a few, and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).mean()
+
+
+def _ids(n: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 8, (6,), generator=generator) for _ in range(n)]  # rows 8..31: never read
+
+
+def test_adamw_with_eps_0_raises_from_the_update_that_wrote_its_nan_naming_finite_gradients(tmp_path):
+    torch.manual_seed(0)
+    model = Bag()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for step, ids in enumerate(_ids(4)):
+                model(ids).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    fault = caught.value.fault
+    assert step == 0 and fault.step == 0 and fault.phase == "update" and fault.reproduced is None
+    nan = int(torch.isnan(model.embed.weight).sum())
+    assert nan == 8 * (32 - len(set(_ids(1)[0].tolist()))), "every row the batch did not read: 0/0"
+    assert fault.what == "non-finite values in 1 of 3 parameters after the AdamW update (embed.weight)"
+    assert fault.finding == f"NaN in embed.weight (nan={nan}) written by that update, from finite gradients"
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters()), "the step's gradients, as the update saw"
+    assert watch.faults == [fault] and not list(tmp_path.iterdir()), "an update fault writes no replay"
+
+
+def test_a_learning_rate_spike_that_overflows_a_weight_is_named_at_its_own_step(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for step, x in enumerate(_inputs(6)):
+                optimizer.param_groups[0]["lr"] = 3e38 if step == 3 else 0.1  # a schedule's bug
+                model(x).pow(2).mean().mul(1e3).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    fault = caught.value.fault
+    assert step == 3 and fault.step == 3 and fault.phase == "update"
+    assert fault.finding.startswith("inf in ") and "from finite gradients" in fault.finding, fault.finding
+
+
+def test_float16_adam_whose_eps_rounds_to_zero_is_caught_at_the_first_update(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).half()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)  # 1e-8 is 0 in float16
+    inputs = [x.half() for x in _inputs(3)]
+    for x in inputs:
+        x[:, 0] = 0.0  # a feature that is always 0: its weights' gradient is 0, and Adam's step 0/0
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="report", narrate=None) as watch:
+        for x in inputs:
+            model(x).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    first = watch.faults[0]
+    assert first.step == 0 and first.phase == "update", first
+    # (a gradient whose square underflows float16 gives m/0 = inf beside the 0/0 NaNs)
+    assert first.finding.startswith("NaN and inf in weight (nan=3, inf=") and "from finite gradients" in first.finding
+    # later steps read the NaN weight: a source, with what wrote it said beside it
+    assert [f.step for f in watch.faults] == [0, 1, 2] and watch.faults[1].phase == "forward"
+    assert "weight holds the non-finite values step 0's Adam update wrote (from finite gradients)" in watch.faults[1].notes
+
+
+def test_skip_cannot_take_an_update_back_and_says_so(tmp_path):
+    torch.manual_seed(0)
+    model = Bag()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        model(_ids(1)[0]).backward()
+        optimizer.step()
+    [fault] = watch.faults
+    assert fault.phase == "update" and fault.notes == ["the update had run: on_fault='skip' cannot take it back"]
+
+
+def test_a_nan_written_into_a_weight_by_the_loop_is_not_blamed_on_the_update(tmp_path):
+    torch.manual_seed(0)
+    model = Bag()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        for step, ids in enumerate(_ids(4)):
+            if step == 2:
+                with torch.no_grad():
+                    model.embed.weight[30, 1] = float("nan")  # a row no batch reads
+            model(ids).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert watch.faults == [] and watch.steps == 4, "the update did not write that NaN"
+    assert int(torch.isnan(model.embed.weight).sum()) == 1
+
+
+def test_check_outputs_leaves_updates_unscreened_and_registers_no_update_hook(tmp_path):
+    torch.manual_seed(0)
+    model = Bag()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+    with tl.watch(model, optimizer, out=tmp_path, check="outputs", on_fault="report", narrate=None) as watch:
+        assert not optimizer._optimizer_step_post_hooks
+        model(_ids(1)[0]).backward()
+        optimizer.step()
+    assert watch.faults == []

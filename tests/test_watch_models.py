@@ -170,7 +170,11 @@ def test_a_nan_loss_under_a_gradscaler_raises_from_the_same_step(tmp_path):
     fault = caught.value.fault
     assert fault.step == 1 and fault.what == "a non-finite loss (given to scaler.scale)"
     assert torch.equal(before, model.fc1.weight)
-    assert fault.reproduced and fault.phase == "backward" and "output" in fault.finding, fault.finding
+    # the loss went NaN outside the model (a NaN target), its outputs finite: named on the loss's graph
+    assert fault.phase == "loss" and fault.reproduced is None, fault.finding
+    assert fault.finding.startswith("NaN loss from the model's finite outputs (forward 1)"), fault.finding
+    assert "(MseLossBackward0, as autograd names them)" in fault.finding
+    assert "scaler.scale called at test_watch_models.py:" in fault.finding
     assert watch.steps == 2
 
 
@@ -220,3 +224,75 @@ def test_a_compiled_models_fault_that_eager_reproduces_is_named_eagerly(tmp_path
             optimizer.zero_grad()
     [fault] = watch.faults
     assert fault.step == 1 and fault.reproduced and not fault.compiled_only and fault.replay == 1
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attention_dropout=0.1)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _qwen2():
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def test_a_causal_lm_loss_computed_outside_over_an_all_padding_batch_is_caught_at_its_step(tmp_path):
+    torch.manual_seed(0)
+    model = _llama().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for step in range(5):
+                ids = torch.randint(0, VOCAB, (2, 10), generator=generator)
+                labels = torch.full_like(ids, -100) if step == 3 else ids  # a batch of padding only
+                before = [p.detach().clone() for p in model.parameters()]
+                logits = model(input_ids=ids).logits
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    fault = caught.value.fault
+    assert step == 3 and fault.step == 3 and fault.phase == "loss" and watch.faults == [fault]
+    assert "LogSoftmaxBackward0 -> NllLossBackward0" in fault.finding and "(forward 1)" in fault.finding
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the update ran"
+
+
+def test_adamw_with_eps_0_on_a_qwen2_raises_at_step_0_naming_the_embedding_rows_it_wrote(tmp_path):
+    torch.manual_seed(0)
+    model = _qwen2().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
+    ids = torch.randint(0, VOCAB // 2, (2, 10), generator=torch.Generator().manual_seed(0))  # half the vocabulary
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            for step in range(3):
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    fault = caught.value.fault
+    assert step == 0 and fault.step == 0 and fault.phase == "update" and watch.faults == [fault]
+    assert "model.embed_tokens.weight (nan=" in fault.finding and "from finite gradients" in fault.finding
+    assert "after the AdamW update" in fault.what
+
+
+def test_an_exact_replay_of_nan_outputs_on_a_gpt2_adds_no_note(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).train()  # dropout on: the replay draws the same masks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with tl.watch(model, optimizer, out=tmp_path, on_fault="skip", narrate=None) as watch:
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    first = watch.faults[0]
+    assert first.step == 1 and first.reproduced and first.replay == 1 and first.phase == "forward"
+    assert first.notes == [], f"an exact replay was noted as inexact: {first.notes}"

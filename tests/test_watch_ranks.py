@@ -196,3 +196,60 @@ def test_a_transformers_llama_under_fsdp2_trains_bitwise_as_plain_under_the_watc
     for rank, result in enumerate(run_ranks(_llama_scenario, 2, tmp_path)):
         assert result["faults"] == [], f"rank {rank}: {result['faults']}"
         assert result["same"], f"rank {rank}: the watch changed FSDP2 training (dropout on)"
+
+
+class Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _loss_and_update_scenario(rank: int, workdir: str) -> dict:
+    """Two runs on DDP: rank 1's labels at step 2 are all ignored (a NaN loss, zero gradients:
+    after DDP's all-reduce no rank's gradients show it); then rank 1's learning rate at step 3 is
+    a spike (its update alone overflows a weight: a rank-local bug)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results = {}
+    for case in ("loss", "update"):
+        torch.manual_seed(0)
+        model = DDP(Logits())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        with tl.watch(model, optimizer, out=f"{workdir}/{case}", narrate=None) as watch:
+            try:
+                for step in range(5):
+                    x, y = torch.randn(3, 4, generator=generator), torch.tensor([0, 1, 2])
+                    if case == "loss" and step == 2 and rank == 1:
+                        y = torch.full((3,), -100)
+                    if case == "update":
+                        optimizer.param_groups[0]["lr"] = 3e38 if (step, rank) == (3, 1) else 0.1
+                    before = [p.detach().clone() for p in model.parameters()]
+                    torch.nn.functional.cross_entropy(model(x), y).mul(1e3).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except NonFiniteError as exc:
+                fault = exc.fault
+                results[case] = {"step": step, "fault_step": fault.step, "phase": fault.phase,
+                                 "birth_rank": fault.birth_rank, "finding": fault.finding, "text": str(fault),
+                                 "unchanged": all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+                                 "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                                 "faults": len(watch.faults)}
+    return results
+
+
+def test_ddp_ranks_stop_together_at_a_nan_loss_or_an_update_one_rank_made_and_name_that_rank(tmp_path):
+    results = run_ranks(_loss_and_update_scenario, 2, tmp_path)
+    for rank, result in enumerate(results):
+        loss, update = result["loss"], result["update"]
+        assert loss["step"] == loss["fault_step"] == 2 and loss["phase"] == "loss" and loss["birth_rank"] == 1, loss
+        assert "NllLossBackward0" in loss["finding"] and loss["unchanged"] and loss["faults"] == 1, loss
+        assert update["step"] == update["fault_step"] == 3 and update["phase"] == "update", update
+        assert update["birth_rank"] == 1 and update["finding"].startswith("inf in fc."), update
+        assert update["finite"] == (rank == 0), "both updates ran: rank 1's wrote the inf, rank 0's finite values"
+    assert "on rank 1: NaN loss" in results[0]["loss"]["text"] and "on rank" not in results[1]["loss"]["text"]
+    assert results[0]["update"]["text"].startswith("rank 0 step 3: non-finite values written by an update on "
+                                                   "another rank; on rank 1: inf in fc.")

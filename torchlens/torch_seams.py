@@ -152,6 +152,33 @@ def _probe_graph_task():
             or _missing(torch.autograd.Variable._execution_engine, "queue_callback"))
 
 
+def _probe_backward_entry():
+    """`Tensor.backward` still calls `torch.autograd.backward` as the module's attribute, at the call."""
+    original, called = torch.autograd.backward, []
+
+    def listening(*args, **kwargs):
+        called.append(True)
+        return original(*args, **kwargs)
+
+    torch.autograd.backward = listening
+    try:
+        torch.ones((), requires_grad=True).mul(2).backward()
+    finally:
+        torch.autograd.backward = original
+    return None if called else "Tensor.backward no longer calls torch.autograd.backward"
+
+
+def _probe_sequence_numbers():
+    missing = _missing(torch._C._autograd, "_get_sequence_nr")
+    if missing:
+        return missing
+    before = torch._C._autograd._get_sequence_nr()
+    node = torch.ones(1, requires_grad=True).mul(2).grad_fn
+    if not hasattr(node, "_sequence_nr") or not before <= node._sequence_nr() < torch._C._autograd._get_sequence_nr():
+        return "a node's _sequence_nr() no longer falls between the counter's values around its making"
+    return None
+
+
 def _probe_hook_handles():
     from collections import OrderedDict
 
@@ -283,6 +310,13 @@ SEAMS = (
          "which calls write their arguments cannot be told: writes are not followed", _probe_schemas),
     Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback", "backward.runs",
          "backward narration cannot tell one backward from another, nor when one ends", _probe_graph_task),
+    Seam("backward entry", "torch.autograd.backward, which Tensor.backward looks up at each call (wrapped while "
+         "a watch is open)", "watching.roots.listen",
+         "tl.watch does not see the loss a backward starts from: a NaN loss computed outside the model whose "
+         "gradients are finite is no fault", _probe_backward_entry),
+    Seam("autograd sequence numbers", "torch._C._autograd._get_sequence_nr and Node._sequence_nr",
+         "watching.roots.loss_ops",
+         "a watch fault for a loss computed outside the model does not list the loss's ops", _probe_sequence_numbers),
     Seam("hook handles", "torch.utils.hooks.RemovableHandle's hooks_dict_ref and id", "backward.graph.Hooks",
          "nothing shown: each backward hook's handle is kept, more objects for the garbage collector per step",
          _probe_hook_handles),

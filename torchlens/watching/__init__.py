@@ -2,6 +2,9 @@
 
 - `checks`: the cheap screen a healthy step pays for;
 - `steps`: what a step keeps (references) so that it can be replayed;
+- `roots`: the tensor each backward starts from (a loss computed outside the model);
+- `updates`: what each optimizer update wrote into the parameters;
+- `agreement`: the ranks agreeing on a verdict, under a process group;
 - `replay`: the replay under tracking, the user's state put back around it;
 - `faults`: `Fault`, and what a fault leaves on disk;
 - `watch`: the hooks and the policy (`on_fault=`);

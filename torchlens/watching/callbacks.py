@@ -10,6 +10,10 @@
   watches the forwards of the `LightningModule` itself: a `training_step` that calls `self(x)`.
   One that never calls its own forward gives the watch nothing to see, and it says so once.
 
+In both, a loss computed outside the model (a `Trainer`'s `compute_loss`, a `training_step`) is
+screened where its backward starts, and each update after it runs (a step post-hook on the torch
+optimizer, which both frameworks step), as in a plain loop.
+
 A fault under `on_fault="raise"` leaves `trainer.train()` / `trainer.fit()` as their exception
 (`tl.errors.NonFiniteError`, `.fault` attached), the watch closed first (the loop cannot go on). Neither framework is a dependency: each class is
 built on first use, from the framework installed then.

@@ -15,9 +15,11 @@ from typing import List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Screen", "floating_leaves", "local", "nonfinite_positions", "same_sums", "screen_sums"]
+__all__ = ["Screen", "floating_leaves", "local", "nonfinite_counts", "nonfinite_positions", "same_sums",
+           "screen_sums"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,6 +40,8 @@ def floating_leaves(value) -> List[torch.Tensor]:
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype is torch.float32 and tensor.layout is torch.strided and type(tensor) in _PLAIN:
+        return tensor.sum()  # (the common case, first: this runs for every gradient and weight of every step)
     tensor = local(tensor)
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
@@ -60,25 +64,45 @@ def screen_sums(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 class Screen:
-    """The step's screens, summed into one number on the device and read once."""
+    """The step's screens, summed into one number on the device and read once: sums (non-finite
+    when a tensor is) and counts of non-finite elements (exact, for the few small tensors counted)."""
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_parts", "_counts")
 
     def __init__(self):
         self._parts: List[torch.Tensor] = []
+        self._counts: List[torch.Tensor] = []
 
     def add(self, sums: Optional[torch.Tensor]) -> None:
         if sums is not None:
             self._parts.append(sums.sum())
 
+    def add_count(self, count: torch.Tensor) -> None:
+        self._counts.append(count)
+
     def alarm(self) -> Optional[torch.Tensor]:
-        """1 (int64, on the device) when a part is not finite, else 0; None with nothing screened."""
-        if not self._parts:
+        """1 (int64, on the device) when a sum is not finite or a count is not 0, else 0; None with
+        nothing screened."""
+        if not self._parts and not self._counts:
             return None
-        device = self._parts[0].device
+        device = (self._parts or self._counts)[0].device
         with torch.no_grad():
-            total = torch.stack([p.to(device) for p in self._parts]).sum()
-            return (~torch.isfinite(total)).to(torch.int64)
+            alarm = torch.zeros((), dtype=torch.bool, device=device)
+            if self._parts:
+                alarm = ~torch.isfinite(torch.stack([p.to(device) for p in self._parts]).sum())
+            if self._counts:
+                alarm = alarm | (torch.stack([c.to(device) for c in self._counts]).sum() > 0)
+            return alarm.to(torch.int64)
+
+
+def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Each tensor's count of non-finite elements, stacked (int64, on their device): exact where a
+    sum could overflow, at the price of a mask per tensor; None for no tensors."""
+    if not tensors:
+        return None
+    with torch.no_grad():
+        counts = [(~torch.isfinite(_local_real(t))).sum() for t in tensors]
+        return torch.stack([c.to(counts[0].device) for c in counts])
 
 
 def nonfinite_positions(tensors: Sequence[torch.Tensor]) -> List[int]:

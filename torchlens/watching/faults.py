@@ -10,7 +10,11 @@ import torch
 from ..errors import ReproError, warn_safely
 from .replay import Outcome
 
-__all__ = ["Fault"]
+__all__ = ["Fault", "MEASURED"]
+
+# the phases a fault is named in without a replay: a loss the loop computed outside the model (on
+# its autograd graph), and an optimizer's update (the parameters it wrote, read after it ran)
+MEASURED = ("loss", "update")
 
 
 class Fault:
@@ -22,7 +26,10 @@ class Fault:
       "non-finite outputs in forward 2 of 4").
     - `reproduced`: True when a replay found it again, False when no replay did (a **transient**
       fault: a nondeterministic kernel, a race, the hardware; the step's inputs are saved),
-      None when the replays could not tell (`why` says why, e.g. the backward was not replayed).
+      None when the replays could not tell, or none ran (`why` says why, e.g. the backward was not
+      replayed; a loss or an update fault is measured where it happened).
+    - `phase`: "forward" or "backward" (where a replay found it), "loss" (a loss computed outside
+      the model, named on its autograd graph) or "update" (what an optimizer's update wrote).
     - `replay`: which replay reproduced it (1-based), `replays`: how many ran.
     - `finding`: the first finding's text (where the value was born), `birth_rank`: under a
       process group, the rank it was born on (`tl.debug.across_ranks` over the replays).
@@ -67,7 +74,14 @@ class Fault:
     def __str__(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         head = f"{rank}step {self.step}: {self.what}"
-        if self.reproduced:
+        if self.phase in MEASURED:  # found where it happened, without a replay
+            where = self.finding or "not named"
+            if self.micro_batch is not None and self.micro_batches > 1:
+                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
+            if self.birth_rank is not None and self.birth_rank != self.rank:
+                where = f"on rank {self.birth_rank}: {where}"
+            text = f"{head}; {where}" + (f"; {self.why}" if self.phase == "loss" and self.why else "")
+        elif self.reproduced:
             where = self.finding or "non-finite values"
             if self.micro_batch is not None and self.micro_batches > 1:
                 where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"

@@ -55,10 +55,15 @@ class WatchedForward:
     """One forward of a step, as the replay needs it (see the module's docstring)."""
 
     __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "sums", "received",
-                 "received_bytes", "dropped", "loss_fed", "__weakref__")
+                 "received_bytes", "dropped", "loss_fed", "nodes", "output_nodes", "_first", "__weakref__")
 
-    def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...]):
+    def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...], first_node: Optional[int]):
         self.number = number  # 1-based, within the step
+        # the sequence numbers of the autograd nodes it made, [first, last), once it has returned,
+        # and those of its screened outputs' nodes (what a loss computed from them reads)
+        self.nodes: Optional[Tuple[int, int]] = None
+        self.output_nodes: frozenset = frozenset()
+        self._first = first_node
         self.args = args
         self.kwargs = kwargs
         self.versions = tensor_versions((args, kwargs))
@@ -76,8 +81,16 @@ class WatchedForward:
         """How many of its argument tensors were modified in place after it ran."""
         return sum(1 for tensor, version in self.versions if tensor._version != version)
 
-    def screen(self, output) -> List[torch.Tensor]:
+    def screen(self, output, next_node: Optional[int]) -> List[torch.Tensor]:
+        """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number)."""
         leaves = floating_leaves(output)
+        if self._first is not None and next_node is not None:
+            try:
+                self.output_nodes = frozenset(leaf.grad_fn._sequence_nr() for leaf in leaves
+                                              if leaf.grad_fn is not None)
+                self.nodes = (self._first, next_node)
+            except Exception:  # (torch no longer numbers its nodes so: the loss's ops go unnamed)
+                self.nodes = None
         self.sums = screen_sums(leaves)
         return leaves
 
@@ -87,16 +100,22 @@ class StepRecord:
     backward (to tell, at the next forward, that they were reset without an optimizer step: a step
     a GradScaler skipped, or a `zero_grad` before a step was taken)."""
 
-    __slots__ = ("forwards", "after_backward", "backwards", "losses")
+    __slots__ = ("forwards", "after_backward", "backwards", "roots")
 
     def __init__(self):
         self.forwards: List[WatchedForward] = []
-        self.losses: List[torch.Tensor] = []  # the screens of the losses a GradScaler scaled
+        self.roots: list = []  # `roots.Root`: what each backward into the model started from
         self.after_backward: Optional[Tuple[int, int, int]] = None  # (param index, id(grad), grad version)
         self.backwards = 0
 
     @property
+    def received_bytes(self) -> int:
+        """The bytes of the gradients into the outputs the step keeps, all its forwards together
+        (what the watch's `max_bytes` bounds)."""
+        return sum(f.received_bytes for f in self.forwards)
+
+    @property
     def held_bytes(self) -> int:
         """The bytes this step keeps alive that plain training would have freed: the gradients
-        into the outputs, and the generators' states."""
+        into the outputs, and the generators' states (kept whatever the bound: a replay needs them)."""
         return sum(f.received_bytes + f.rng.nbytes for f in self.forwards)

@@ -4,12 +4,17 @@ How a step is watched (see docs/watch.md):
 
 1. each forward of the model (called with gradients enabled) keeps references to its arguments
    and the random generators' states, and screens its outputs (one sum per output, on the device);
-2. each backward into its outputs keeps the gradient it sent in (see `steps`);
+2. each backward into its outputs keeps the gradient it sent in (see `steps`), and the screen of
+   the tensor it started from: the loss, even one computed outside the model (see `roots`);
 3. at `optimizer.step()` (a step pre-hook, so before any weight changes) the gradients are screened
-   too, and the step's screens are read as one number: the step's only host read. A finite number
-   is a healthy step and ends it; under a process group the ranks agree with one small all-reduce;
-4. otherwise the fault is confirmed and the step replayed under tracking (`replay`), and the watch
-   raises from `optimizer.step()`, skips the update, or only reports, as `on_fault=` says.
+   too, and the step's screens are read as one number. A finite number is a healthy step and ends
+   it; under a process group the ranks agree with one small all-reduce;
+4. otherwise the fault is confirmed and the step replayed under tracking (`replay`), or, for a loss
+   that went non-finite outside the model, named on its graph; and the watch raises from
+   `optimizer.step()`, skips the update, or only reports, as `on_fault=` says;
+5. after the update (a step post-hook) the optimizer's parameters are screened and read: the
+   step's second read. A non-finite value the update wrote from finite gradients is a fault
+   raised from that `optimizer.step()` (see `updates`).
 
 A step ends at `optimizer.step()`, or, when the gradients were reset without one (a step a
 `GradScaler` skipped for overflowing gradients, or a `zero_grad` before any step), at the next
@@ -22,9 +27,10 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import weakref
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -33,7 +39,10 @@ from ..errors import NonFiniteError, OptionTypeError, OptionValueError, describe
 from ..guard import internal_error, is_stop
 from ..ranks import rank_and_world_size
 from ..sinks import checked_sink, open_sink
+from ..sites import find_user_site
 from ..structure import check_model
+from . import roots, updates
+from .agreement import agree, first_rank_text, flag
 from .checks import Screen, floating_leaves, nonfinite_positions, screen_sums
 from .faults import Fault
 from .replay import replay_step
@@ -62,14 +71,16 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
             optimizer.zero_grad()                   # its `.fault` naming where the value was born
         watch.close()
 
-    A healthy step costs a sum per output and per gradient and one host read. On the first
-    non-finite output or gradient, before the optimizer changes a weight, the step is replayed
-    exactly under tracking (up to `replays` times: a fault no replay reproduces is transient),
-    and `on_fault` decides: "raise" (from `optimizer.step()`, weights untouched), "skip" (the
-    gradients cleared, so the update changes nothing, and training goes on) or "report".
-    `check="outputs"` screens the forwards' outputs only. The fault's line goes to `narrate`
+    A healthy step costs a sum per output, per gradient and per weight and two host reads. On the
+    first non-finite output, loss or gradient, before the optimizer changes a weight, the step is
+    replayed exactly under tracking (up to `replays` times: a fault no replay reproduces is
+    transient; a loss computed outside the model is named on its graph instead), and `on_fault`
+    decides: "raise" (from `optimizer.step()`, weights untouched), "skip" (the gradients cleared,
+    so the update changes nothing, and training goes on) or "report". An update that writes a
+    non-finite value from finite gradients is a fault of its own, raised from the `optimizer.step()`
+    that ran it. `check="outputs"` screens the forwards' outputs and losses only. The fault's line goes to `narrate`
     (any narration sink; None for none); its page, trace, repro and inputs to `out`/step-N/.
-    `max_bytes` bounds the gradient kept per step for a loss computed outside the model;
+    `max_bytes` bounds the gradients a step keeps (all its micro-batches) for a loss computed outside the model;
     `scaler` (a `GradScaler`) lets a collapsing scale count as a fault; `compiler` is what
     replays a compiled model whose eager replays find nothing.
     """
@@ -158,6 +169,25 @@ class _ScalerHooks:
                 delattr(self.scaler, name)
 
 
+class _Confirmed:
+    """What of a step that raised an alarm holds non-finite values, element by element: the
+    parameters whose gradients do (`grads`, their indices), the forwards whose outputs do (their
+    numbers), the losses (`roots.Root`). `loss_first`: a loss is non-finite while every output is
+    finite (it went non-finite outside the model, before any backward, unless it read a tensor of
+    the model that is not an output: `loss_reads_inside`, which a replay looks into first)."""
+
+    def __init__(self, step: StepRecord, grads: List[int]):
+        self.grads = grads
+        self.forwards = [f.number for f in step.forwards
+                         if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
+        self.roots = [root for root in step.roots if root.bad]
+        self.loss_first = bool(self.roots) and not self.forwards
+        self.loss_reads_inside = self.loss_first and any(root.ops.unscreened for root in self.roots)
+
+    def __bool__(self) -> bool:
+        return bool(self.grads or self.forwards or self.roots)
+
+
 class _Unwatched:
     """Stands for a forward the watch does not keep (no gradient mode: evaluation)."""
 
@@ -204,14 +234,20 @@ class Watch:
         self._replayer = None  # `tl.compile` of the model, made at the first compiled replay
         self._false_output_alarm = False
         self._thread = threading.get_ident()
+        # the parameters after each update (check="grads": outputs, losses, gradients and updates)
+        self._updates = updates.UpdateCheck(self._params, self.optimizers) if self.check == "grads" else None
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
+            roots.listen(self._backward_called, self._backward_returned),
         ]
         # a framework's loop cannot go on after the error leaves it: its adapter closes the watch then
         self._close_on_raise = close_on_raise
+        self._step_hook = step_hook
         if step_hook:  # (False: the caller calls `check_step()`, see there)
             self._handles += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
+        if self._updates is not None:
+            self._handles += [opt.register_step_post_hook(self._after_update) for opt in self.optimizers]
         if scaler is not None:
             self._handles.append(_ScalerHooks(scaler, self._scaled, self._after_scaler_update))
         self._closed = False
@@ -274,7 +310,7 @@ class Watch:
                 self._open = _UNWATCHED
                 return None
             self._open = WatchedForward(len(self._step.forwards) + 1, args, kwargs,
-                                        tuple(m.training for m in self._modules))
+                                        tuple(m.training for m in self._modules), roots.next_node_number())
         except Exception as exc:
             if is_stop(exc):
                 raise
@@ -290,12 +326,10 @@ class Watch:
         forward, self._open = self._open, None
         if forward is _UNWATCHED:
             return None
-        import sys
-
         if sys.exc_info()[1] is not None:  # the forward raised: no step will use it
             return None
         try:
-            leaves = forward.screen(output)
+            leaves = forward.screen(output, roots.next_node_number())
             self._step.forwards.append(forward)
             ref = weakref.ref(forward)
             for position, leaf in enumerate(leaves):
@@ -314,14 +348,14 @@ class Watch:
             task = _graph_task_id()
             if task not in self._tasks:
                 self._tasks.add(task)
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
             if is_loss:
                 forward.loss_fed.add(task)
             elif task in forward.loss_fed:
                 return None  # it flows from a loss output, whose gradient is kept
             else:
                 size = grad.numel() * grad.element_size()
-                if self._step.held_bytes + size > self.max_bytes:
+                if self._step.received_bytes + size > self.max_bytes:
                     forward.dropped = (f"the gradient into an output of forward {forward.number} "
                                        f"({size / 2 ** 20:.1f} MiB) is over max_bytes={self.max_bytes}")
                     return None
@@ -331,7 +365,7 @@ class Watch:
             self._fail("keeping an output's gradient", exc)
         return None
 
-    def _backward_done(self) -> None:
+    def _backward_finished(self) -> None:
         """Autograd finished a backward into the model: note how the gradients look now."""
         self._tasks.discard(_graph_task_id())
         step = self._step
@@ -340,6 +374,25 @@ class Watch:
             if p.grad is not None:
                 step.after_backward = (index, weakref.ref(p.grad), p.grad._version)
                 return
+
+    def _backward_called(self):
+        """`torch.autograd.backward` was called on this thread: a mark to tell, once it returns,
+        whether it reached the model (see `_backward_returned`)."""
+        return (self._step, self._step.backwards) if self._ours() else None
+
+    def _backward_returned(self, mark, tensors, frame) -> None:
+        """A backward from `tensors` returned: when it reached the model, keep their screen (a loss
+        computed outside the model is seen nowhere else). Given a scaler, the loss is screened where
+        it is scaled instead (the scaled loss may overflow where the loss does not)."""
+        if mark is None or self.scaler is not None or not self._ours():
+            return
+        step, backwards = mark
+        if self._step is not step or step.backwards == backwards:
+            return  # it did not reach the model (or the step ended meanwhile)
+        try:
+            step.roots.append(roots.Root(tensors, step.forwards, "backward()", find_user_site(frame)))
+        except Exception as exc:
+            self._fail("screening the loss a backward started from", exc)
 
     def _end_reset_step(self) -> None:
         """At a forward: end a step whose gradients were reset without an optimizer step."""
@@ -360,10 +413,12 @@ class Watch:
     def _scaled(self, loss) -> None:
         """The scaler is about to scale `loss`: screen it with the step's outputs (a step the
         scaler then skips is a fault when the loss itself was not finite)."""
-        if not self._ours():
+        leaves = floating_leaves(loss)
+        if not self._ours() or not leaves:
             return
         try:
-            self._step.losses.append(screen_sums(floating_leaves(loss)))
+            self._step.roots.append(roots.Root(leaves, self._step.forwards, "scaler.scale",
+                                               find_user_site(sys._getframe(1))))
         except Exception as exc:
             self._fail("screening the scaled loss", exc)
 
@@ -375,6 +430,8 @@ class Watch:
             self._end_skipped_step()
 
     def _before_step(self, optimizer, args, kwargs):
+        if self._updates is not None and self._ours():
+            self._updates.before(optimizer)
         self.check_step()
         return None
 
@@ -384,12 +441,19 @@ class Watch:
         inside `step(closure)` (PyTorch Lightning, LBFGS), where that hook runs before them: make
         the watch with `Watch(..., step_hook=False)` and call this after the backward, before the
         update (Lightning's `on_before_optimizer_step`)."""
-        if not self._ours() or not self._step.forwards:
+        if not self._ours():
+            return
+        if not self._step_hook and self._updates is not None:
+            for optimizer in self.optimizers:
+                self._updates.before(optimizer)
+        if not self._step.forwards:
             return  # nothing since the last step (a second optimizer of the same step)
         self._end_step(outputs_only=self.check == "outputs", skipped=False)
 
     def _end_step(self, outputs_only: bool, skipped: bool) -> None:
         step, self._step = self._step, StepRecord()
+        if self._updates is not None:
+            self._updates.bad_grads = set()
         fault = None
         try:
             fault = self._judge(step, outputs_only)
@@ -406,47 +470,68 @@ class Watch:
     # -- judging a step -----------------------------------------------------------------------------
 
     def _judge(self, step: StepRecord, outputs_only: bool) -> Optional[Fault]:
-        """The step's screens read as one number; on an alarm, the fault confirmed and replayed."""
+        """The step's screens read as one number; on an alarm, the fault confirmed, then replayed
+        or, for a loss that went non-finite outside the model, named on the loss's graph."""
         if not step.forwards:
             return None
+        grads = [] if outputs_only else [(i, p) for i, p in enumerate(self._params) if p.grad is not None]
         screen = Screen()
-        for sums in [forward.sums for forward in step.forwards] + step.losses:
-            screen.add(sums)
-        grads = [] if outputs_only else [p.grad for p in self._params if p.grad is not None]
-        screen.add(screen_sums(grads))
-        alarm = screen.alarm()
-        if not self._agree(alarm):
+        for forward in step.forwards:
+            screen.add(forward.sums)
+        for root in step.roots:
+            root.screen(screen)
+        screen.add(screen_sums([p.grad for _, p in grads]))
+        if not agree(screen.alarm()):
             return None
-        with_grad = [(i, p) for i, p in enumerate(self._params) if p.grad is not None] if grads else []
-        bad_grads = [with_grad[i][0] for i in nonfinite_positions([p.grad for _, p in with_grad])]
-        bad_forwards = [f.number for f in step.forwards
-                        if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
-        bad_losses = sum(1 for sums in step.losses if sums is not None and not bool(torch.isfinite(sums).all()))
-        if not self._agree(torch.tensor(int(bool(bad_grads or bad_forwards or bad_losses)))):
+        bad = _Confirmed(step, [grads[i][0] for i in nonfinite_positions([p.grad for _, p in grads])])
+        if self._updates is not None:
+            self._updates.bad_grads = set(bad.grads)
+        if not agree(flag(bad)):
             self.false_alarms += 1
             return None
         rank, world = rank_and_world_size()
-        fault = Fault(self.steps, self._what(bad_grads, bad_forwards, bad_losses, step), rank if world > 1 else None)
+        fault = Fault(self.steps, self._what(bad, step), rank if world > 1 else None)
         fault.micro_batches = len(step.forwards)
-        self._replay(fault, step, gradients=bool(bad_grads or bad_losses),
-                     prefer=None if bad_forwards else "backward")
-        if fault.reproduced is False and not bad_grads and self._false_output_alarm:
-            self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
-            return None
+        inside = agree(flag(bad.forwards or bad.loss_reads_inside))
+        if inside or not agree(flag(bad.loss_first)):
+            self._replay(fault, step, gradients=bool(bad.grads or bad.roots),
+                         prefer=None if bad.forwards or bad.loss_reads_inside else "backward")
+            # (every rank asks, whatever its own replay found: the question is a collective)
+            if agree(flag(bad.loss_first and fault.reproduced is not True)):
+                mine = bad.loss_first and fault.reproduced is not True
+                self._blame_loss(fault, bad.roots[0] if mine else None, replayed=True)
+            elif fault.reproduced is False and not bad.grads and self._false_output_alarm:
+                self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
+                return None
+        else:  # the loss went non-finite first, outside the model: nothing in the model to replay
+            self._blame_loss(fault, bad.roots[0] if bad.loss_first else None, replayed=False)
+        fault.notes += self._updates.notes(self._names) if self._updates is not None else []
         directory = os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}")
         fault.write(directory, step.forwards)
         return fault
 
-    def _what(self, bad_grads: Sequence[int], bad_forwards: Sequence[int], bad_losses: int, step: StepRecord) -> str:
-        parts = ["a non-finite loss (given to scaler.scale)"] if bad_losses else []
-        if bad_forwards:
+    def _blame_loss(self, fault: Fault, root: Optional[roots.Root], replayed: bool) -> None:
+        """The fault is the loss's (`root`; on another rank when None): named on its autograd graph.
+        `replayed`: the model was replayed first (the loss read a tensor of it no screen saw)."""
+        birth_rank, finding = first_rank_text(root.finding() if root is not None else None)
+        fault.finding, fault.phase, fault.reproduced = finding, "loss", None
+        fault.why = ("the model's replay found nothing there, and the loop's loss is not replayed" if replayed else
+                     "not replayed: the loop computes the loss, outside the model, and a replay runs the model alone")
+        if root is not None:
+            fault.micro_batch = root.after
+        if fault.rank is not None:
+            fault.birth_rank = birth_rank
+
+    def _what(self, bad: "_Confirmed", step: StepRecord) -> str:
+        parts = [bad.roots[0].what()] if bad.loss_first else []
+        if bad.forwards:
             n = len(step.forwards)
-            which = (f"forward {bad_forwards[0]} of {n}" if len(bad_forwards) == 1 and n > 1
-                     else f"{len(bad_forwards)} of {n} forwards" if n > 1 else "the forward")
+            which = (f"forward {bad.forwards[0]} of {n}" if len(bad.forwards) == 1 and n > 1
+                     else f"{len(bad.forwards)} of {n} forwards" if n > 1 else "the forward")
             parts.append(f"non-finite outputs in {which}")
-        if bad_grads:
-            named = ", ".join(self._names[i] for i in bad_grads[:3]) + (", ..." if len(bad_grads) > 3 else "")
-            parts.append(f"non-finite gradients in {len(bad_grads)} of {len(self._params)} parameters ({named})")
+        if bad.grads:
+            named = ", ".join(self._names[i] for i in bad.grads[:3]) + (", ..." if len(bad.grads) > 3 else "")
+            parts.append(f"non-finite gradients in {len(bad.grads)} of {len(self._params)} parameters ({named})")
         if not parts:
             parts.append("non-finite values on another rank")
         return " and ".join(parts)
@@ -513,7 +598,7 @@ class Watch:
             from ..debug.across_ranks import across_ranks
 
             report = across_ranks(outcome.recorder)
-            reproduced = self._agree(torch.tensor(int(outcome.reproduced))) or report.first_rank is not None
+            reproduced = agree(flag(outcome.reproduced)) or report.first_rank is not None
             if not reproduced:
                 return False
             fault.take(outcome, self.replays)
@@ -539,22 +624,57 @@ class Watch:
             self._replayer = tl_compile(self._eager, on_nonfinite="track", backward=True, compiler=self.compiler)
         return self._replayer
 
-    def _agree(self, flag: Optional[torch.Tensor]) -> bool:
-        """Whether `flag` (0/1) is set on any rank: one small all-reduce under a process group
-        of several ranks, then the step's host read."""
-        if rank_and_world_size()[1] > 1:
-            import torch.distributed as dist
+    # -- what an update wrote ----------------------------------------------------------------------
 
-            from ..debug.across_ranks import collective_device
+    def _after_update(self, optimizer, args, kwargs):
+        """`optimizer`'s update has run: screen the parameters it holds (one sum each, one read)."""
+        if not self._ours():
+            return None
+        fault = None
+        try:
+            fault = self._judge_update(optimizer)
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            self._fail("checking what an update wrote", exc)
+        if fault is not None:
+            self._act(fault, clear=False)
+        return None
 
-            value = (flag if flag is not None else torch.zeros((), dtype=torch.int64)).to(collective_device(None)).reshape(1)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-            return bool(value.item())
-        return flag is not None and bool(flag)
+    def _judge_update(self, optimizer) -> Optional[Fault]:
+        """A fault when the update wrote a non-finite value (see `updates`); under a process group,
+        the ranks agree, and a rank that wrote nothing names the rank that did."""
+        check = self._updates
+        indices, sums = check.screen(optimizer)
+        if not agree(None if sums is None else ~torch.isfinite(sums.sum())):
+            check.settle(optimizer)
+            return None
+        written = check.written(optimizer, indices)
+        step = max(self.steps - 1, 0)  # (the step judged before this update)
+        check.hold(written, updates.origins(written, step, optimizer))
+        check.settle(optimizer)
+        news = [w for w in written if w.born]
+        if not agree(flag(news)):
+            # (the rest: non-finite gradients applied, which the step's own check saw, or values
+            # something else wrote before the update, which a forward reads as a source)
+            if not written:
+                self.false_alarms += 1
+            return None
+        what, finding = (updates.describe(news, self._names, optimizer, len(check.indices[id(optimizer)]))
+                         if news else (None, None))
+        rank, world = rank_and_world_size()
+        birth_rank, finding = first_rank_text(finding)
+        fault = Fault(step, what or "non-finite values written by an update on another rank",
+                      rank if world > 1 else None)
+        fault.finding, fault.phase, fault.birth_rank = finding, "update", birth_rank if world > 1 else None
+        fault.why = "an update is measured where it ran, not replayed"
+        return fault
 
     # -- acting on a fault ----------------------------------------------------------------------------
 
     def _act(self, fault: Fault, clear: bool) -> None:
+        if fault.phase == "update" and self.on_fault == "skip":
+            fault.notes.append("the update had run: on_fault='skip' cannot take it back")
         self.faults.append(fault)
         line = f"!! watch: {fault}"
         if self._sink is not None:
