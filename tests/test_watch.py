@@ -64,6 +64,35 @@ def _train(model, optimizer, inputs, plant=None):
         optimizer.zero_grad()
 
 
+class MaskedSqrtNet(nn.Module):
+    """`where(h > 0, sqrt(h), 0)` on `fc(x)`, negatives included: the forward makes NaN where `h < 0`
+    and masks it (the output is finite); the backward multiplies that NaN into the gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.where(h > 0, h.sqrt(), torch.zeros_like(h)).sum()
+
+
+def test_a_gradient_nan_made_of_a_masked_forward_nan_is_named_at_the_forwards_birth(tmp_path):
+    """The outputs are finite and the gradients are not: the replay's first backward finding is a
+    consequence of the NaN the forward's sqrt made and masked, so the fault names that birth."""
+    torch.manual_seed(0)
+    model = MaskedSqrtNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        with pytest.raises(NonFiniteError) as caught:
+            model(torch.randn(3, 4)).backward()
+            optimizer.step()
+    fault = caught.value.fault
+    assert fault.phase == "forward" and fault.reproduced, fault
+    assert fault.finding.startswith("NaN born at #") and " sqrt" in fault.finding, fault.finding
+    assert watch.faults == [fault]
+
+
 def _inputs(n, shape=(3, 4), seed=1):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=generator) for _ in range(n)]

@@ -62,13 +62,17 @@ class Outcome:
 
     def find(self, prefer: Optional[str] = None) -> None:
         """The first finding of phase `prefer` ("backward" for a fault in the gradients alone: a
-        NaN the forward made and masked is not what reached them), else the first of any."""
+        NaN the forward made and masked is not what reached them), else the first of any. A
+        backward finding that is a forward value's consequence (`Finding.consequence`) gives way
+        to that forward's own finding: the value to chase is the forward's."""
         found = []
         for number, recording in enumerate(self.recordings, 1):
             phases = [("forward", getattr(recording, "findings", ()))]
             phases += [("backward", backward.findings) for backward in getattr(recording, "backward", ())]
             found += [(phase, number, recording, findings[0]) for phase, findings in phases if findings]
         chosen = next((item for item in found if item[0] == prefer), found[0] if found else None)
+        if chosen is not None and chosen[0] == "backward" and chosen[3].consequence:
+            chosen = next((item for item in found if item[0] == "forward" and item[2] is chosen[2]), chosen)
         if chosen is not None:
             self.phase, self.micro_batch, self.recording, self.finding = chosen
 
