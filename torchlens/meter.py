@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -189,6 +189,15 @@ class Meter:
         bases = {id(tensor._base if tensor._base is not None else tensor) for tensor in tensors}
         for key in [key for key in self._known if key[0] in bases]:
             del self._known[key]
+
+    def known(self, tensor: torch.Tensor) -> Optional[Stats]:
+        """The statistics this forward already took of `tensor`'s elements, without reading
+        anything (None where it took none, or measured it on a path that keeps no record)."""
+        try:
+            identity = _same_elements(tensor) if self._sharing else None
+        except Exception:
+            return None
+        return self._shared(identity, False) if identity is not None else None
 
     def _shared(self, identity, live: bool):
         """The statistics already taken of the same elements (`_same_elements`), if they still

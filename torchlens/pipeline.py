@@ -263,11 +263,21 @@ class Pipeline:
         session = self.session
         session.move_to(session.root)
         event = Event(OUTPUT, session.ordinal, "output", session.root, metas, None, None, label)
-        if self.meter is not None and value is not None and self.unread(value) is None:
-            # what the output holds, for the page and tools (the `=>` line shows no statistics):
-            # usually the producing op's, found again by the meter without another read
-            event.stats = self.meter.measure_output(value, False)
+        if value is not None:
+            event.stats = self._held_by(value)
         return session.append(event)
+
+    def _held_by(self, value) -> Optional[Stats]:
+        """What an output holds, for the page and tools (the `=>` line shows no statistics): the
+        statistics of the op that produced it, found without another read (tracking's provenance,
+        or the meter's record of the same elements); None where neither knows it."""
+        if self.tracker is not None:
+            origin = self.tracker.origin_of(value)
+            producer = origin[0] if len(origin) == 1 else None
+            if isinstance(producer, Event) and len(producer.outputs) == 1 and isinstance(producer.stats, Stats):
+                return producer.stats
+            return None
+        return self.meter.known(value) if self.meter is not None else None
 
     def produced(self, event: Event, value) -> None:
         """`value` is `event`'s (a compiled graph's output, read by code after the graph)."""
