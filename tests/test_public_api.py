@@ -38,7 +38,8 @@ def test_dir_of_the_package_shows_its_api_not_its_implementation_modules():
     beside the dozen names they need."""
     shown = set(dir(tl))
     assert {"record", "trace", "compile", "load", "watch", "in_module", "options", "recording", "debug",
-            "errors", "Recording", "Trace", "PartialTrace", "Finding"} <= shown
+            "errors", "Recording", "Trace", "PartialTrace", "Finding", "Watch", "Fault"} <= shown
+    assert tl.Watch is tl.watching.Watch and tl.recording.Recorder and tl.options.NarrationOptions
     assert not shown & {"grammar", "meter", "pipeline", "session", "narrator", "fx_backend", "eager", "api"}
     assert all(hasattr(tl, name) for name in shown)
     assert tl.grammar is importlib.import_module("torchlens.grammar")  # still reachable for who needs it

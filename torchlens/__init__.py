@@ -13,7 +13,7 @@ from .findings import Finding, FindingKind
 from .fx_backend.registration import register_without_entry_point as _register
 from .recording import PartialTrace, Recording, Trace
 from .selectors import in_module
-from .watching import watch
+from .watching import Fault, Watch, watch
 
 # `compile` is left out of __all__ so that `from torchlens import *` does not shadow the builtin.
 __all__ = [
@@ -21,6 +21,8 @@ __all__ = [
     "trace",
     "load",
     "watch",
+    "Watch",
+    "Fault",
     "in_module",
     "options",
     "recording",
