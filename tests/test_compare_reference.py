@@ -506,3 +506,20 @@ def test_rows_after_a_random_op_both_runs_drew_alike_but_float64_did_not_are_unj
     fc2 = next(row for row in report.rows if row.module == "fc2")
     assert fc2.judgement == "unjudged" and "drew other random numbers" in fc2.reason
     assert report.first_real is None
+
+
+def test_an_integer_row_the_float64_run_has_no_op_for_is_unjudged_not_a_crash():
+    class Rounds(nn.Module):
+        def __init__(self, to_int: bool):
+            super().__init__()
+            self.to_int = to_int
+
+        def forward(self, x):
+            y = x * 2
+            return y.round().long() if self.to_int else y
+
+    x = torch.tensor([[0.2, 1.4, 2.6]])
+    report = tl.debug.compare(tl.trace(Rounds(True), x), tl.trace(Rounds(True), x + 0.5),
+                              reference=tl.debug.reference(Rounds(False), x))
+    rows = {row.op: row for row in report.rows}
+    assert rows["long"].judgement == "unjudged" and rows["long"].reason.startswith("integer outputs")

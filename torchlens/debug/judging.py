@@ -140,12 +140,12 @@ class _Judging:
         if not row.max_abs:
             return  # the two sides are equal: nothing to judge
         why = self.drawn_apart or (_PAIRED_APART if paired_apart else None) or why
-        if why == _INTEGERS and ref.ordinal in self.side_a.inputs:
+        if why == _INTEGERS and kept is not None and ref.ordinal in self.side_a.inputs:
             _different_inputs(row, a, b, kept)
             self.upstream.note(ref.ordinal, REAL)
         elif why is not None:
             row.judgement, row.reason = UNJUDGED, why
-            if why == _INTEGERS:  # a discrete op passes on what its inputs carried
+            if why == _INTEGERS and ref is not None:  # a discrete op passes on what its inputs carried
                 self.upstream.note(ref.ordinal, self.upstream.carried_from(ref.ordinal))
         else:
             verdict = _judge_row(row, self.reference, ref.ordinal, (self.side_a, a), (self.side_b, b), kept,
