@@ -47,6 +47,7 @@ from ..naming import op_name
 from ..results import Trace
 from ..structure import check_model
 from ..unwritten import tensors_of
+from ..writes import call_writes
 
 __all__ = ["Call", "Produced", "Reference", "random_ops", "reference", "reduction_terms"]
 
@@ -121,6 +122,7 @@ class Reference:
         if call is None:
             return None
         missing, own = [], self.trace.values or {}
+        writes = call_writes(op_name(call.func), call.args, call.kwargs) or any(arg is True for arg in call.args)
 
         def given(value):
             if isinstance(value, Produced):
@@ -131,10 +133,12 @@ class Reference:
                     return None
                 return _widen_tensor(tensor.detach()).to(kept.device, copy=True)  # where the float64 run ran
             if isinstance(value, torch.Tensor):
-                wide = value.detach().clone()
+                wide = value.detach()
                 if sources_in is not None and wide.is_floating_point():
-                    wide = wide.to(sources_in).to(wide.dtype)
-                return wide
+                    return wide.to(sources_in).to(wide.dtype)
+                # (a parameter or buffer is copied only for a call that may write it: `inplace=True`,
+                # `out=`, an in-place op, a positional flag that may be `inplace`)
+                return wide.clone() if writes else wide
             return value
 
         args, kwargs = tree_map(given, (call.args, call.kwargs), is_leaf=lambda value: isinstance(value, Produced))
@@ -174,6 +178,8 @@ def _same(replayed: tuple, kept: tuple) -> bool:
                 return False
             continue
         own = own.to(value.device)
+        if bool((value.isnan() != own.isnan()).any()):
+            return False
         if not torch.allclose(value, own, rtol=1e-12, atol=0.0, equal_nan=True):
             scale = float(own[own.isfinite()].abs().max()) if bool(own.isfinite().any()) else 0.0
             if float((value - own).abs().nan_to_num(0.0).max()) > 1e-12 * scale:
