@@ -217,7 +217,7 @@ def test_what_reads_the_collective_after_the_wait_lands_it_and_only_an_overwrite
         assert "overwritten" not in footer, (how, footer)
         assert rank1[f"read_by_{how}"][0][0] == ["NaN in the input x (nan=1)", "NONFINITE_INPUT"]
     findings, footer = rank0["read_by_copy_"]
-    assert findings == [] and "1 op not measured (1 overwritten by #5 before it was read)" in footer, footer
+    assert findings == [] and "1 not measured (1 overwritten by #5 before it was read)" in footer, footer
 
 
 @pytest.mark.slow

@@ -163,8 +163,27 @@ def test_a_nan_input_is_the_findings_source():
 
 def test_reprs_say_what_a_run_did_at_a_glance():
     model, ids = _llama_with_a_nan_embedding_row()
-    assert re.fullmatch(r"<Trace: \d+ ops, \d+ module calls; values kept: [\d.]+ KiB>", repr(tl.trace(model, ids)))
+    assert re.fullmatch(r"<Trace: 1 input, \d+ ops, \d+ module calls; values kept: [\d.]+ KiB>", repr(tl.trace(model, ids)))
     with pytest.raises(IndexError) as raised:
         tl.record(model, torch.tensor([[3, 200]]))
     assert repr(raised.value.partial_trace).startswith(
         "<PartialTrace: failed in #2 embedding @model.embed_tokens (IndexError: index out of range in self); ")
+
+
+def test_a_backward_finding_reads_as_its_node_and_a_run_counts_as_its_footer_does():
+    class SqrtAtZero(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(x).relu().sqrt().sum()
+
+    model = SqrtAtZero()
+    with torch.no_grad():
+        model.fc.bias.fill_(-10.0)
+    recording = tl.record(model, torch.zeros(1, 3), on_nonfinite="track", backward=True)
+    recording.output.backward()
+    [finding] = recording.backward[0].findings
+    assert repr(finding).startswith(f"<Finding GRADIENT_BORN at ~{finding.ordinal} ")
+    assert repr(recording).startswith("<Recording: 1 input, 4 ops, 1 module call; ")

@@ -95,7 +95,7 @@ def test_a_nan_first_met_after_ops_that_were_not_measured_is_first_seen_once_nev
     [finding] = rec.findings  # the second sighting of an unmeasured origin says nothing new
     assert finding.text.startswith("NaN first seen at #4 to_dense (nan=3); not everything it read was measured")
     assert not finding.birth
-    assert "4 ops not measured (4 sparse_coo)" in footer(text)
+    assert "4 not measured (4 sparse_coo)" in footer(text)
 
 
 class MaskedWithSparse(nn.Module):
@@ -110,7 +110,7 @@ def test_the_footer_counts_every_measured_op_when_some_were_not_measured():
     assert rec.findings == ()
     # measured: the input, ones, triu, masked_fill (it holds -inf) and softmax; not: to_sparse
     assert footer(text).endswith("no non-finite findings (-inf from #5 masked_fill absorbed by later ops) "
-                                 "in the 5 measured ops; 1 op not measured (1 sparse_coo)")
+                                 "in the 5 measured; 1 not measured (1 sparse_coo)")
 
 
 # -- the same weight read twice ----------------------------------------------------------------------

@@ -513,7 +513,7 @@ def test_ops_that_could_not_be_measured_are_counted_not_claimed_finite():
 
     text, _ = narrated(Sparse(), torch.eye(3), on_nonfinite="track", value_stats="reuse")
     assert "no non-finite values" not in footer(text).replace("no non-finite values in the", "")
-    assert footer(text).endswith("no non-finite values in the 3 measured ops; 1 op not measured (1 sparse_coo)")
+    assert footer(text).endswith("no non-finite values in the 3 measured; 1 not measured (1 sparse_coo)")
 
 
 def test_module_outputs_only_names_the_first_measured_op_and_says_so():
@@ -747,7 +747,7 @@ def test_an_internal_failure_mid_forward_withdraws_the_claim(monkeypatch):
     monkeypatch.setattr(capture, "op_name", failing)
     with pytest.warns(tl.errors.NarrationWarning):
         rec = tl.record(TwoLayers(), torch.randn(2, 4), on_nonfinite="track")
-    assert rec.footer_extra[-1].startswith("no non-finite values in the 2 measured ops; not everything after an "
+    assert rec.footer_extra[-1].startswith("no non-finite values in the 2 measured; not everything after an "
                                            "internal error recording an op was recorded, so nothing is claimed")
 
 

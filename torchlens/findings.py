@@ -118,4 +118,5 @@ class Finding:
 
     def __repr__(self) -> str:
         kind = self.kind.name if self.kind is not None else "?"
-        return f"<Finding {kind} at #{self.ordinal} {self.op}: {self.text}>"
+        tag = "~" if hasattr(self.event, "forward") else "#"  # a backward node's, as its line writes it
+        return f"<Finding {kind} at {tag}{self.ordinal} {self.op}: {self.text}>"

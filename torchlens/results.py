@@ -269,9 +269,11 @@ class Recording:
 
     def _glance(self) -> str:
         """What a prompt shows of a run: its ops and module calls, and what tracking found."""
+        inputs = sum(1 for e in self.events if e.kind is EventKind.INPUT)  # (counted as the footer counts)
         ops = sum(1 for e in self.events if e.kind is OP)
         calls = sum(1 for e in self.events if e.kind is EventKind.ENTER)
-        text = f"{ops} op{'s' if ops != 1 else ''}, {calls} module call{'s' if calls != 1 else ''}"
+        text = (f"{inputs} input{'s' if inputs != 1 else ''}, {ops} op{'s' if ops != 1 else ''}, "
+                f"{calls} module call{'s' if calls != 1 else ''}")
         if self.findings:
             count = len(self.findings)
             text += f"; {count} finding{'s' if count != 1 else ''}, the first: {self.findings[0].text}"

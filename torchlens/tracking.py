@@ -406,7 +406,8 @@ class Tracker:
         of the rest)."""
         missing = sum(self.unmeasured.values())
         why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
-        gap = f"; {missing} op{'s' if missing != 1 else ''} not measured ({why})" if missing else ""
+        # (counted as the `#` lines are, the forward's inputs with its ops: inputs are measured too)
+        gap = f"; {missing} not measured ({why})" if missing else ""
         if incomplete:
             gap += f"; not everything after {incomplete} was recorded, so nothing is claimed of what followed"
         if self.findings:
@@ -422,7 +423,7 @@ class Tracker:
         else:
             claim = "no non-finite values"
         if missing or incomplete:
-            return f"{claim} in the {self.measured} measured op{'s' if self.measured != 1 else ''}{gap}"
+            return f"{claim} in the {self.measured} measured{gap}"
         return claim
 
     def _absorbed_origin(self):

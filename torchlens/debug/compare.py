@@ -741,6 +741,9 @@ def _judgement_text(row: CompareRow) -> str:
     if row.judgement == REAL and row.ulps_a is None:
         return f"real: {row.reason}"
     text = f"{row.judgement}: a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}"
+    if row.judgement != REAL and (row.own_a is not None or row.own_b is not None):
+        # (from float64, each side carries what came before; what the op itself added is the verdict's)
+        text += f" (each op's own: a {_ulps(row.own_a)}, b {_ulps(row.own_b)})"
     if row.judgement == REAL:
         text += f", {row.closer} nearer" if row.closer else ""
         if row.off is not None:

@@ -73,6 +73,12 @@ class Recorder:
         self._call_frame = None
         self._thread = None
 
+    def __repr__(self) -> str:
+        state = "active" if self._handles else "inactive"
+        kept = len(self.recordings)
+        return (f"<Recorder of {type(self.model).__name__} ({state}): {self.passes} pass{'es' if self.passes != 1 else ''}"
+                f", {kept} kept>")
+
     def __enter__(self) -> "Recorder":
         if self._handles:
             raise RecorderStateError("this Recorder is already active: leave its `with` block before entering it again")

@@ -147,7 +147,7 @@ def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: s
 
 
 def _unmeasured(events) -> str:
-    """`3 ops not measured (uninitialized: 2, a sparse tensor: 1)`, or "" when every one was."""
+    """`3 rows not measured (uninitialized: 2, a sparse tensor: 1)`, or "" when every one was."""
     reasons = {}
     for event in events:
         if held(event) is None:

@@ -99,7 +99,7 @@ class Fault:
         return text
 
     def __repr__(self) -> str:
-        return f"<Fault step={self.step} reproduced={self.reproduced}>"
+        return f"<Fault step={self.step} phase={self.phase} reproduced={self.reproduced}: {self.finding}>"
 
     def write(self, directory: str, forwards) -> None:
         """Leave the replay's page, its trace, the one-op repro and the step's inputs in `directory`.

@@ -291,7 +291,9 @@ class Watch:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<Watch {state}: {self.steps} steps, {len(self.faults)} faults>"
+        faults = len(self.faults)
+        return (f"<Watch {state}: {self.steps} step{'s' if self.steps != 1 else ''}, "
+                f"{faults} fault{'s' if faults != 1 else ''}>")
 
     # -- the hooks --------------------------------------------------------------------------------
 

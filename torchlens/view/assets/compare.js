@@ -105,6 +105,9 @@ function judgementText(row) {
   if (row.j === "unjudged") return "unjudged: " + row.why;
   const ulps = function (value) { return value === undefined ? "-" : Number(value).toPrecision(3) + " ulps"; };
   let text = row.j + ": a " + ulps(row.ua) + ", b " + ulps(row.ub);
+  if (row.j !== "real" && (row.oa !== undefined || row.ob !== undefined)) {
+    text += " (each op's own: a " + ulps(row.oa) + ", b " + ulps(row.ob) + ")";
+  }
   if (row.j === "real" && row.c) text += ", " + row.c + " nearer float64";
   if (row.j === "real" && row.f) {
     text += "; " + row.f + "'s op " + ulps(row.f === "a" ? row.oa : row.ob) + " off on its own inputs";
