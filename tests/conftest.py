@@ -33,3 +33,15 @@ def deferred_reads(monkeypatch):
     import torchlens.meter
 
     monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo process group of this process alone (collectives run; their group is 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

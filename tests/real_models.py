@@ -312,3 +312,18 @@ TRAINING: Dict[str, TrainingModel] = {
     "nn_transformer_encoder": TrainingModel(lambda: nn_transformer_encoder(dropout=0.1),
                                             lambda output: (output * _ENCODER_TARGET).sum()),
 }
+
+
+def llama_with_a_compiled_mlp():
+    """A 2-layer transformers Llama whose second layer's MLP is `torch.compile`d (backend eager):
+    a compiled submodule inside a model narrated eagerly. The MLP, not the whole layer: attention's
+    rotary embedding dispatches through the `kernels` package's global, which becomes shared by
+    every thread once dynamo traced it (its docs say so), and threads toggling it made plain
+    forwards recompile too, now and then."""
+    t = _transformers()
+    torch.manual_seed(0)
+    config = t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = t.LlamaModel(config).eval()
+    model.layers[1].mlp = torch.compile(model.layers[1].mlp, backend="eager")
+    return model

@@ -304,16 +304,6 @@ def test_compare_finds_where_two_ranks_replicated_values_first_diverge(job, tmp_
                if row.status == "both")
 
 
-@pytest.fixture
-def group_of_one(tmp_path):
-    """A gloo process group of this process alone (collectives run; their group is 1)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class FunctionalReduce(nn.Module):
     def forward(self, x):
         import torch.distributed._functional_collectives as funcol

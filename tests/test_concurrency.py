@@ -312,17 +312,10 @@ def test_a_foreign_model_recorded_inside_a_forward_closes_in_the_outer_transcrip
 
 
 def _llama_with_a_compiled_layer():
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    model = transformers.LlamaModel(config).eval()
-    # the MLP, not the whole layer: attention's rotary embedding dispatches through the `kernels`
-    # package's global, which becomes shared by every thread once dynamo traced it (its docs say so),
-    # and threads toggling it made plain forwards recompile too, now and then
-    model.layers[1].mlp = torch.compile(model.layers[1].mlp, backend="eager")
-    return model
+    pytest.importorskip("transformers")
+    from real_models import llama_with_a_compiled_mlp
+
+    return llama_with_a_compiled_mlp()
 
 
 def _graphs_compiled(run) -> int:

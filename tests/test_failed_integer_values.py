@@ -138,16 +138,6 @@ def test_a_read_that_fails_says_so_and_leaves_the_users_exception_as_it_was(monk
     assert "inputs: [1,3] i64 cpu (values not read: RuntimeError reading them), [99,32] f32 cpu" in exc.__notes__[0]
 
 
-@pytest.fixture
-def group_of_one(tmp_path):
-    """A gloo process group of this process alone (collectives run; their group is 1)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class ReducesThenLooksUp(nn.Module):
     """Sums ids across ranks asynchronously and looks them up without waiting on the reduction."""
 

@@ -304,14 +304,10 @@ def test_an_eager_capture_a_failure_turned_off_stays_off_after_a_compiled_graph_
 
 
 def _llama_with_a_compiled_mlp():
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    model = transformers.LlamaModel(config).eval()
-    model.layers[1].mlp = torch.compile(model.layers[1].mlp, backend="eager")
-    return model
+    pytest.importorskip("transformers")
+    from real_models import llama_with_a_compiled_mlp
+
+    return llama_with_a_compiled_mlp()
 
 
 def _global_module_hooks() -> tuple:
