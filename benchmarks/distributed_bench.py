@@ -31,7 +31,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torchlens as tl  # noqa: E402
 
-
 SIZES = {  # (hidden size, decoder layers, tokens per sequence)
     "tiny": (64, 2, 32),
     "small": (256, 4, 64),
@@ -86,7 +85,7 @@ def _fsdp_step_times(size: str, steps: int, rounds: int, quick: bool) -> dict:
     best = {}
     for _ in range(rounds):
         for name, options in modes.items():
-            def block(n):
+            def block(n, options=options):
                 if options is None:
                     for _ in range(n):
                         _step(model, optimizer, ids)

@@ -13,12 +13,12 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import count_host_syncs
+from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import torchlens as tl
-from helpers import count_host_syncs
-from models import conv_net, images, tiny_gpt, tokens
 
 NODE_LINE = re.compile(r"^(?P<indent> *)~(?P<ordinal>\d+)\s+(?P<node>\S+)\s+(?P<rest>.*)$")
 

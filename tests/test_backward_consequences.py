@@ -14,10 +14,10 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
+from real_models import _transformers
 from torch import nn
 
 import torchlens as tl
-from real_models import _transformers
 
 K = tl.FindingKind
 VOCAB = 99

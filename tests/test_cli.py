@@ -13,9 +13,9 @@ import pathlib
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import torch
 from torch import nn
 

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
 from torch import nn
 
 import torchlens as tl
-from ranks import run_ranks
 from torchlens.collectives import COLLECTIVES
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

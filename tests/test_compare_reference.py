@@ -14,13 +14,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_html_view import page_data, page_of
 from torch import nn
 
 import torchlens as tl
 from torchlens.debug.rounding import ulp
 from torchlens.errors import CompareInputError
-
-from test_html_view import page_data, page_of
 
 
 class Mlp(nn.Module):

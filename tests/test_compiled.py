@@ -16,11 +16,11 @@ import textwrap
 
 import pytest
 import torch
+from helpers import OP_LINE, check_nesting, op_lines, ordinals
+from models import Breaking, LoopBreak, Tiny, conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from helpers import OP_LINE, check_nesting, op_lines, ordinals
-from models import Breaking, LoopBreak, Tiny, conv_net, images, tiny_gpt, tokens
 
 NarrationOptions = tl.options.NarrationOptions
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

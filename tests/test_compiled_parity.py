@@ -22,13 +22,12 @@ import sys
 
 import pytest
 import torch
+from real_models import REAL_MODELS
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import torchlens as tl
-
-from real_models import REAL_MODELS
 
 pytest.importorskip("transformers")
 

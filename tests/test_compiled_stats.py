@@ -7,12 +7,12 @@ import io
 
 import pytest
 import torch
+from helpers import op_lines
+from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
 from torchlens.fx_backend import stats_pass
-from helpers import op_lines
-from models import conv_net, images, tiny_gpt, tokens
 
 
 def body(text):

@@ -19,11 +19,11 @@ import time
 
 import pytest
 import torch
+from helpers import OP_LINE, op_lines
+from models import Tiny, conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from helpers import OP_LINE, op_lines
-from models import Tiny, conv_net, images, tiny_gpt, tokens
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 import torch
+from models import tiny_gpt, tokens
 
 import torchlens as tl
-from models import tiny_gpt, tokens
 
 
 def saved_and_loaded(model):

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 import torch
+from models import tiny_gpt
 
 import torchlens as tl
-from models import tiny_gpt
 
 
 def _failing_gpt2():

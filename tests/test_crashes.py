@@ -11,11 +11,11 @@ import traceback
 
 import pytest
 import torch
+from helpers import op_lines
+from models import Tiny, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from helpers import op_lines
-from models import Tiny, tiny_gpt, tokens
 
 NarrationOptions = tl.options.NarrationOptions
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,11 +18,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import check_nesting, op_lines
+from ranks import exit_without_finalizing, fail_on_unwaited_collectives
 from torch import nn
 
 import torchlens as tl
-from helpers import check_nesting, op_lines
-from ranks import exit_without_finalizing, fail_on_unwaited_collectives
 
 NarrationOptions = tl.options.NarrationOptions
 WORLD_SIZE = 2

@@ -7,15 +7,14 @@ import io
 import logging
 import os
 import re
-import sys
 
 import pytest
 import torch
+from helpers import OP_LINE, check_nesting, op_lines, ordinals
+from models import Tiny, conv_net, images, tiny_gpt, tokens
 
 import torchlens as tl
 from torchlens.sinks import NEW_RUN
-from helpers import OP_LINE, check_nesting, op_lines, ordinals
-from models import Tiny, conv_net, images, tiny_gpt, tokens
 
 NarrationOptions = tl.options.NarrationOptions
 

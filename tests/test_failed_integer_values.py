@@ -13,11 +13,11 @@ import runpy
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import count_host_syncs
+from real_models import _transformers
 from torch import nn
 
 import torchlens as tl
-from helpers import count_host_syncs
-from real_models import _transformers
 from torchlens.integer_values import Values
 
 VOCAB = 99

@@ -23,12 +23,12 @@ from typing import NamedTuple, Tuple
 
 import pytest
 import torch
+from helpers import leftover_state, module_hook_counts
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from models import Tiny
 
 import torchlens as tl
-from helpers import leftover_state, module_hook_counts
-from models import Tiny
 
 EAGER_FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 COMPILED_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,10 +14,10 @@ import shutil
 
 import pytest
 import torch
+from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from models import conv_net, images, tiny_gpt, tokens
 
 HIGHLIGHT = 2  # a row's flag: the first non-finite row (torchlens/view/tree.py)
 NONFINITE = 1  # a row's flag: its statistics hold NaN or an infinity

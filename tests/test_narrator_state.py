@@ -5,13 +5,12 @@ cannot drift from eager narration."""
 from __future__ import annotations
 
 import pytest
+from models import tiny_gpt, tokens
 
 import torchlens as tl
 from torchlens.narrator import Narrator, PassCounts
 from torchlens.options import NarrationOptions
 from torchlens.sinks import ListSink
-
-from models import tiny_gpt, tokens
 
 OPTION_SETS = [
     dict(),

@@ -12,11 +12,13 @@ import re
 
 import pytest
 import torch
+from test_html_view import (
+    browser,  # noqa: F401  (the headless Chromium the page's own tests drive)
+    rows,
+)
 from torch import nn
 
 import torchlens as tl
-from test_html_view import browser  # noqa: F401  (the headless Chromium the page's own tests drive)
-from test_html_view import rows
 from torchlens.view.notebook import MAX_ROWS
 
 HIGHLIGHT, ATTEMPT = 2, 4  # row flags (torchlens/view/tree.py)

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import OP_LINE, check_nesting, op_lines
 from torch import nn
 
 import torchlens as tl
-from helpers import OP_LINE, check_nesting, op_lines
 
 
 def ops_of(text: str):

@@ -13,11 +13,11 @@ import textwrap
 
 import pytest
 import torch
+from helpers import check_nesting, count_host_syncs, op_lines
+from models import tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from helpers import check_nesting, count_host_syncs, op_lines
-from models import tiny_gpt, tokens
 
 
 class Twelve(nn.Module):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
 
 import torchlens as tl
-
-from ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                                    reason="needs torch.distributed with gloo")]

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import functools
 import io
-import difflib
 import math
 import re
 
 import pytest
 import torch
+from real_models import REAL_MODELS, TRAINING
 
 import torchlens as tl
-from real_models import REAL_MODELS, TRAINING
 
 pytest.importorskip("transformers")
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import tiny_gpt, tokens
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
 from torchlens.recipes import CONDITION_LIMIT, recipe
-from models import tiny_gpt, tokens
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from models import conv_net, images, tiny_gpt, tokens
 
 
 def run_script(path):

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import OP_LINE, check_nesting, op_lines
+from models import Block, Tiny, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from helpers import OP_LINE, check_nesting, op_lines
-from models import Block, Tiny, tiny_gpt, tokens
 
 
 def ops_of(text):

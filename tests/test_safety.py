@@ -7,10 +7,10 @@ import traceback
 
 import pytest
 import torch
-
-import torchlens as tl
 from helpers import count_host_syncs, leftover_state, module_hook_counts
 from models import Tiny, conv_net, images, tiny_gpt, tokens
+
+import torchlens as tl
 
 
 class Interrupting(torch.nn.Module):

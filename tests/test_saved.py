@@ -17,10 +17,10 @@ import zipfile
 
 import pytest
 import torch
+from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from models import conv_net, images, tiny_gpt, tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import Tiny, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-from models import Tiny, tiny_gpt, tokens
 
 pytestmark = pytest.mark.slow  # hundreds of forwards, in a fresh process
 

@@ -8,14 +8,14 @@ import warnings
 
 import pytest
 import torch
+from helpers import count_host_syncs, op_lines
+from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
 import torchlens.fx_backend.runtime
 import torchlens.meter
-from helpers import count_host_syncs, op_lines
-from models import conv_net, images, tiny_gpt, tokens
 
 NarrationOptions = tl.options.NarrationOptions
 

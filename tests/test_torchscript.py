@@ -6,10 +6,10 @@ import io
 
 import pytest
 import torch
+from helpers import check_nesting, op_lines
 from torch import nn
 
 import torchlens as tl
-from helpers import check_nesting, op_lines
 
 # TorchScript is deprecated in torch, and still in models people debug.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")

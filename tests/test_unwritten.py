@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from fake_engine import ENGINE_FILE, EngineMemory
 from torch import nn
 
-import torch.distributed as dist
-
 import torchlens as tl
-from fake_engine import ENGINE_FILE, EngineMemory
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import io
 
 import pytest
 import torch
+from helpers import check_nesting, module_hook_counts
 from torch import nn
 
 import torchlens as tl
-from helpers import check_nesting, leftover_state, module_hook_counts, op_lines
 
 
 class Two(nn.Module):

@@ -12,12 +12,12 @@ import math
 
 import pytest
 import torch
+from helpers import check_nesting, count_host_syncs, op_lines
+from models import tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
 import torchlens.meter
-from helpers import check_nesting, count_host_syncs, op_lines
-from models import tiny_gpt, tokens
 
 
 def narrated(model, *args, **options):

@@ -17,7 +17,6 @@ from torch import nn
 import torchlens as tl
 
 
-
 def op_names(recording):
     return [event.op for event in recording.events if event.kind == tl.EventKind.OP]
 

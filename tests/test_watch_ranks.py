@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks import run_ranks
 from torch import nn
 
 import torchlens as tl
 from torchlens.errors import NonFiniteError
-
-from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

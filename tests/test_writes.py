@@ -4,8 +4,6 @@ the statistics pass and the failure replay alike."""
 
 from __future__ import annotations
 
-import operator
-
 import pytest
 import torch
 

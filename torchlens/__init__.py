@@ -7,7 +7,7 @@ See the README and docs/ for the guide.
 """
 
 from . import debug, errors, options, recording, watching
-from .api import compile, load, record, trace
+from .api import compile, load, record, trace  # noqa: F401  (compile: public, left out of __all__ below)
 from .events import Attempt, Event, EventKind, Scope, Stats, StatsGroup, TensorMeta
 from .findings import Finding, FindingKind
 from .fx_backend.registration import register_without_entry_point as _register

@@ -7,11 +7,11 @@ import inspect
 
 from torch import nn
 
+from .eager.capture import outside_dynamo
+from .eager.runner import run_eager
 from .errors import OptionTypeError, OptionValueError, suggest
 from .options import COMPILE, RECORD, TRACE, check_keyword, keywords_of, make_settings, misplaced
 from .results import Recording, Trace
-from .eager.capture import outside_dynamo
-from .eager.runner import run_eager
 from .structure import check_model, forward_signature
 from .values import DEFAULT_MAX_BYTES
 

@@ -25,15 +25,15 @@ import torch
 
 from .backward import BackwardNarration, GradientRoots, settle_open_runs
 from .events import Scope, TensorMeta
+from .guard import guarded, internal_error
+from .meter import Meter
 from .mode_stack import own_work, under_a_capture
 from .narrator import Narrator
 from .options import Settings
-from .results import PartialTrace, Recording
-from .guard import guarded, internal_error
 from .pipeline import Pipeline
-from .session import Session
-from .meter import Meter
 from .ranks import world_size
+from .results import PartialTrace, Recording
+from .session import Session
 from .structure import model_tensors, named_outputs, tensor_names
 from .values import ValueKeeper
 

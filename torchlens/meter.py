@@ -20,11 +20,37 @@ import torch
 
 from .elements import element_layout
 from .events import Stats, StatsGroup
-from .recipes import (Recipe, about_the_mean, moments_from_sums, not_applicable, recipe, screen_finite, screen_vector,
-                      sums_of)
-from .stats import (SAMPLE_SIZE, applicable, as_float, cheap_vector, count_vector, exact_below, fill, finite_vector,
-                    int_vector, is_dtensor, is_wrapped, measures, plain_values, sample_indices, shareable,
-                    small_int_vector, unmeasured, value_kind, vector_dtype)
+from .recipes import (
+    Recipe,
+    about_the_mean,
+    moments_from_sums,
+    not_applicable,
+    recipe,
+    screen_finite,
+    screen_vector,
+    sums_of,
+)
+from .stats import (
+    SAMPLE_SIZE,
+    applicable,
+    as_float,
+    cheap_vector,
+    count_vector,
+    exact_below,
+    fill,
+    finite_vector,
+    int_vector,
+    is_dtensor,
+    is_wrapped,
+    measures,
+    plain_values,
+    sample_indices,
+    shareable,
+    small_int_vector,
+    unmeasured,
+    value_kind,
+    vector_dtype,
+)
 
 __all__ = ["READ_NOW", "Meter", "Pending", "reads_now"]
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional
 
+from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
+from .engines import distributed
 from .errors import NonFiniteError
 from .events import INPUT, OUTPUT, Event, Stats
 from .grammar import measurement_notes
@@ -31,8 +33,6 @@ from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
-from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
-from .engines import distributed
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
 

@@ -19,7 +19,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .events import Event
-from .findings import NAN, NEGINF, POSINF, bits as _bits
+from .findings import NAN, NEGINF, POSINF
+from .findings import bits as _bits
 from .stats import as_float, is_dtensor, plain_values, unwrapped
 
 __all__ = ["LazyReads", "Provenance", "Source", "carried_kinds", "covers", "memory_span", "origin_chain",

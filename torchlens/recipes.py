@@ -36,8 +36,16 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from .events import Stats
-from .stats import (INT_COUNT, INT_VECTOR_SIZE, cheap_vector, count_vector, fill, finite_vector, int_vector,
-                    lean_count_vector)
+from .stats import (
+    INT_COUNT,
+    INT_VECTOR_SIZE,
+    cheap_vector,
+    count_vector,
+    fill,
+    finite_vector,
+    int_vector,
+    lean_count_vector,
+)
 
 __all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "moments_from_sums", "not_applicable", "recipe",
            "screen_finite", "screen_vector", "sums_of"]

@@ -13,16 +13,15 @@ from __future__ import annotations
 import traceback
 from typing import List, NamedTuple, Optional
 
-
 from .errors import NonFiniteError
-from .guard import internal_error
 from .events import ENTER, EXIT, OP, Attempt, Event, Scope
+from .guard import internal_error
+from .integer_values import call_stream, read_values
 from .narrator import Narrator
 from .options import Settings
+from .repro.kept import KeptCall
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
-from .repro.kept import KeptCall
-from .integer_values import call_stream, read_values
 
 __all__ = ["Session", "attach", "attach_finding", "error_summary", "in_chain", "nonfinite_message"]
 

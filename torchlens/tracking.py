@@ -34,9 +34,11 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from .events import INPUT, OP, Event, Stats, StatsGroup
-from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
-from .provenance import LazyReads, Provenance, Source, carried_kinds, tensor_arguments as _tensor_arguments
+from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
+from .findings import bits as _bits
 from .grammar import op_ref
+from .provenance import LazyReads, Provenance, Source, carried_kinds
+from .provenance import tensor_arguments as _tensor_arguments
 from .stats_text import counts_text
 from .unwritten import IN_FLIGHT, NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 

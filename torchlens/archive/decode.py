@@ -13,14 +13,24 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import TraceFileError
-from ..events import (Attempt, BackwardAttempt, BackwardEvent, Event, EventKind, Scope, ShardedMeta, Stats, StatsGroup,
-                      TensorMeta)
-from ..options import DTENSOR_STATS, NarrationOptions, Settings
-from ..results import Backward, PartialTrace, Recording, Trace
-from ..selectors import InModule, Selector
+from ..events import (
+    Attempt,
+    BackwardAttempt,
+    BackwardEvent,
+    Event,
+    EventKind,
+    Scope,
+    ShardedMeta,
+    Stats,
+    StatsGroup,
+    TensorMeta,
+)
 from ..findings import Finding, FindingKind
 from ..integer_values import Values
+from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..repro.kept import KeptCall
+from ..results import Backward, PartialTrace, Recording, Trace
+from ..selectors import InModule, Selector
 from .calls import loaded_call
 from .encode import FORMAT, READABLE_VERSIONS
 

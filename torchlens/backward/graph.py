@@ -13,7 +13,6 @@ import weakref
 from typing import Dict, Optional
 
 import torch
-
 from torch.autograd.graph import get_gradient_edge
 
 from ..grammar import op_ref

@@ -12,17 +12,17 @@ import torch
 
 from .. import meter as meter_module
 from ..errors import NonFiniteError
-from ..grammar import measurement_notes
 from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
+from ..findings import Finding
+from ..grammar import measurement_notes
+from ..guard import contain, internal_error, is_stop
 from ..meter import Meter
 from ..narrator import Narrator
-from ..sinks import ListSink
-from ..results import Backward, PartialTrace, Recording
-from ..guard import contain, internal_error, is_stop
-from ..session import attach, attach_finding, error_summary, nonfinite_message
-from ..findings import Finding
-from ..tracking import held, settled
 from ..ranks import world_size
+from ..results import Backward, PartialTrace, Recording
+from ..session import attach, attach_finding, error_summary, nonfinite_message
+from ..sinks import ListSink
+from ..tracking import held, settled
 from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import UNREAD, GradTracker
@@ -288,7 +288,7 @@ class BackwardNarration:
             if _graph_task_id() != -1:
                 return
             thread = threading.get_ident()
-            for task, run in list(self.runs.items()):
+            for run in list(self.runs.values()):
                 if run.thread == thread:
                     self._end_failed(run, None)
 

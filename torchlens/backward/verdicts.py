@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..events import GRAD, NODE, StatsGroup
-from ..findings import NAN, NEGINF, POSINF, Finding, FindingKind, bits as _bits, kind_names
+from ..findings import NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
+from ..findings import bits as _bits
 from ..stats import unwrapped
 from ..tracking import held, measured_finite, settled, unmeasured_reason
 from .graph import NodeRecord

@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import ModelTypeError
 from ..generators import RandomState
@@ -90,10 +90,8 @@ class Reference:
         call = self.calls.get(ordinal)
         if call is None:
             return ()
-        found = []
-        tree_map(lambda value: found.append(value) if isinstance(value, Produced) else None,
-                 (call.args, call.kwargs), is_leaf=lambda value: isinstance(value, Produced))
-        return tuple(found)
+        leaves = tree_leaves((call.args, call.kwargs), is_leaf=lambda value: isinstance(value, Produced))
+        return tuple(leaf for leaf in leaves if isinstance(leaf, Produced))
 
     def replay(self, ordinal: int, value_of: Callable[[Produced, torch.Tensor], Optional[torch.Tensor]],
                sources_in: Optional[torch.dtype] = None) -> Optional[tuple]:
@@ -342,20 +340,19 @@ def _calls_by_ordinal(calls: List[_Recorded], ordinals: Dict[int, int]) -> Dict[
     call reading what no op of the trace produced (a copy the capture made) is left out."""
     out = {}
     for index, ordinal in ordinals.items():
-        recorded, unknown = calls[index], []
-
-        def produced(value):
-            if isinstance(value, _Made):
-                if value.call not in ordinals:
-                    unknown.append(value)
-                    return value
-                return Produced(ordinals[value.call], value.index)
-            return value
-
-        args, kwargs = tree_map(produced, (recorded.args, recorded.kwargs), is_leaf=lambda v: isinstance(v, _Made))
-        if not unknown:
-            out[ordinal] = Call(recorded.func, args, kwargs, recorded.terms, recorded.generators)
+        recorded = calls[index]
+        if any(value.call not in ordinals for value in _made_in(recorded)):
+            continue
+        args, kwargs = tree_map(lambda v: Produced(ordinals[v.call], v.index) if isinstance(v, _Made) else v,
+                                (recorded.args, recorded.kwargs), is_leaf=lambda v: isinstance(v, _Made))
+        out[ordinal] = Call(recorded.func, args, kwargs, recorded.terms, recorded.generators)
     return out
+
+
+def _made_in(recorded: _Recorded) -> List[_Made]:
+    """The arguments of a recorded call that earlier calls made."""
+    leaves = tree_leaves((recorded.args, recorded.kwargs), is_leaf=lambda v: isinstance(v, _Made))
+    return [leaf for leaf in leaves if isinstance(leaf, _Made)]
 
 
 @functools.lru_cache(maxsize=None)

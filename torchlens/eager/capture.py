@@ -29,23 +29,23 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..collectives import C10D_MODULE, collective_call
+from ..compiled_regions import install_for_dynamo, run_by_dynamo
+from ..engines import distributed, engine_of
 from ..events import TensorMeta
+from ..fastpaths import keep_fast_paths, release_fast_paths
+from ..guard import contain, guarded, internal_error, is_stop
+from ..mode_stack import own_work, remove_mode
+from ..naming import op_name
 from ..pipeline import Call, Pipeline
 from ..provenance import tensor_arguments
 from ..repro.kept import KeptCall
-from ..guard import contain, guarded, internal_error, is_stop
+from ..scopes import ScopeTable, is_compile_wrapper
 from ..session import error_summary
 from ..sites import find_user_site
-from ..naming import op_name
-from ..scopes import ScopeTable, is_compile_wrapper
-from ..collectives import C10D_MODULE, collective_call
-from ..engines import distributed, engine_of
-from ..writes import written_tensor
-from ..fastpaths import keep_fast_paths, release_fast_paths
-from ..compiled_regions import install_for_dynamo, run_by_dynamo
-from ..mode_stack import own_work, remove_mode
 from ..structure import named_outputs
 from ..torch_seams import degraded
+from ..writes import written_tensor
 from .module_hooks import HOOKS, add_capture, remove_capture
 
 __all__ = ["CaptureMode", "EagerCapture", "OpReporter", "captures_in_thread", "exclude_from_dynamo", "input_metas",

@@ -17,14 +17,14 @@ from ..backward import BackwardNarration, running_backward
 from ..errors import OptionValueError, RecorderStateError
 from ..events import Event
 from ..grammar import render_dropped_events_note
+from ..guard import contain, internal_error
 from ..narrator import Narrator, render_lines
 from ..options import NarrationOptions, Settings, check_keyword, make_settings
 from ..results import Recording, Transcript
 from ..sites import still_running
-from ..guard import contain, internal_error
+from ..structure import check_model, check_selection
 from .capture import unwinding
 from .runner import EagerPass
-from ..structure import check_model, check_selection
 
 __all__ = ["PassCutShort", "Recorder"]
 

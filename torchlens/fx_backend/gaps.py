@@ -11,8 +11,8 @@ the model.
 from __future__ import annotations
 
 from ..eager.capture import OpReporter
-from ..scopes import ScopeTable
 from ..pipeline import Pipeline
+from ..scopes import ScopeTable
 
 __all__ = ["GapCapture"]
 

@@ -17,14 +17,14 @@ from typing import Callable, Optional
 
 from torch import fx
 
-from ..mode_stack import own_work
 from ..guard import contain, guarded, internal_error
+from ..mode_stack import own_work
 from ..stats import measures
+from .active import active_pass
 from .config import inner_compile
 from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
-from .active import active_pass
 from .runtime import CompiledPass, CompiledRuntime
 from .stats_pass import add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values

@@ -22,10 +22,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..collectives import graph_label, is_wait
 from ..events import Scope, TensorMeta
-from ..scopes import ScopeTable
 from ..naming import USER_SPELLING, node_name
-from ..sites import site_from_stack_trace
 from ..provenance import carried_kinds, memory_span, origin_chain
+from ..scopes import ScopeTable
+from ..sites import site_from_stack_trace
 from ..writes import node_writes, target_name, writes_without_returning
 from .module_stack import relative_stack
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape

@@ -49,8 +49,8 @@ def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optiona
 def runtime_for(call, config):
     """Create the runtime of a compiled model the first time the backend sees it (during `call`,
     the wrapper call being compiled; None for a graph compiled outside one)."""
-    from . import dynamo_seams
     from ..structure import module_of
+    from . import dynamo_seams
     from .runtime import CompiledRuntime
 
     runtime = CompiledRuntime(config, module_of(call.fn if call is not None else None))

@@ -21,21 +21,21 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..eager.capture import CaptureMode
-from ..compiled_regions import install_for_dynamo
-from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..backward import BackwardNarration
+from ..compiled_regions import install_for_dynamo
+from ..eager.capture import CaptureMode
 from ..events import Scope, TensorMeta
+from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..forward_pass import ForwardPass
 from ..grammar import UNFINISHED_NOTE, compiled_run_note
+from ..guard import contain, internal_error, is_stop
 from ..mode_stack import lifted_if_on_top, remove_mode
 from ..results import Recording
 from ..scopes import ScopeTable
-from ..guard import contain, internal_error, is_stop
 from ..structure import check_selection, named_arguments
 from . import dynamo_seams
-from .config import CompileConfig
 from .active import active_pass, make_active, make_inactive
+from .config import CompileConfig
 from .failures import locate_while_tracing, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan

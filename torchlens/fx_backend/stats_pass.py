@@ -31,12 +31,12 @@ from torch.fx.proxy import GraphAppendingTracer
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import meter
+from ..collectives import is_functional_collective, is_wait
+from ..elements import concrete, same_elements
 from ..events import StatsGroup
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
-from ..elements import concrete, same_elements
-from ..collectives import is_functional_collective, is_wait
 from ..unwritten import UnwrittenMemory
 from ..writes import node_writes, target_name, written_tensor
 from .plan import GraphPlan

@@ -23,11 +23,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..recording import Recorder
 from ..findings import Finding
-from ..options import NarrationOptions
-from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums
 from ..generators import RandomState
+from ..options import NarrationOptions
+from ..recording import Recorder
+from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums
 from .steps import WatchedForward, autocast_as
 
 __all__ = ["Outcome", "replay_step"]
