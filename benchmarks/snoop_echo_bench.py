@@ -38,7 +38,8 @@ EAGER_MODES = [
     ("record", "tl.record, no narration", dict()),
     ("narrate", "narration to a file, metadata only", dict(narrate="FILE")),
     ("track", "on_nonfinite='track', no narration", dict(on_nonfinite="track")),
-    ("reuse", "narration + track + value_stats='reuse'", dict(narrate="FILE", on_nonfinite="track", value_stats="reuse")),
+    ("reuse", "narration + track + value_stats='reuse'",
+     dict(narrate="FILE", on_nonfinite="track", value_stats="reuse")),
     ("sampled", "narration + value_stats='sampled'", dict(narrate="FILE", value_stats="sampled")),
     ("exact", "narration + value_stats='exact'", dict(narrate="FILE", value_stats="exact")),
     ("trace", "tl.trace (keeps every op's output)", dict(trace=True)),
@@ -71,7 +72,8 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=True)
-        self.down = nn.Sequential(nn.Conv2d(inp, width, 1, stride, bias=False), nn.BatchNorm2d(width)) if stride > 1 else None
+        self.down = (nn.Sequential(nn.Conv2d(inp, width, 1, stride, bias=False), nn.BatchNorm2d(width))
+                     if stride > 1 else None)
 
     def forward(self, x):
         identity = x if self.down is None else self.down(x)
@@ -84,7 +86,8 @@ class SmallResNet(nn.Module):
 
     def __init__(self, width: int = 8):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU(inplace=True))
         self.layer1 = nn.Sequential(BasicBlock(width))
         self.layer2 = nn.Sequential(BasicBlock(width * 2, 2))
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -111,7 +114,8 @@ def build_models(quick: bool):
     gpt_config = transformers.GPT2Config()  # the 124M configuration, random weights
     return [
         ("resnet18", lambda: torchvision.models.resnet18(weights=None), lambda b: torch.randn(b, 3, 224, 224)),
-        ("gpt2", lambda: transformers.GPT2Model(gpt_config), lambda b: torch.randint(0, gpt_config.vocab_size, (b, 64))),
+        ("gpt2", lambda: transformers.GPT2Model(gpt_config),
+         lambda b: torch.randint(0, gpt_config.vocab_size, (b, 64))),
     ]
 
 
@@ -416,7 +420,8 @@ def table(results: List[Dict]) -> str:
         lines.append(f"\n{result['model']}  batch {result['batch']}  {result['device']}")
         cold = result.get("cold_compile_s")
         if cold:
-            shown = ", ".join(f"{kind} {'failed' if value is None else f'{value:.1f} s'}" for kind, value in cold.items())
+            shown = ", ".join(f"{kind} {'failed' if value is None else f'{value:.1f} s'}"
+                              for kind, value in cold.items())
             lines.append(f"  cold compile (fresh process and cache): {shown}")
         lines.append(f"  {'mode':22s} {'median ms':>10s} {'x base':>8s} {'lines':>6s} {'us/line':>8s} "
                      f"{'1st call s':>10s} {'peak MB':>8s}  vs")

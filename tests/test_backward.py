@@ -664,7 +664,7 @@ def test_a_gradient_hook_that_writes_nan_is_first_seen_where_it_entered_on_cpu_a
     for read_now in ({"cpu"}, set()):  # the CPU's way, then an accelerator's (one read per backward)
         monkeypatch.setattr(torchlens.meter, "READ_NOW", read_now)
         model = Hooked()
-        [finding] = _track(model, lambda: model(torch.randn(2, 3)).backward()).recordings[0].backward[0].findings
+        [finding] = _track(model, lambda model=model: model(torch.randn(2, 3)).backward()).recordings[0].backward[0].findings
         assert finding.text.startswith("NaN gradient first seen entering ~") and not finding.birth, read_now
         assert "AddmmBackward0, the backward of #2 linear @fc" in finding.text
 

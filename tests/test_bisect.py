@@ -75,7 +75,7 @@ class _FlipErf:
             if node.op == "call_function" and node.target is aten.erf.default:
                 with graph.inserting_after(node):
                     flipped = graph.call_function(aten.neg.default, (node,))
-                node.replace_all_uses_with(flipped, delete_user_cb=lambda user: user is not flipped)
+                node.replace_all_uses_with(flipped, delete_user_cb=lambda user, flipped=flipped: user is not flipped)
                 return
 
     def uuid(self):

@@ -193,7 +193,7 @@ def test_function_compiled_with_tl_compile_is_narrated():
     compiled = tl.compile(step, narrate=lines, compiler="eager")
     compiled(torch.randn(3, 2))
     text = lines.last_pass()
-    assert [OP_LINE.match(l).group("op") for l in op_lines(text)] == ["input", "linear", "relu", "mul"]
+    assert [OP_LINE.match(line).group("op") for line in op_lines(text)] == ["input", "linear", "relu", "mul"]
     assert "#1    input         [3,2] f32 cpu  x" in text
 
 

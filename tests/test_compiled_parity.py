@@ -124,7 +124,8 @@ def test_compiled_transcript_equals_the_eager_one_line_for_line(name, mode):
         if tag == "equal":
             continue
         assert tag == "delete", (f"{name}: compiled differs from eager:\n"
-                                 + "\n".join(["- " + l for l in eager_lines[a0:a1]] + ["+ " + l for l in compiled_lines[b0:b1]]))
+                                 + "\n".join(["- " + line for line in eager_lines[a0:a1]]
+                                             + ["+ " + line for line in compiled_lines[b0:b1]]))
         for line in eager_lines[a0:a1]:
             assert _op_and_shape(line) in unread, f"{name}: only eager narrates {line.strip()!r}, whose result is read"
     assert len(compiled_lines) >= len(eager_lines) - 4  # at most a few dropped results

@@ -197,7 +197,7 @@ def test_interleaved_compiled_models_each_narrate_only_their_own_passes_into_the
                 x = make_input()
                 assert torch.equal(compiled(x), model(x))
                 assert torch.equal(plain_gpt(tokens(1, 8)), gpt(tokens(1, 8)))
-    for name, (model, compiled, make_input) in models.items():
+    for name, (model, _compiled, make_input) in models.items():
         passes = sinks[name].passes()
         assert sinks[name].headers() == ["-- pass 1", "-- pass 2", "-- pass 3"], name
         for text in passes:
@@ -326,7 +326,7 @@ def test_a_compiled_module_called_by_a_compiled_function_is_named_as_the_module_
     texts = []
     for inner in (model, wrapped):
         lines = []
-        tl.compile(lambda t: inner(t) * 2, narrate=lines.append, compiler="eager")(x)
+        tl.compile(lambda t, inner=inner: inner(t) * 2, narrate=lines.append, compiler="eager")(x)
         texts.append("\n".join(lines))
     assert texts[0] == texts[1]
     assert "_orig_mod" not in texts[1] and "@proj" in texts[1]

@@ -52,5 +52,5 @@ def test_on_error_only_still_prints_the_tail():
     model, x = tiny_gpt(), torch.full((1, 40), 3)
     live, partial = _live_and_partial(model, x, on_error_only=True, tail_on_error=3)
     lines = live.splitlines()
-    assert lines[0].startswith("!! forward failed") and len([l for l in lines if l.lstrip().startswith("#")]) >= 1
+    assert lines[0].startswith("!! forward failed") and len([line for line in lines if line.lstrip().startswith("#")]) >= 1
     assert partial.narrate() == live

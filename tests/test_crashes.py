@@ -80,7 +80,7 @@ def test_the_tail_keeps_the_enter_lines_of_open_modules_when_the_window_cuts():
 def test_partial_trace_is_attached_with_narration_off_and_for_trace_and_recorder():
     x = torch.randn(2, 3)
     for run in (lambda m: tl.record(m, x), lambda m: tl.trace(m, x)):
-        exc = _fail(lambda: run(Outer()))
+        exc = _fail(lambda run=run: run(Outer()))
         assert isinstance(exc.partial_trace, tl.PartialTrace)
         assert exc.partial_trace.attempt.op == "linear" and exc.partial_trace.attempt.module == "inner.fc"
     model = Outer()
@@ -345,7 +345,7 @@ def test_dynamo_own_errors_do_not_run_the_forward_again():
 
     for options in ({"compiler": "eager", "fullgraph": True}, {"compiler": failing_backend}):
         model = Counting().eval()
-        _fail(lambda: tl.compile(model, **options)(torch.randn(3, 4)))
+        _fail(lambda model=model, options=options: tl.compile(model, **options)(torch.randn(3, 4)))
         assert model.calls == 0  # a graph break under fullgraph, a failed backend: no op to locate
 
 

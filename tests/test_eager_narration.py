@@ -323,8 +323,8 @@ def test_in_module_narrates_one_subtree_with_its_enter_line_and_global_ordinals(
     assert body[0] == "  > blocks.1.attn (Attention)" and body[-1] == "  < blocks.1.attn"
     expected = [e.ordinal for e in rec.ops if e.module.startswith("blocks.1.attn")]
     assert ordinals(text) == expected and expected[0] > 20
-    full_lines = {OP_LINE.match(l).group("ordinal"): l for l in op_lines(full)}
-    assert all(full_lines[str(n)] == l for n, l in zip(ordinals(text), op_lines(text)))
+    full_lines = {OP_LINE.match(line).group("ordinal"): line for line in op_lines(full)}
+    assert all(full_lines[str(n)] == line for n, line in zip(ordinals(text), op_lines(text)))
 
 
 def test_selectors_compose_and_plain_predicates_work():
@@ -334,7 +334,7 @@ def test_selectors_compose_and_plain_predicates_work():
     text, _ = narrate_to_string(tiny_gpt(), tokens(), select=tl.in_module("blocks.0") & ~tl.in_module("blocks.0.attn"))
     assert "blocks.0.mlp" in text and "blocks.0.attn" not in text
     text, rec = narrate_to_string(tiny_gpt(), tokens(), select=lambda e: e.op == "linear")
-    assert {OP_LINE.match(l).group("op") for l in op_lines(text)} == {"linear"}
+    assert {OP_LINE.match(line).group("op") for line in op_lines(text)} == {"linear"}
     assert len(op_lines(text)) == sum(1 for e in rec.ops if e.op == "linear")
     assert f"{len(rec.ops) - len(op_lines(text))} not selected" in text.splitlines()[-1]
 

@@ -233,7 +233,7 @@ def test_a_real_models_gradient_written_after_its_backward_is_found_and_an_untou
     for poisoned in (False, True):
         model.zero_grad()
         handle = weight.register_post_accumulate_grad_hook(
-            _at_the_backwards_end(lambda p: p.grad.mul_(float("nan")) if poisoned else None))
+            _at_the_backwards_end(lambda p, poisoned=poisoned: p.grad.mul_(float("nan")) if poisoned else None))
         with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
             model(*args, **kwargs)[0].float().sum().backward()
         handle.remove()

@@ -355,7 +355,7 @@ h1, h2, p, li, pre { color: rgb(0, 128, 0); }
 """
 
 
-def test_two_views_in_one_document_draw_filter_and_scroll_on_their_own(browser, tmp_path):
+def test_two_views_in_one_document_draw_filter_and_scroll_on_their_own(browser, tmp_path):  # noqa: F811 (a fixture)
     from selenium.webdriver.support.ui import WebDriverWait
 
     nan = tl.record(gpt2(nan=True), ids(), on_nonfinite="track", value_stats="reuse")

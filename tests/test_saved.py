@@ -360,7 +360,7 @@ def test_a_tiny_archive_cannot_make_load_fill_memory(tmp_path):
     good = tl.record(tiny_gpt(), tokens()).save(tmp_path / "good.tl")
     row = zipfile.ZipFile(good).read("events.jsonl").splitlines()[2] + b"\n"
     for name, data in (("rows.tl", row * 400_000), ("empty.tl", b"{}\n" * 5_000_000)):
-        path = _rewritten(good, tmp_path / name, "events.jsonl", lambda _: data, zipfile.ZIP_DEFLATED)
+        path = _rewritten(good, tmp_path / name, "events.jsonl", lambda _, data=data: data, zipfile.ZIP_DEFLATED)
         assert path.stat().st_size < 1_000_000
         with pytest.raises(tl.errors.TraceFileError):
             tl.load(path)

@@ -894,7 +894,7 @@ def test_adamw_with_eps_0_raises_from_the_update_that_wrote_its_nan_naming_finit
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0)
     with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
         with pytest.raises(NonFiniteError) as caught:
-            for step, ids in enumerate(_ids(4)):
+            for step, ids in enumerate(_ids(4)):  # noqa: B007 (read after the loop: where it stopped)
                 model(ids).backward()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -912,7 +912,7 @@ def test_a_learning_rate_spike_that_overflows_a_weight_is_named_at_its_own_step(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None):
         with pytest.raises(NonFiniteError) as caught:
             for step, x in enumerate(_inputs(6)):
                 optimizer.param_groups[0]["lr"] = 3e38 if step == 3 else 0.1  # a schedule's bug

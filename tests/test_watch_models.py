@@ -129,7 +129,7 @@ def test_steps_a_gradscaler_skips_for_overflow_are_its_normal_work_not_faults(tm
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # the first steps overflow when scaled
     with tl.watch(model, optimizer, out=tmp_path, scaler=scaler, narrate=None) as watch:
         weights = []
-        for step in range(6):
+        for _ in range(6):
             weights.append(model.fc1.weight.detach().clone())
             _amp_step(model, optimizer, scaler, torch.randn(4, 8), torch.randn(4, 1) * 1000)
         assert scaler.get_scale() <= 2.0 ** 121, "the scaler skipped these steps"
@@ -144,11 +144,11 @@ def test_a_scale_that_collapses_below_one_is_a_fault_replayed_to_the_node_that_o
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     with tl.watch(model, optimizer, out=tmp_path, scaler=scaler, narrate=None) as watch:
-        for step in range(3):  # healthy steps (the scale stays at 4 well inside growth_interval)
+        for _ in range(3):  # healthy steps (the scale stays at 4 well inside growth_interval)
             _amp_step(model, optimizer, scaler, torch.randn(4, 8), torch.randn(4, 1))
         model.boom = True
         with pytest.raises(NonFiniteError) as caught:
-            for step in range(3, 10):
+            for step in range(3, 10):  # noqa: B007 (read after the loop: where it stopped)
                 _amp_step(model, optimizer, scaler, torch.randn(4, 8), torch.randn(4, 1))
     fault = caught.value.fault
     assert step == 5 and fault.step == 5 and scaler.get_scale() == 0.5
@@ -269,7 +269,7 @@ def test_adamw_with_eps_0_on_a_qwen2_raises_at_step_0_naming_the_embedding_rows_
     ids = torch.randint(0, VOCAB // 2, (2, 10), generator=torch.Generator().manual_seed(0))  # half the vocabulary
     with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
         with pytest.raises(NonFiniteError) as caught:
-            for step in range(3):
+            for step in range(3):  # noqa: B007 (read after the loop: where it stopped)
                 model(input_ids=ids, labels=ids).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()

@@ -43,7 +43,7 @@ def _raise_scenario(rank: int, workdir: str, bad_rank: int) -> dict:
     fault, before, step = None, None, None
     with tl.watch(model, optimizer, out=workdir, narrate=None) as watch:
         try:
-            for step, x in enumerate(_batches(rank, 5, 2, bad_rank)):
+            for step, x in enumerate(_batches(rank, 5, 2, bad_rank)):  # noqa: B007 (returned: where it stopped)
                 before = [p.detach().clone() for p in model.parameters()]
                 model(x).backward()
                 optimizer.step()
@@ -116,7 +116,7 @@ def _fsdp_scenario(rank: int, workdir: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with tl.watch(model, optimizer, out=workdir + "/raise", narrate=None) as watch:
         try:
-            for step, x in enumerate(_batches(rank, 5, 2, 1)):
+            for step, x in enumerate(_batches(rank, 5, 2, 1)):  # noqa: B007 (read after the loop: where it stopped)
                 before = _local(model)
                 model(x).backward()
                 optimizer.step()

@@ -90,7 +90,8 @@ def _compiled_options(compiled) -> dict:
         return {}
     if isinstance(compiled, dict):
         return dict(compiled)
-    raise OptionTypeError(f"tl.trace(compiled=...) takes True, False or a dict of tl.compile keywords; got {compiled!r}")
+    raise OptionTypeError(f"tl.trace(compiled=...) takes True, False or a dict of tl.compile keywords; "
+                          f"got {compiled!r}")
 
 
 def compile(model, *, narrate=None, value_stats: str = "off", on_nonfinite=None, live: bool = False,
@@ -119,7 +120,8 @@ def _check_forward_kwargs(model: nn.Module, kwargs: dict, keywords, entry: str) 
     A forward taking `**kwargs` (nearly every transformers model) would swallow `value_stat=` or
     `narate=` without a word, so there a keyword the forward does not name and that is a near miss
     of a torchlens option is refused too, as is a torchlens option in the wrong place (`sites=`
-    belongs inside `narrate=`, `keep_on_cpu=` to `tl.trace`), with the fix; a forward that really wants such a keyword gets it by
+    belongs inside `narrate=`, `keep_on_cpu=` to `tl.trace`), with the fix; a forward that really
+    wants such a keyword gets it by
     calling the model inside `tl.recording.Recorder(model, ...)`.
     """
     if not kwargs:

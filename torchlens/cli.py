@@ -70,7 +70,8 @@ def _load(path: str):
     except FileNotFoundError:
         raise CommandError(f"{path}: no such file (a saved trace is what trace.save(path) writes)") from None
     except IsADirectoryError:
-        raise CommandError(f"{path}: is a directory, not a saved trace (give the file trace.save(path) wrote)") from None
+        raise CommandError(f"{path}: is a directory, not a saved trace (give the file trace.save(path) "
+                           f"wrote)") from None
     except PermissionError:
         raise CommandError(f"{path}: permission denied (make the file readable to this user)") from None
     except TraceFileError as exc:

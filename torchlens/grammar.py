@@ -183,7 +183,8 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
     except TypeError:  # an unhashable (symbolic) size
         body = _op_body(event, site, normalize)
     ordinal = event.ordinal
-    line = _INDENTS[event.scope.depth] + (_ORDINAL_TAGS[ordinal] if 0 <= ordinal < _TAGGED else "#%-4d " % ordinal) + body
+    tag = _ORDINAL_TAGS[ordinal] if 0 <= ordinal < _TAGGED else "#%-4d " % ordinal
+    line = _INDENTS[event.scope.depth] + tag + body
     if event.stats is not None:
         stats = stats_text(event.stats)
         if stats:
@@ -273,7 +274,8 @@ def _attempt_lines(attempt: Attempt, normalize: bool) -> list:
         return _backward_attempt_lines(attempt, normalize)
     if attempt.op is None:
         where = f" in @{attempt.scope.path}" if attempt.scope.path else ""
-        line = f"attempted: no torch call was in flight; the error came from Python code{where} after #{attempt.ordinal - 1}"
+        line = (f"attempted: no torch call was in flight; the error came from Python code{where} after "
+                f"#{attempt.ordinal - 1}")
         if attempt.site:
             line += "  " + site_text(attempt.site, normalize)
         return [render_failure(line)]
@@ -366,7 +368,8 @@ def footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: 
     return [ran] + _unshown_parts(counts, depth, max_lines) + list(extra)
 
 
-def backward_footer_parts(counts, depth: Optional[int], max_lines: Optional[int], extra: Iterable[str] = ()) -> List[str]:
+def backward_footer_parts(counts, depth: Optional[int], max_lines: Optional[int],
+                          extra: Iterable[str] = ()) -> List[str]:
     """The footer of a backward: the nodes that ran, the gradients accumulated into leaves, what
     was not shown and why, then `extra` (statistics, the gradient verdict)."""
     ran = f"{plural(counts.nodes, 'node')}, {plural(counts.leaves, 'gradient')} accumulated"

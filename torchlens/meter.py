@@ -140,7 +140,8 @@ class Meter:
                 self._known[identity[1]] = (weakref.ref(identity[0]), stats, now)
             return stats
         except Exception as exc:
-            return Stats("na", tensor.numel(), self.rung != "off", note=f"{type(exc).__name__} measuring {tensor.dtype}")
+            return Stats("na", tensor.numel(), self.rung != "off",
+                         note=f"{type(exc).__name__} measuring {tensor.dtype}")
 
     def measures_collectively(self, tensors) -> bool:
         """Whether measuring these tensors takes a collective (`dtensor_stats="global"` and a DTensor
@@ -349,7 +350,8 @@ class Meter:
         mine = [item for item in self.pending if item.vector.device == vector.device]
         self.pending = [item for item in self.pending if item.vector.device != vector.device]
         try:
-            values = torch.cat([vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]).tolist()
+            parts = [vector.reshape(-1)] + [item.vector.to(vector.dtype).reshape(-1) for item in mine]
+            values = torch.cat(parts).tolist()
         except Exception:  # one vector that cannot be read must not take the others with it
             return self._read_one_by_one(vector, mine)
         self.reads += 1

@@ -185,7 +185,8 @@ def check_value_stats(value) -> str:
     if not isinstance(value, str):
         raise OptionTypeError(f"value_stats= takes one of {describe_choices(VALUE_STATS)}, got {value!r}")
     if value not in VALUE_STATS:
-        raise OptionValueError(f"value_stats={value!r}{suggest(value, VALUE_STATS)}: accepted are {describe_choices(VALUE_STATS)}")
+        raise OptionValueError(f"value_stats={value!r}{suggest(value, VALUE_STATS)}: accepted are "
+                               f"{describe_choices(VALUE_STATS)}")
     return value
 
 
@@ -279,14 +280,17 @@ def check_compiler(owner: str, compiler):
     if callable(compiler):
         return compiler
     if not isinstance(compiler, str):
-        raise OptionTypeError(f"compiler= takes a backend name such as 'inductor' or 'eager', or a backend callable; got {compiler!r}")
+        raise OptionTypeError(f"compiler= takes a backend name such as 'inductor' or 'eager', or a backend "
+                              f"callable; got {compiler!r}")
     if compiler == "torchlens":
-        raise OptionValueError("compiler='torchlens' would instrument the graph twice; name the compiler underneath, e.g. 'inductor'")
+        raise OptionValueError("compiler='torchlens' would instrument the graph twice; name the compiler "
+                               "underneath, e.g. 'inductor'")
     import torch._dynamo
 
     known = torch._dynamo.list_backends(exclude_tags=()) + ["eager"]
     if compiler not in known:
-        raise OptionValueError(f"compiler={compiler!r}{suggest(compiler, known)}: not a registered backend; known: {', '.join(sorted(set(known)))}")
+        raise OptionValueError(f"compiler={compiler!r}{suggest(compiler, known)}: not a registered backend; "
+                               f"known: {', '.join(sorted(set(known)))}")
     return compiler
 
 
@@ -311,7 +315,8 @@ KEYWORDS: Tuple[Keyword, ...] = (
     Keyword("keep_on_cpu", (TRACE,), lambda owner, value: check_bool(owner, "keep_on_cpu", value)),
     Keyword("max_bytes", (TRACE,), lambda owner, value: check_count(owner, "max_bytes", value, none_means="no limit")),
     Keyword("keep", (RECORDER,), lambda owner, value: check_count(owner, "keep", value, none_means="every pass")),
-    Keyword("tail", (RECORDER,), lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
+    Keyword("tail", (RECORDER,),
+            lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
     Keyword("backward", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_bool(owner, "backward", value)),
     # (a compiled graph measures the local shards it computes on: "global" is eager narration's)
     Keyword("dtensor_stats", (RECORD, TRACE, RECORDER), lambda owner, value: check_dtensor_stats(value)),
@@ -346,7 +351,8 @@ def misplaced(entry: str, name: str, value) -> Optional[str]:
     if keyword is None or entry in keyword.takes:
         return None
     takers = [_SPELLED.get(taker, taker) for taker in keyword.takes]
-    return f"{name!r} is an option of {' or '.join(takers)}, not of {entry}: pass it to {takers[0]}(..., {name}={value!r})"
+    return (f"{name!r} is an option of {' or '.join(takers)}, not of {entry}: pass it to "
+            f"{takers[0]}(..., {name}={value!r})")
 
 
 _SPELLED = {RECORDER: "tl.recording.Recorder"}

@@ -192,7 +192,8 @@ _BUILDERS: "dict[str, Callable]" = {
     "finite": lambda r, f, dtype, numel, ndim: _padded(f, dtype) if r.padded else finite_vector(f, dtype, ndim),
     "counts": lambda r, f, dtype, numel, ndim: _counts(r, f, dtype, numel),
     "moments": lambda r, f, dtype, numel, ndim: cheap_vector(f, dtype, numel),
-    "moments+counts": lambda r, f, dtype, numel, ndim: torch.cat([cheap_vector(f, dtype, numel), _counts(r, f, dtype, numel)]),
+    "moments+counts": lambda r, f, dtype, numel, ndim: torch.cat([cheap_vector(f, dtype, numel),
+                                                                  _counts(r, f, dtype, numel)]),
 }
 
 

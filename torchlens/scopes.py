@@ -216,7 +216,8 @@ def outside_names(cls: type) -> Tuple[str, str]:
         if wrapped is None:
             known = (f"<{cls.__name__}>", cls.__name__)
         else:
-            where = f"{getattr(wrapped, '__module__', None) or '?'}.{getattr(wrapped, '__qualname__', wrapped.__name__)}"
+            home = getattr(wrapped, "__module__", None) or "?"
+            where = f"{home}.{getattr(wrapped, '__qualname__', wrapped.__name__)}"
             known = (f"<{wrapped.__name__}>", where)
         _outside[cls] = known
     return known

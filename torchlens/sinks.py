@@ -22,7 +22,8 @@ import sys
 from .errors import OptionTypeError, OptionValueError
 from .ranks import expand_path, template_fields
 
-__all__ = ["NEW_RUN", "CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream", "StderrSink",
+__all__ = ["NEW_RUN", "CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream",
+           "StderrSink",
            "StreamSink", "check_writable", "checked_sink", "open_sink", "sink_kind"]
 
 

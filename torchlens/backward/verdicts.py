@@ -235,7 +235,8 @@ class GradTracker:
         leaves = ""
         if self.leaves:
             shown = ", ".join(self.leaves[:3]) + (f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else "")
-            leaves = f"; non-finite gradients reached {len(self.leaves)} lea{'f' if len(self.leaves) == 1 else 'ves'} ({shown})"
+            count = len(self.leaves)
+            leaves = f"; non-finite gradients reached {count} lea{'f' if count == 1 else 'ves'} ({shown})"
         if self.findings:
             more = len(self.findings) - 1
             extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""

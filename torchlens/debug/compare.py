@@ -251,7 +251,8 @@ class CompareReport:
         if row is None:
             counts = self.counts
             unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
-            return f"no {which}divergence: {counts['within_tolerance']} matched {self.noun}s within tolerance{unchecked}"
+            within = counts["within_tolerance"]
+            return f"no {which}divergence: {within} matched {self.noun}s within tolerance{unchecked}"
         head = (f"first {which}divergence: {tag}{row.ordinal} {row.where} (a {_ordinal(row.ordinal_a, tag)}, "
                 f"b {_ordinal(row.ordinal_b, tag)})")
         if row.verdict == NOT_COMPARABLE:
@@ -383,7 +384,8 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
         rows[-1].depth = (event_b or event_a).scope.depth
     if reference is not None:
         judge_rows(rows, trace_a, trace_b, values_a, values_b, reference,
-                   _reference_pairs(trace_a.ops, reference.trace.ops), _reference_pairs(trace_b.ops, reference.trace.ops))
+                   _reference_pairs(trace_a.ops, reference.trace.ops),
+                   _reference_pairs(trace_b.ops, reference.trace.ops))
     return CompareReport(rows, _compare_gradients(trace_a, trace_b, rtol, atol, tolerance.floor),
                          judged=reference is not None)
 
@@ -728,7 +730,8 @@ def _real_text(row: CompareRow) -> str:
         return (f"both sides are off float64 (a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}), where rounding allows "
                 f"{_ulps(row.allowed)}")
     far, near = (row.ulps_a, row.ulps_b) if off == "a" else (row.ulps_b, row.ulps_a)
-    return f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}, where rounding allows {_ulps(row.allowed)}"
+    return (f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}, where rounding allows "
+            f"{_ulps(row.allowed)}")
 
 
 def _judgement_text(row: CompareRow) -> str:

@@ -50,7 +50,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["CARRIED", "DRAWN_APART", "FLOOR_ULPS", "GROWTH", "INHERITED", "REAL", "ROUNDING", "SPREAD", "UNJUDGED", "Error",
+__all__ = ["CARRIED", "DRAWN_APART", "FLOOR_ULPS", "GROWTH", "INHERITED", "REAL", "ROUNDING", "SPREAD", "UNJUDGED",
+           "Error",
            "Judgement", "allowance", "carries_rounding", "drew_alike", "error", "judge", "own_allowance", "ulp"]
 
 FLOOR_ULPS = 4.0

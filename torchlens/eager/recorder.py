@@ -76,8 +76,8 @@ class Recorder:
     def __repr__(self) -> str:
         state = "active" if self._handles else "inactive"
         kept = len(self.recordings)
-        return (f"<Recorder of {type(self.model).__name__} ({state}): {self.passes} pass{'es' if self.passes != 1 else ''}"
-                f", {kept} kept>")
+        passes = f"{self.passes} pass{'es' if self.passes != 1 else ''}"
+        return f"<Recorder of {type(self.model).__name__} ({state}): {passes}, {kept} kept>"
 
     def __enter__(self) -> "Recorder":
         if self._handles:

@@ -48,7 +48,8 @@ def config_from_options(options: Optional[Mapping[str, Any]]) -> CompileConfig:
     if options is None:
         return make_config()
     if not isinstance(options, Mapping):
-        raise OptionTypeError(f"backend 'torchlens' takes options as a dict with keys {', '.join(OPTION_KEYS)}; got {type(options).__name__}")
+        raise OptionTypeError(f"backend 'torchlens' takes options as a dict with keys {', '.join(OPTION_KEYS)}; "
+                              f"got {type(options).__name__}")
     for key, value in options.items():
         fix = misplaced(COMPILE, str(key), value) if key not in OPTION_KEYS else None
         if fix is not None:

@@ -44,7 +44,8 @@ def check_torch_compile_kwargs(kwargs: dict, entry: str) -> None:
         if key == "backend":
             raise OptionTypeError(f"{entry} chooses the backend itself; name the compiler underneath with compiler=")
         if key == "options":
-            raise OptionTypeError(f"{entry} takes torchlens options as keywords ({', '.join(OPTION_KEYS)}), not options=")
+            raise OptionTypeError(f"{entry} takes torchlens options as keywords ({', '.join(OPTION_KEYS)}), "
+                                  f"not options=")
         if key not in TORCH_COMPILE_KEYWORDS:
             fix = misplaced(COMPILE, str(key), value)
             if fix is not None:

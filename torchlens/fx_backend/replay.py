@@ -119,7 +119,8 @@ def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = No
             inputs = tuple(TensorMeta.of(t) for t in locator.current_inputs)
             caveats = replay_caveats(gm, watch.drew)
             if locator.copies_failed:
-                caveats.append("the values of the ops before it could not be copied during the replay, and are not kept")
+                caveats.append("the values of the ops before it could not be copied during the replay, and are "
+                               "not kept")
             return FailedNode(node, inputs, caveats, locator.values, _node_call(node, *locator.current_call, replayed),
                               locator.current_inputs)
     unknown = "the replay ran without error, so the failing op is unknown"
@@ -276,7 +277,8 @@ def replay_caveats(gm: fx.GraphModule, drew: bool) -> List[str]:
     random numbers, when the replay saw an op draw them (`drew`)."""
     caveats = []
     if any(node_writes(node) for node in gm.graph.nodes):
-        caveats.append("the graph mutates tensors in place; the replay saw them after any mutation the failed call made")
+        caveats.append("the graph mutates tensors in place; the replay saw them after any mutation the failed "
+                       "call made")
     if drew:
         caveats.append("the graph draws random numbers; the replay drew its own")
     return caveats

@@ -370,7 +370,8 @@ class CompiledPass(ForwardPass):
             with self.own_work():
                 self.pop_mode()
                 if succeeded:
-                    recording = self.finish(result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
+                    recording = self.finish(
+                        result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
                 else:
                     if dynamo_seams.raised_while_tracing(exc):
                         locate_while_tracing(self, exc)

@@ -207,7 +207,8 @@ def _written_later(node: fx.Node, value, inputs: set) -> bool:
     no recorded value) counts, and so does any write into a graph input when `node`'s output is
     one of them or a view of one: inputs may alias each other in a later call without a recompile.
     `inputs` holds the storages of the graph's inputs."""
-    mine = {_storage(t) for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)}
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    mine = {_storage(t) for t in values if isinstance(t, torch.Tensor)}
     later = node.next
     while later.op != "output":
         if _may_mutate(later):

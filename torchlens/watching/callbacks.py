@@ -15,8 +15,9 @@ screened where its backward starts, and each update after it runs (a step post-h
 optimizer, which both frameworks step), as in a plain loop.
 
 A fault under `on_fault="raise"` leaves `trainer.train()` / `trainer.fit()` as their exception
-(`tl.errors.NonFiniteError`, `.fault` attached), the watch closed first (the loop cannot go on). Neither framework is a dependency: each class is
-built on first use, from the framework installed then.
+(`tl.errors.NonFiniteError`, `.fault` attached), the watch closed first (the loop cannot go on).
+Neither framework is a dependency: each class is built on first use, from the framework installed
+then.
 """
 
 from __future__ import annotations

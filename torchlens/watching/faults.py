@@ -88,7 +88,8 @@ class Fault:
             if self.birth_rank is not None and self.birth_rank != self.rank:
                 where = f"born on rank {self.birth_rank}: {where}"
             how = "compiled, after the eager replays found nothing" if self.compiled_only else ""
-            text = f"{head}; {where}; reproduced in replay {self.replay} of {self.replays}" + (f" ({how})" if how else "")
+            text = f"{head}; {where}; reproduced in replay {self.replay} of {self.replays}"
+            text += f" ({how})" if how else ""
         elif self.reproduced is False:
             text = (f"{head}; transient: not reproduced in {self.replays} replay{'s' if self.replays != 1 else ''} "
                     f"(a nondeterministic kernel, a race or the hardware)")
@@ -105,10 +106,12 @@ class Fault:
         """Leave the replay's page, its trace, the one-op repro and the step's inputs in `directory`.
         A file that cannot be written is said, not raised: the fault itself is the news."""
         os.makedirs(directory, exist_ok=True)
-        self.inputs = _attempt("saving the step's inputs", lambda: _save_inputs(forwards, os.path.join(directory, "inputs.pt")))
+        self.inputs = _attempt("saving the step's inputs",
+                               lambda: _save_inputs(forwards, os.path.join(directory, "inputs.pt")))
         if self.recording is None:
             return
-        self.html = _attempt("writing the replay's page", lambda: self.recording.to_html(os.path.join(directory, "replay.html")))
+        self.html = _attempt("writing the replay's page",
+                             lambda: self.recording.to_html(os.path.join(directory, "replay.html")))
         self.trace = _attempt("saving the replay", lambda: self.recording.save(os.path.join(directory, "replay.tl")))
         if self.phase == "forward":
             try:

@@ -92,7 +92,8 @@ def _choice(name: str, value, choices) -> str:
     if not isinstance(value, str):
         raise OptionTypeError(f"tl.watch {name}= takes {describe_choices(choices)}, got {value!r}")
     if value not in choices:
-        raise OptionValueError(f"tl.watch {name}={value!r}{suggest(value, choices)}: accepted are {describe_choices(choices)}")
+        raise OptionValueError(f"tl.watch {name}={value!r}{suggest(value, choices)}: accepted are "
+                               f"{describe_choices(choices)}")
     return value
 
 
