@@ -39,6 +39,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+import types
+from typing import Dict
 
 import torch
 
@@ -140,7 +142,10 @@ def _install_filter(torch_function, utils, _output_graph) -> None:
     def set_keeping_captures(stack):
         original_set(with_captures_kept(stack))
 
-    init_without_captures.torchlens_rule = set_keeping_captures.torchlens_rule = True
+    # marks on the functions themselves (attributes a function's type does not declare), so that a
+    # second install finds its rule in place
+    init_without_captures.torchlens_rule = True  # type: ignore[attr-defined]
+    set_keeping_captures.torchlens_rule = True  # type: ignore[attr-defined]
     state.__init__ = init_without_captures
     utils.set_torch_function_mode_stack = set_keeping_captures
 
@@ -158,7 +163,7 @@ def _install_graph_reports(_torch_function, _utils, output_graph) -> None:
             return reporting_graph_calls(compiled)
         return compiled
 
-    call_user_compiler.torchlens_rule = True
+    call_user_compiler.torchlens_rule = True  # type: ignore[attr-defined]  # an attribute on a function
     graph_class.call_user_compiler = call_user_compiler
 
 
@@ -263,7 +268,7 @@ def _column_at(code, offset: int):
     return next(positions)[2]
 
 
-_columns_known = {}
+_columns_known: Dict[types.CodeType, bool] = {}
 
 
 def _has_columns(code) -> bool:

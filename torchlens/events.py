@@ -12,7 +12,7 @@ captured op, and construction cost is on the hot path.
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -55,6 +55,13 @@ class Scope:
     """
 
     __slots__ = ("path", "type_name", "depth", "parent", "key", "lines")
+
+    path: str
+    type_name: str
+    depth: int
+    parent: Optional["Scope"]
+    key: str
+    lines: Optional[Tuple[str, str]]
 
     def __init__(self, path: str, type_name: str, parent: Optional["Scope"], key: Optional[str] = None):
         self.path = path
@@ -138,7 +145,7 @@ class TensorMeta(tuple):
     @classmethod
     def ragged(cls, tensor) -> "TensorMeta":
         """A tensor whose sizes are not all fixed (a nested tensor): ragged sizes shown as `*`."""
-        shape = []
+        shape: List[Union[int, str]] = []
         for dim in range(tensor.dim()):
             try:
                 shape.append(int(tensor.size(dim)))
@@ -283,6 +290,20 @@ class Stats:
 
     __slots__ = ("kind", "numel", "min", "max", "mean", "sd", "nan", "posinf", "neginf", "true", "sampled",
                  "note", "shown")
+
+    kind: str
+    numel: int
+    min: Optional[float]  # an int's, for an integer tensor: exact
+    max: Optional[float]
+    mean: Optional[float]
+    sd: Optional[float]
+    nan: Optional[int]
+    posinf: Optional[int]
+    neginf: Optional[int]
+    true: Optional[int]
+    sampled: int
+    note: str
+    shown: bool
 
     def __init__(self, kind: str, numel: int = 0, shown: bool = True, note: str = ""):
         self.kind = kind

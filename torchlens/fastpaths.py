@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
+from typing import FrozenSet
 
 import torch
 from torch import nn
@@ -31,10 +33,11 @@ _original = torch.overrides.has_torch_function
 _is_compiling = torch.compiler.is_compiling
 _lock = threading.Lock()
 _installed = 0  # captures running, in any thread, that need the answer kept
-_forwards = None  # code objects of the torch module forwards that consult has_torch_function
+# code objects of the torch module forwards that consult has_torch_function (read at the first capture)
+_forwards: FrozenSet[types.CodeType] = frozenset()
 
 
-def _consulting_forwards() -> frozenset:
+def _consulting_forwards() -> FrozenSet[types.CodeType]:
     """The `forward` code of every torch.nn module class that calls `has_torch_function`."""
     codes = set()
     pending = [nn.Module]
@@ -94,7 +97,7 @@ def keep_fast_paths() -> None:
     """A capture starts: answer fast-path checks as if it were not there (until `release`)."""
     global _installed, _forwards
     with _lock:
-        if _forwards is None:
+        if not _forwards:
             _forwards = _consulting_forwards()
         _installed += 1
         if _installed == 1:

@@ -26,7 +26,7 @@ output from outside (the loss)::
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -43,12 +43,12 @@ TAG_WIDTH = 6
 OP_WIDTH = 14
 MAX_OUTPUTS_SHOWN = 4
 
-_DTYPE_NAMES = {}
-_DEVICE_NAMES = {}
-_META_TEXTS = {}
-_OP_COLUMNS = {}
-_OP_BODIES = {}
-_MODULE_LINES = {}
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+_DEVICE_NAMES: Dict[Tuple[torch.device, bool], str] = {}
+_META_TEXTS: Dict[Tuple[TensorMeta, bool], str] = {}
+_OP_COLUMNS: Dict[str, str] = {}
+_OP_BODIES: Dict[tuple, str] = {}  # (op, outputs, module path, depth, label, site, normalize, engine) -> body
+_MODULE_LINES: Dict[Tuple[str, str, int], Tuple[str, str]] = {}  # (path, class, depth) -> (enter, exit)
 _CACHE_LIMIT = 1 << 16
 _INDENTS = ["  " * d for d in range(256)]  # deeper than any real module tree
 _TAGGED = 1 << 14

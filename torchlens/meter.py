@@ -125,7 +125,8 @@ class Meter:
             if tensor.__class__ is not _TENSOR and is_dtensor(tensor):
                 if self._whole_dtensors:
                     return self._measure_whole(tensor)
-                return _of_local_shard(self.measure(tensor._local_tensor, live))
+                local = tensor._local_tensor  # type: ignore[attr-defined]  # a DTensor's shard: private to torch
+                return _of_local_shard(self.measure(local, live))
             if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
                 return self._measure_plain(tensor)

@@ -20,7 +20,7 @@ import builtins
 import inspect
 import operator
 import threading
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -38,7 +38,7 @@ _SAME_OP = {"truediv": "div"}
 # when dynamo traced it as a different call.
 USER_SPELLING = "torchlens_user_spelling"
 
-_names = {}
+_names: Dict[Any, str] = {}
 
 
 def op_name(func) -> str:
@@ -59,8 +59,9 @@ def _derive(func) -> str:
     if name is None:
         name = type(func).__name__
     if name == "__get__":  # a tensor attribute such as .T or .real, read through its descriptor
-        owner = getattr(func, "__self__", None)
-        name = getattr(owner, "__name__", name)
+        owner_name = getattr(getattr(func, "__self__", None), "__name__", None)
+        if owner_name is not None:
+            name = owner_name
     return dunder_name(name)
 
 
@@ -191,6 +192,8 @@ def _probe(dunder: str) -> Optional[str]:
 
 def _arity(dunder: str) -> int:
     function = getattr(operator, dunder[2:-2], None) or getattr(operator, dunder[2:-2] + "_", None)
+    if function is None:
+        return 2
     try:
         return len(inspect.signature(function).parameters)
     except (TypeError, ValueError):

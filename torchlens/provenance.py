@@ -104,7 +104,7 @@ class Provenance:
         for tensor in tensors:
             self._producers[id(tensor)] = (weakref.ref(tensor), event)
             if tensor.__class__ is not torch.Tensor and is_dtensor(tensor):  # its shard is the op's too
-                local = tensor._local_tensor
+                local = tensor._local_tensor  # type: ignore[attr-defined]  # a DTensor's shard: private to torch
                 self._producers[id(local)] = (weakref.ref(local), event)
             if (args or kwargs) and passed_in(tensor, args, kwargs):
                 self._wrote(event, tensor, event.ordinal if position is None else position)
@@ -129,7 +129,7 @@ class Source:
     def __init__(self, label: str, tensor: Optional[torch.Tensor]):
         self.label = label
         self.ref = weakref.ref(tensor) if tensor is not None else None
-        self._kinds = -1
+        self._kinds: Optional[int] = -1  # -1: not measured yet
         self.counts = ""
         self.reported = False  # its finding is made once, at the first op that reads it
         # Measured later than it was read (when a finding needs it): if written in place since

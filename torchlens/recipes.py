@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -69,13 +69,14 @@ class Recipe(NamedTuple):
     def stats(self, numel: int) -> Stats:
         return Stats(self.kind, numel, self.shown, note=self.note)
 
-    def build(self, values, dtype: torch.dtype, numel, ndim: int, source: torch.dtype = None):
+    def build(self, values, dtype: torch.dtype, numel, ndim: int, source: Optional[torch.dtype] = None):
         """The vector for `values` (a tensor, or an FX proxy: nothing here reads a value), in
         `dtype`. A float's `values` are already in the dtype the recipe reduces (see
         `torchlens.stats.as_float`); an integer's are the tensor itself, of dtype `source`."""
         if self.layout in _AT_HAND:
             raise ValueError(f"a {self.layout!r} recipe is measured by the meter, with its tensor at hand")
         if self.layout == "int":
+            assert source is not None, "an integer's recipe is built with its tensor's dtype"
             return int_vector(values, source, dtype, ndim, self.padded)
         return _BUILDERS[self.layout](self, values, dtype, numel, ndim)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import types
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,7 +34,7 @@ class ScopeTable:
         self._interned: Dict[Tuple, Scope] = {}
         self._calls: Dict[Tuple[int, int], Tuple[Scope, weakref.ref]] = {}
         self._unknown: Dict[int, weakref.ref] = {}  # modules not in the root when it was last read
-        self._fingerprint = None  # the module tree's shape when the names were last read
+        self._fingerprint: Optional[list] = None  # the module tree's shape when the names were last read
         self.refresh()
 
     @property
@@ -228,7 +228,7 @@ def _wrapped_by_factory_class(cls: type):
     if "<locals>" not in getattr(cls, "__qualname__", ""):
         return None
     cells = getattr(getattr(cls, "forward", None), "__closure__", None) or ()
-    found = []
+    found: List[object] = []
     for cell in cells:
         try:
             value = cell.cell_contents
@@ -236,7 +236,7 @@ def _wrapped_by_factory_class(cls: type):
             continue
         if isinstance(value, (types.FunctionType, type)) and not issubclass(_type_of(value), torch.nn.Module):
             found.append(value)
-    return found[0] if len(found) == 1 and getattr(found[0], "__name__", "") else None
+    return found[0] if len(found) == 1 and getattr(found[0], "__name__", None) else None
 
 
 def _type_of(value) -> type:

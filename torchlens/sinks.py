@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Callable, Dict, Optional
 
 from .errors import OptionTypeError, OptionValueError
 from .ranks import expand_path, template_fields
@@ -55,7 +56,7 @@ class FileSink(Sink):
 
     def __init__(self, path, starts: bool = False, overwrite: bool = False):
         self.path = os.fspath(path)
-        self._fd = None
+        self._fd: Optional[int] = None
         self._starts = starts
         self._overwrite = overwrite
 
@@ -71,10 +72,10 @@ class FileSink(Sink):
         os.write(self._fd if self._fd is not None else self._open(), (line + "\n").encode("utf-8"))
 
     def write_block(self, lines) -> None:
-        self._open()
+        fd = self._open()
         data = "".join(line + "\n" for line in lines).encode("utf-8")
         while data:  # os.write may write less than asked for a large block
-            data = data[os.write(self._fd, data):]
+            data = data[os.write(fd, data):]
 
     def close(self) -> None:
         fd, self._fd = self._fd, None  # forgotten first: the descriptor is gone even if close fails
@@ -173,7 +174,7 @@ def sink_kind(target):
     return None
 
 
-_OPENERS = {
+_OPENERS: Dict[str, Callable[..., Sink]] = {
     "stderr": lambda target: StderrSink(),
     "sink": lambda target: target,
     "standard": lambda target: StreamSink(getattr(sys, target)),

@@ -12,17 +12,23 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Optional
+import types
+from typing import Dict, Optional
 
 import torch
 
 __all__ = ["display_path", "find_user_site", "is_internal_file", "site_from_stack_trace", "still_running"]
 
-_INTERNAL_DIRS = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (torch, sys.modules[__package__])
-)
-_internal_cache = {}
-_display_cache = {}
+
+def _directory_of(module: types.ModuleType) -> str:
+    path = module.__file__
+    assert path is not None, f"{module.__name__} has no __file__"
+    return os.path.dirname(os.path.abspath(path)) + os.sep
+
+
+_INTERNAL_DIRS = tuple(_directory_of(module) for module in (torch, sys.modules[__package__]))
+_internal_cache: Dict[str, bool] = {}
+_display_cache: Dict[str, str] = {}
 
 
 def is_internal_file(filename: str) -> bool:
@@ -67,7 +73,7 @@ def find_user_site(frame) -> Optional[str]:
 
 def still_running(frame) -> bool:
     """Whether `frame` is on the current call stack: the call it runs has not returned yet."""
-    current = sys._getframe(1)
+    current: Optional[types.FrameType] = sys._getframe(1)
     while current is not None:
         if current is frame:
             return True

@@ -96,7 +96,7 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
     while is_wrapped(tensor):
         tensor = _unwrapped(tensor)
     if tensor.__class__ is not torch.Tensor and is_dtensor(tensor):
-        return unwrapped(tensor._local_tensor)
+        return unwrapped(tensor._local_tensor)  # type: ignore[attr-defined]  # a DTensor's shard: private to torch
     return tensor
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ def named_tensors(obj, label: str, out: List[Tuple[str, torch.Tensor]], nesting:
             named_tensors(getattr(obj, field.name, None), f"{label}.{field.name}", out, nesting + 1)
 
 
-_signatures = {}
+_signatures: Dict[Any, inspect.Signature] = {}
 
 
 def signature_of(fn) -> inspect.Signature:
@@ -87,7 +87,7 @@ def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tens
     return out
 
 
-_parameters = {}
+_parameters: Dict[Any, Tuple[Tuple[str, ...], str]] = {}
 
 
 def _parameter_names(fn) -> Tuple[Tuple[str, ...], str]:
@@ -101,7 +101,7 @@ def _parameter_names(fn) -> Tuple[Tuple[str, ...], str]:
     try:
         parameters = signature_of(fn).parameters.values()
     except (TypeError, ValueError):
-        names = ((), "")
+        names: Tuple[Tuple[str, ...], str] = ((), "")
     else:
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         positional = tuple(p.name for p in parameters if p.kind in kinds)
@@ -142,7 +142,7 @@ def tensor_names(model) -> dict:
     non-finite tracking names a tensor no op produced."""
     if not isinstance(model, nn.Module):
         return {}
-    names = {}
+    names: Dict[int, str] = {}
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         names.setdefault(id(tensor), name)
     return names

@@ -148,6 +148,7 @@ def _report(world_size: int, origins: List[Optional[_Origin]], carried: int, per
         return RankReport(world_size, None, (), None, None, carried, _texts(origins) if per_rank else None)
     tied = tuple(rank for rank, key in enumerate(keys) if key == first)
     winner = origins[tied[0]]
+    assert winner is not None  # its key is the first of them all, not _NOTHING
     return RankReport(world_size, tied[0], tied, winner.text, winner.where, carried,
                       _texts(origins) if per_rank else None)
 
@@ -175,16 +176,17 @@ def _collective_report(origin: Optional[_Origin], carried: int, group, per_rank:
     lowest = torch.tensor([rank if mine else world], dtype=torch.int64, device=device)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
     winner = int(lowest.item())
-    texts = None
+    texts: Optional[List[Optional[str]]] = None
     if per_rank:  # every rank's own first finding: O(world) data, only when asked
         texts = [None] * world
         dist.all_gather_object(texts, origin.text if origin is not None else None, group=group)
     if first == _NOTHING:
         return RankReport(world, None, (), None, None, carried_total, texts)
-    message = [origin.text if rank == winner else None, origin.where if rank == winner else None]
+    told = origin if rank == winner else None  # the winner is a rank whose key is the first: it has an origin
+    message = [told.text if told is not None else None, told.where if told is not None else None]
     dist.broadcast_object_list(message, src=dist.get_global_rank(group, winner) if group is not None else winner,
                                group=group)
-    tied = (winner,)
+    tied: Tuple[int, ...] = (winner,)
     if ties > 1:  # which ranks: a flag each, summed (only when several were born at the same place)
         flags = torch.zeros(world, dtype=torch.int64, device=device)
         flags[rank] = int(mine)

@@ -46,7 +46,7 @@ neither nearer.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -60,6 +60,7 @@ GROWTH = 2.0
 ROUNDING, REAL, UNJUDGED, CARRIED = "rounding", "real", "unjudged", "carried"
 INHERITED = "inherited"  # a judgement's: the op added only rounding; what it carries, `judging` tells
 DRAWN_APART = 0.1  # a random op's output this far off float64 (of its largest magnitude) drew other numbers
+_OTHER_SIDE: Dict[Optional[str], Optional[str]] = {"a": "b", "b": "a"}  # None: neither side is off
 
 
 def ulp(dtype: torch.dtype, magnitude: float) -> float:
@@ -188,7 +189,7 @@ def judge(values_a, values_b, references, terms: int, replay_a=None, replay_b=No
     beyond = [side for side in ("a", "b") if own[side] is not None and own[side][0].ulps > own[side][1]]
     if beyond and (two_sided or not same_precision):
         off = beyond[0] if len(beyond) == 1 else ("a" if closer == "b" else "b" if closer == "a" else None)
-        near = {"a": "b", "b": "a"}.get(off, closer)
+        near = _OTHER_SIDE.get(off, closer)
         return Judgement(REAL, near, a, b, own[off or beyond[0]][1], own_a, own_b, off)
     if own_a is not None and own_b is not None:
         judgement = Judgement(INHERITED, closer, a, b, max(own["a"][1], own["b"][1]), own_a, own_b)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ def _check_torch_compile_value(entry: str, key: str, value) -> None:
                                    f"{describe_choices(modes)}")
 
 
-def compile_model(model, config: CompileConfig, torch_compile_kwargs: dict, backend: Backend = None):
+def compile_model(model, config: CompileConfig, torch_compile_kwargs: dict, backend: Optional[Backend] = None):
     """`torch.compile(model, backend=<torchlens for this model>, **torch_compile_kwargs)`, hooked."""
     if not callable(model):
         raise ModelTypeError(f"tl.compile takes an nn.Module or a function, got {type(model).__name__}")

@@ -94,8 +94,8 @@ class GraphPlan:
         self.by_node = {op.node: op for op in ops}
         dynamic = [op.index for op in ops if op.exprs is not None]
         self.dynamic_position = {index: position for position, index in enumerate(dynamic)}
-        self.segments = {}
-        self._scopes = {}
+        self.segments: Dict[tuple, Segment] = {}
+        self._scopes: Dict[Scope, List[Scope]] = {}
 
     def op_scopes(self, table: ScopeTable, frame_scope: Scope) -> List[Scope]:
         """The scope of each op when the graph runs in `frame_scope` (memoised)."""

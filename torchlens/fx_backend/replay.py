@@ -51,7 +51,7 @@ class _Locator(fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.current: Optional[fx.Node] = None
         self.current_inputs: Tuple = ()
-        self.current_call: Tuple = ((), {})  # the node in flight's real arguments, for a repro
+        self.current_call: Tuple[tuple, dict] = ((), {})  # the node in flight's real arguments, for a repro
         self.keep = keep or {}
         self.values: Dict[str, object] = {}
         self.nodes = {node.name: node for node in gm.graph.nodes} if keep else {}
@@ -134,8 +134,9 @@ def _node_call(node: Optional[fx.Node], args, kwargs, raised: BaseException):
         return None
     if node.op == "call_function":
         return node.target, args, kwargs, raised
-    if node.op == "call_method" and callable(getattr(torch.Tensor, node.target, None)):
-        return getattr(torch.Tensor, node.target), args, kwargs, raised
+    method = node.target if node.op == "call_method" else None  # (a method's target is its name)
+    if isinstance(method, str) and callable(getattr(torch.Tensor, method, None)):
+        return getattr(torch.Tensor, method), args, kwargs, raised
     return None  # a submodule call: its code is the user's, not one torch call
 
 

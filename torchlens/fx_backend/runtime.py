@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from ..backward import BackwardNarration
 from ..compiled_regions import install_for_dynamo
 from ..eager.capture import CaptureMode
-from ..events import Scope, TensorMeta
+from ..events import Event, Scope, TensorMeta
 from ..fastpaths import keep_fast_paths, release_fast_paths
 from ..forward_pass import ForwardPass
 from ..grammar import UNFINISHED_NOTE, compiled_run_note
@@ -245,7 +245,7 @@ class CompiledPass(ForwardPass):
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
         if stats_vector is not None or kept is not None:
             stats = self._read_stats(plan, concrete, stats_vector, layout) if stats_vector is not None else None
-            events = {}
+            events: Dict[int, Event] = {}
             self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
             self.graph_outputs(plan, events, out)
             return

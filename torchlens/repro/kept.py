@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Dict, Optional
+from typing import Dict, Optional, TypeGuard
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -186,5 +186,5 @@ def kept_copy(func, out, args, kwargs, notes=(), error=None, context=None) -> Ke
     return KeptCall(func, args, kwargs, notes, True, error, context, origins)
 
 
-def inputs_kept(call: Optional[KeptCall]) -> bool:
+def inputs_kept(call: Optional[KeptCall]) -> TypeGuard[KeptCall]:
     return call is not None and call.func is not None and bool(call.args or call.kwargs or not call.notes)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -58,7 +58,10 @@ def loss_ops(tensors: Sequence[torch.Tensor], forwards) -> LossOps:
     loss's own ops."""
     ranges = [(f.nodes[0], f.nodes[1], f) for f in forwards if f.nodes is not None]
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen, ops, read, unscreened = set(), [], set(), set()
+    seen: Set[int] = set()
+    ops: List[Tuple[int, str]] = []
+    read: Set[int] = set()
+    unscreened: Set[int] = set()
     try:
         while stack and len(seen) < OPS_WALKED:
             node = stack.pop()
@@ -93,7 +96,8 @@ class Root:
         # a loss of one number is its own screen (exact; copied when it views a larger tensor, which
         # it would keep alive); anything else, its non-finite elements counted
         self.value = (tensors[0].detach() if tensors[0]._base is None else tensors[0].detach().clone()) if one else None
-        self.count = None if one else nonfinite_counts(tensors).sum()
+        counts = None if one else nonfinite_counts(tensors)  # (not None: there are tensors)
+        self.count = counts.sum() if counts is not None else None
         self.via = via  # "backward()" or "scaler.scale"
         self.site = site
         self.ops = loss_ops(tensors, forwards)
@@ -104,6 +108,7 @@ class Root:
         if self.value is not None:
             screen.add(self.value.reshape(1).float())
         else:
+            assert self.count is not None  # (kept whenever the value is not)
             screen.add_count(self.count)
 
     @property
@@ -111,6 +116,7 @@ class Root:
         """How many of the tensors' elements are not finite (a host read: an alarm's question)."""
         if self.value is not None:
             return int(not bool(torch.isfinite(self.value)))
+        assert self.count is not None  # (kept whenever the value is not)
         return int(self.count)
 
     def what(self) -> str:
@@ -186,7 +192,8 @@ class _Listening:
             if not entries:
                 del _listeners[self.thread]
             if not _listeners and torch.autograd.backward is _wrapper:
-                torch.autograd.backward, _wrapper = _wrapper.__wrapped__, None
+                # (functools.wraps set __wrapped__, an attribute a function's type does not declare)
+                torch.autograd.backward, _wrapper = _wrapper.__wrapped__, None  # type: ignore[attr-defined]
             # (another library that wrapped it after us keeps ours under its own, idle: no listener)
 
 

@@ -31,7 +31,7 @@ __all__ = ["UpdateCheck", "Written", "describe", "origins"]
 class Written(NamedTuple):
     """A parameter that holds non-finite values after an update."""
 
-    index: int  # in the watch's parameters
+    index: int  # type: ignore[assignment]  # in the watch's parameters (a field named as tuple's method)
     nan: int
     inf: int
     before: str  # "finite", "non-finite" (before the update) or "unknown" (not checked before it)
@@ -102,6 +102,7 @@ class UpdateCheck:
         if changed is None:  # (no check ran before this update: `check_step` was not called)
             return "unknown"
         if i in changed:
+            assert sums is not None  # (the parameters in `changed` were screened: their sums exist)
             # (a sum that overflowed on finite values reads as non-finite: the update is then not
             # blamed, a fault missed rather than one claimed without being measured)
             return "finite" if bool(torch.isfinite(sums[changed.index(i)])) else "non-finite"
