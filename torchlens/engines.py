@@ -51,7 +51,7 @@ def _verdict(code):
         return _BY_CODE[code]
     except KeyError:
         filename = code.co_filename.replace("\\", "/")
-        verdict = next((name for part, name in _ENGINE_FILES if part in filename), None)
+        verdict: object = next((name for part, name in _ENGINE_FILES if part in filename), None)
         if verdict is None and filename.startswith(_TORCH_DIR) and not filename.startswith(_MODULES_DIR):
             verdict = _TORCH  # (torch's own modules, `nn.Linear`, are the model's code: no engine's)
         if len(_BY_CODE) < 65536:

@@ -13,7 +13,7 @@ transcript is rendered again, are untouched. Nothing a sink does reaches the use
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 from . import grammar
 from .errors import warn_safely
@@ -90,7 +90,7 @@ class Narrator:
         self._plain = self._select is None and self._depth is None and self._max_lines is None and not self._quiet
         self._engine_ops = options.engine_ops
         self._disabled = False
-        self._captured = None  # lines held back while a block is being rendered for its cache
+        self._captured: Optional[List[str]] = None  # lines held back while a block is being rendered for its cache
         self.begin_pass()
 
     # -- per pass -------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def printed_events(events, options: NarrationOptions) -> set:
 
 
 def failure_block(events, attempt, error: str, options: NarrationOptions, last: Optional[int],
-                  printed: frozenset = frozenset(), what: str = "forward") -> List[str]:
+                  printed: AbstractSet[int] = frozenset(), what: str = "forward") -> List[str]:
     """`!! forward failed`, the last lines (with the enter lines of still-open modules), the marker.
 
     The window ignores selection, depth folding and `max_lines`: after a failure what matters is
@@ -351,7 +351,7 @@ def failure_block(events, attempt, error: str, options: NarrationOptions, last: 
     plain = options.replace(select=None, depth=None, max_lines=None, on_error_only=False, prefix="")
     sink = ListSink()
     narrator = Narrator(plain, sink)
-    rendered = []  # (line, event that produced it)
+    rendered: List[Tuple[str, Event]] = []  # (line, event that produced it)
     for event in events:
         narrator.feed(event)
         if id(event) not in printed:

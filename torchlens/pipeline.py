@@ -20,7 +20,7 @@ straight to `Session.add_op`, the hot path of every narrated forward.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
@@ -38,6 +38,9 @@ from .writes import call_writes, may_return_an_alias
 
 __all__ = ["Call", "Pipeline"]
 
+# what a call wrote into its arguments, as `Tracker.produced` takes it: (args, kwargs), or ((), None)
+_Written = Tuple[tuple, Optional[dict]]
+
 
 class Call(NamedTuple):
     """The torch call an eager op was, for what the pipeline derives from it: what the op read
@@ -49,7 +52,7 @@ class Call(NamedTuple):
     kwargs: Optional[dict] = None
     wrote: Optional[bool] = None
 
-    def written_into(self, name: str) -> tuple:
+    def written_into(self, name: str) -> _Written:
         """(args, kwargs) for `Tracker.produced` when the call (the op `name`) wrote into its
         arguments, else ((), None) (an output that is one of its arguments is then not a write:
         `contiguous` and `to` return their argument unchanged)."""
@@ -86,7 +89,7 @@ class Pipeline:
         self._judge_live = self.tracker is not None and session.narrator is not None
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
-        self._in_flight: List[tuple] = []
+        self._in_flight: List[Tuple[Event, Collective, _Written]] = []
         self.verdict: Optional[str] = None  # non-finite tracking's, once settled (the footer's words)
         # with tracking and a backward to narrate: the forward's non-finite values by op, for its verdicts
         self.forward_values: Optional[ForwardValues] = None
@@ -136,13 +139,14 @@ class Pipeline:
         if self._in_flight and call is not None:
             self._land_what_it_reads(event, name, call, value)
         if collective is not None:
+            assert call is not None  # (a collective is an eager torch call, reported with its call)
             return self._collective(event, metas, value, call, collective)
         tracker = self.tracker
         written = call.written_into(name) if call is not None else None
         if self.unwritten is not None and value is not None:
             self._follow_memory(name, value, call, written, engine)
         lazy = None
-        if tracker is not None and call is not None:
+        if tracker is not None and call is not None and written is not None:
             # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
             # for; what it produced or wrote is still registered: a later reader's origin, a float
             # view of the memory it wrote)
@@ -156,12 +160,12 @@ class Pipeline:
             self._observe(event, value)
         except NonFiniteError:  # `on_nonfinite="raise"` stops at this op: keep what it read first
             if lazy is not None:
-                self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
+                self._keep_inputs(event, call, value)
             raise
-        if lazy is not None:
+        if lazy is not None and tracker is not None:  # (there is a lazy reading only with a tracker)
             nonfinite = event.stats is not None and event.stats.nonfinite
             if nonfinite:
-                self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
+                self._keep_inputs(event, call, value)
             if nonfinite or tracker.waiting(event) or (self.roots is not None and not tracker.clean):
                 # (before its outputs are registered below; with a backward to come, once a value was
                 # not finite, a finite op may have read it: its backward would compute with it)
@@ -174,6 +178,11 @@ class Pipeline:
         if self.roots is not None and value is not None:
             self.roots.note(event, value)
         return event
+
+    def _keep_inputs(self, event: Event, call: Optional[Call], value) -> None:
+        """Tracking keeps the inputs of an op whose output is not finite, for `.repro()`."""
+        if self.kept_inputs is not None and call is not None:
+            self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
 
     def _collective(self, event: Event, metas, value, call: Call, collective: Collective) -> Event:
         """A collective's op: its line says its group. What it sends is read now; what it brings
@@ -225,7 +234,7 @@ class Pipeline:
                 self._in_flight.remove(entry)
                 self._land(entry, event, overwritten=read == "written")
 
-    def _land(self, entry, reader: Event, overwritten: bool) -> None:
+    def _land(self, entry: Tuple[Event, Collective, _Written], reader: Event, overwritten: bool) -> None:
         collective_event, collective, written = entry
         value = collective.value
         if not overwritten:
@@ -295,8 +304,8 @@ class Pipeline:
     def _observe(self, event: Event, value) -> Event:
         """Measure, judge and log one event; under `on_nonfinite="raise"`, stop at its NaN."""
         if self.meter is not None and value is not None:
-            event.stats = self._measure(event, value)
-        findings = self._judge(event) if self.tracker is not None else ()
+            event.stats = self._measure(self.meter, event, value)
+        findings = self._judge(self.tracker, event) if self.tracker is not None else ()
         self.session.append(event)
         if self.raising and findings:  # the NaN at this op; its message names the cause
             raise NonFiniteError(nonfinite_message(next((f for f in findings if f.event is event), findings[0])))
@@ -309,6 +318,7 @@ class Pipeline:
         model's own code viewing a tensor the pass did not see made, a table kept in a global,
         views values the program wrote before: those are measured.)"""
         unwritten = self.unwritten
+        assert unwritten is not None  # (memory is followed only where the meter runs)
         if name.startswith(UNINITIALIZED):
             unwritten.allocated(value)
             return
@@ -330,21 +340,21 @@ class Pipeline:
         if unwritten and wrote:
             unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs))
 
-    def _measure(self, event: Event, value) -> Stats:
+    def _measure(self, meter: Meter, event: Event, value) -> Stats:
         """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
         (the rule the backward uses too; tracking judges live here only while it narrates). Memory
         no op has written yet (`empty`'s, and views of it) is never read: torch has not read it."""
         note = UNINITIALIZED_NOTE if event.op.startswith(UNINITIALIZED) else (
             self.unwritten.unwritten(value) if self.unwritten else None)
         if note is not None:
-            return Stats("na", 0, self.meter.rung != "off", note=note)
+            return Stats("na", 0, meter.rung != "off", note=note)
         narrator = self.session.narrator
         live = reads_now(self.raising, narrator is not None and narrator.prints(event), self._judge_live, value)
-        return self.meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+        return meter.measure_output(value, live)  # never raises: "n/a" when it cannot
 
-    def _judge(self, event: Event) -> list:
+    def _judge(self, tracker: Tracker, event: Event) -> list:
         """The tracker's findings made now; those about this very op get their `!!` line after it."""
-        findings = self.tracker.judge(event)
+        findings = tracker.judge(event)
         for finding in findings:
             attach_finding(finding, finding.live and finding.event is event)
         return findings
@@ -380,11 +390,11 @@ class Pipeline:
             for collective_event, _, _ in self._in_flight:
                 self.tracker.never_landed(collective_event)
         self._in_flight = []
-        verdict = self.verdict = self._verdict() if self.tracker is not None else None
+        verdict = self.verdict = self._verdict(self.tracker) if self.tracker is not None else None
         session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
 
-    def _verdict(self) -> str:
-        session, tracker = self.session, self.tracker
+    def _verdict(self, tracker: Tracker) -> str:
+        session = self.session
         try:
             for finding in tracker.judge_rest():
                 # with no live narration, nothing was printed it must match: the note shows

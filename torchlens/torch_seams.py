@@ -174,7 +174,8 @@ def _probe_sequence_numbers():
         return missing
     before = torch._C._autograd._get_sequence_nr()
     node = torch.ones(1, requires_grad=True).mul(2).grad_fn
-    if not hasattr(node, "_sequence_nr") or not before <= node._sequence_nr() < torch._C._autograd._get_sequence_nr():
+    if (node is None or not hasattr(node, "_sequence_nr")
+            or not before <= node._sequence_nr() < torch._C._autograd._get_sequence_nr()):
         return "a node's _sequence_nr() no longer falls between the counter's values around its making"
     return None
 
@@ -184,7 +185,8 @@ def _probe_hook_handles():
 
     from torch.utils.hooks import RemovableHandle
 
-    table = OrderedDict()  # (the kind of table torch keeps hooks in: a plain dict has no weak reference)
+    # (the kind of table torch keeps hooks in: a plain dict has no weak reference)
+    table: OrderedDict[int, object] = OrderedDict()
     handle = RemovableHandle(table)
     table[handle.id] = print
     if handle.hooks_dict_ref() is not table or handle.extra_dict_ref:

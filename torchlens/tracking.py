@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -139,7 +139,7 @@ class Tracker:
         self.origin_of, self.source, self.produced = provenance.origin_of, provenance.source, provenance.produced
         self._kinds: Dict[int, Optional[int]] = {}  # id(event) -> what it held
         self._origin: Dict[Tuple[int, int], object] = {}  # (id(event), kind) -> Event or Source
-        self._queue = collections.deque()
+        self._queue: Deque[Event] = collections.deque()  # judged in order, once their statistics are read
         self._seen_first = 0  # kinds already reported as "first seen" (not a birth)
         self.findings: List[Finding] = []
         self.unmeasured: Dict[str, int] = {}
@@ -148,7 +148,7 @@ class Tracker:
         # Infinity births whose verdict waits for their fate: a finding if they turn into a NaN or
         # reach the output, else absorbed (T5's `log(0)` under a `where`, a softmax-ed mask).
         self._infinities: Dict[Tuple[int, int], Finding] = {}
-        self._born = set()  # (id(event), kind) of every infinity born, held back or not
+        self._born: Set[Tuple[int, int]] = set()  # (id(event), kind) of every infinity born, held back or not
         self._collectives: Dict[int, str] = {}  # id(event) -> its group, for collectives (`collectives`)
         # No value judged so far held a non-finite value or went unmeasured: an op cannot have read
         # one (a parameter's NaN no op's output showed aside), whatever it read (`forward_values`)
@@ -372,8 +372,10 @@ class Tracker:
         if produced is None or produced == -1:
             return ForwardCause(None, f"{name} was not measured", None)
         reads = event.reads.resolved if isinstance(event.reads, LazyReads) else event.reads
-        read, unknown = {}, False  # kind -> the origin of what it read of that kind
+        read: Dict[int, object] = {}  # kind -> the origin of what it read of that kind
+        unknown = False
         for ref in (reads[0] if reads is not None else ()):
+            origins: Iterable[Tuple[int, object]]
             if isinstance(ref, Source):
                 kinds = ref.kinds() if ref.measured else 0  # (never measured: no op's output showed it)
                 origins = ((bit, ref) for bit, _ in KINDS if kinds and kinds & bit)
@@ -420,7 +422,7 @@ class Tracker:
             extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
             return f"first non-finite: {first.text}{then}{extra}{gap}"
         if self.absorbed is not None:
-            claim = (f"no non-finite findings ({kind_names(held(self.absorbed) & (POSINF | NEGINF))} "
+            claim = (f"no non-finite findings ({kind_names((held(self.absorbed) or 0) & (POSINF | NEGINF))} "
                      f"{self._where(self._absorbed_origin(), POSINF | NEGINF)} absorbed by later ops)")
         else:
             claim = "no non-finite values"

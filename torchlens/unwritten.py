@@ -25,7 +25,7 @@ a reading of stale bytes.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -84,7 +84,7 @@ class UnwrittenMemory:
 
     def __init__(self):
         # storage key -> (weak reference, note, spans written, address of its bytes)
-        self._storages: Dict[int, Tuple[StorageWeakRef, str, list, int]] = {}
+        self._storages: Dict[int, Tuple[StorageWeakRef, str, list, Optional[int]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._storages)
@@ -122,7 +122,9 @@ class UnwrittenMemory:
     def _entry(self, tensor: torch.Tensor):
         """The live entry of a tensor's memory, or None (never remembered, freed, or new bytes)."""
         key = storage_key(tensor)
-        entry = self._storages.get(key) if key is not None else None
+        if key is None:
+            return None
+        entry = self._storages.get(key)
         if entry is None:
             return None
         if entry[0].expired():  # freed, its address perhaps reused: not the memory remembered
@@ -165,8 +167,8 @@ class SeenMemory:
     ops)."""
 
     def __init__(self, held: Callable[[], Iterable[torch.Tensor]] = tuple):
-        self._ids = set()
-        self._held = held
+        self._ids: Set[int] = set()
+        self._held: Optional[Callable[[], Iterable[torch.Tensor]]] = held  # None once read
 
     def saw(self, value) -> None:
         """An op produced `value` in fresh memory (or it is an input, or a compiled graph's output)."""

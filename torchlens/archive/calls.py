@@ -46,15 +46,15 @@ def call_doc(recording, max_bytes: int, stored: dict, how: dict) -> Optional[dic
         return None
     call = found.call
     name, why = _function_name(call)
-    doc = {"for": found.role, "ordinal": found.ordinal, "function": name,
-           "notes": list(call.notes) + ([why] if why else []), "error": call.error,
+    notes = list(call.notes) + ([why] if why else [])
+    doc = {"for": found.role, "ordinal": found.ordinal, "function": name, "notes": notes, "error": call.error,
            "context": _context_doc(call.context)}
     if name is None:
         return doc  # (the live repro cannot be written either: the notes say why)
     tensors = call.tensors()
     size = sum(t.numel() * t.element_size() for t in tensors if t.layout is torch.strided)
     if size > max_bytes:
-        doc["notes"].append(f"its inputs ({size} bytes) were over the {max_bytes}-byte bound save() keeps with a "
+        notes.append(f"its inputs ({size} bytes) were over the {max_bytes}-byte bound save() keeps with a "
                             f"trace: save the recording again with save(path, max_repro_bytes={size}) or more")
         return doc
     try:
@@ -62,7 +62,7 @@ def call_doc(recording, max_bytes: int, stored: dict, how: dict) -> Optional[dic
         doc["args"] = _value_doc(tuple(call.args), index)
         doc["kwargs"] = _value_doc(dict(call.kwargs), index)
     except ReproError as exc:
-        doc["notes"].append(str(exc))
+        notes.append(str(exc))
         return doc
     origins = call.origins if len(call.origins) == len(tensors) else [(t.requires_grad, t.is_leaf) for t in tensors]
     places = call.places or [(str(t.device), strides(t)) for t in tensors]
@@ -78,7 +78,7 @@ def call_doc(recording, max_bytes: int, stored: dict, how: dict) -> Optional[dic
             how.pop(name, None)
         for key in ("args", "kwargs", "tensors"):
             del doc[key]
-        doc["notes"].append(f"its inputs could not be saved with the trace ({left_out[0]})")
+        notes.append(f"its inputs could not be saved with the trace ({left_out[0]})")
     return doc
 
 

@@ -156,7 +156,8 @@ def event_doc(event, scopes: _Scopes, findings: Dict[int, int], select) -> dict:
 def findings_doc(findings, events) -> Tuple[list, Dict[int, int]]:
     """The findings as rows (their event by index), and finding id -> row."""
     position = {id(event): index for index, event in enumerate(events)}
-    rows, index = [], {}
+    rows: List[dict] = []
+    index: Dict[int, int] = {}
     for finding in findings:
         index[id(finding)] = len(rows)
         rows.append({"text": finding.text, "event": position.get(id(finding.event)), "live": bool(finding.live),
@@ -292,6 +293,7 @@ def _output_doc(value, stored, how, numbers):
         if isinstance(value, float) and not math.isfinite(value):
             return {"float": number(value)}  # JSON has no such number; a string would read as a str
         return {"value": value}
+    doc: Optional[Dict[str, object]]
     if isinstance(value, tuple):
         doc = {"tuple": [_output_doc(item, stored, how, numbers) for item in value]}
     elif isinstance(value, list):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -117,7 +117,7 @@ def _json(data: bytes, name: str):
 
 
 def _jsonl_rows(data: bytes, name: str) -> list:
-    rows = []
+    rows: List[dict] = []
     for line in data.splitlines():
         if line.strip():
             row = _json(line, name)

@@ -9,7 +9,7 @@ module call) and `backward` (narrate the backward through each forward's graphs)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, cast
 
 import torch
 
@@ -68,7 +68,8 @@ def inner_compile(compiler, gm: torch.fx.GraphModule, example_inputs, mode: Opti
         from torch._inductor.compile_fx import compile_fx
 
         patches = torch._inductor.list_mode_options(mode) if mode else None
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        # (its stubs name every kind of result; without an AOT option asked for, a callable)
+        return cast(Callable, compile_fx(gm, example_inputs, config_patches=patches))
     if compiler == "eager":
         return gm.forward
     if isinstance(compiler, str):

@@ -17,6 +17,7 @@ and its docstring says what is lost then.
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -58,7 +59,7 @@ class CompiledCall(NamedTuple):
 
 def current_call() -> Optional[CompiledCall]:
     """The innermost `torch.compile` wrapper call on this thread's stack, or None."""
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == _WRAPPER_NAME and "cleanups" in frame.f_code.co_varnames:
             local = frame.f_locals

@@ -9,7 +9,7 @@ compiled frame (`L['self'].blocks[0]._modules['attn']`).
 from __future__ import annotations
 
 import re
-from typing import Tuple
+from typing import List, Tuple
 
 from ..scopes import ScopeTable, outside_names, without_compile_wrappers
 
@@ -38,7 +38,7 @@ def relative_stack(table: ScopeTable, stack, frame_path: str) -> Tuple[Tuple[str
     (`blocks.1` reusing `blocks.0`'s graph). Each entry becomes (name, relative?, call suffix,
     class name), which `ScopeTable.resolve` turns into a scope per call.
     """
-    entries = []
+    entries: List[Tuple[str, bool, str, str]] = []
     prefix = frame_path + "." if frame_path else ""
     for key, (path, cls) in (stack or {}).items():
         base_key, _, call = str(key).partition("@")

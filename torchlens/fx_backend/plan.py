@@ -14,7 +14,7 @@ one line, so it is not an op either.
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import fx
@@ -125,7 +125,7 @@ def node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
     if spelled is not None:
         return spelled
     if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__.lower()
+        return type(gm.get_submodule(str(node.target))).__name__.lower()  # (a module's target is its path)
     return node_name(node.target, node.args, node.op)
 
 
@@ -199,7 +199,8 @@ def _waited_collective(node: fx.Node, collectives: Dict[fx.Node, int]) -> Option
     """The index of the collective a `wait_tensor` node waits for (its values arrive with the wait)."""
     if node.op != "call_function" or not is_wait(node.target) or not node.args:
         return None
-    return collectives.get(node.args[0])
+    source = node.args[0]
+    return collectives.get(source) if isinstance(source, fx.Node) else None
 
 
 class _Sources:
@@ -209,14 +210,14 @@ class _Sources:
     def __init__(self, gm: fx.GraphModule):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._args = {n: position for position, n in enumerate(placeholders)}
-        self._input_memory = {}  # storage key -> positions of the graph inputs that hold it
+        self._input_memory: Dict[object, List[int]] = {}  # storage key -> positions of the graph inputs that hold it
         for node, position in self._args.items():
             memory = _storage(node)
             if memory is not None:
                 self._input_memory.setdefault(memory[0], []).append(position)
         self._producer: Dict[fx.Node, int] = {}
-        self._writers: Dict[object, List[int]] = {}
-        self.written_inputs = set()  # positions of the graph inputs the graph writes into
+        self._writers: Dict[object, List[Tuple[int, object]]] = {}  # storage key -> (op index, span written)
+        self.written_inputs: Set[int] = set()  # positions of the graph inputs the graph writes into
 
     def produced(self, node: fx.Node, index: int, written: Optional[fx.Node]) -> None:
         self._producer[node] = index
@@ -233,7 +234,7 @@ class _Sources:
         """What `node`'s value comes from: its producer, then the writes into its memory since,
         from the last write that covered all of it on (`provenance.origin_chain`, as eager tracking)."""
         if _is_unpacking(node):
-            node = node.args[0]
+            node = cast(fx.Node, node.args[0])  # (what `_is_unpacking` found a Node)
         if node in self._producer:
             first = ("op", self._producer[node])
         elif node in self._args:
@@ -248,7 +249,7 @@ class _Sources:
         return origin_chain(first, writes, after, memory[1])
 
     def reads(self, node: fx.Node) -> tuple:
-        refs = []
+        refs: list = []
         for value in (*node.args, *node.kwargs.values()):
             items = value if isinstance(value, (list, tuple)) else (value,)
             for item in items:

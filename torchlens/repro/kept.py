@@ -106,7 +106,7 @@ def call_context(args, kwargs) -> dict:
     """Grad mode and, for the device of the first tensor argument, the autocast state."""
     leaves = tree_flatten((args, kwargs or {}))[0]
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)), "cpu")
-    context = {"grad": torch.is_grad_enabled(), "autocast": None}
+    context: Dict[str, object] = {"grad": torch.is_grad_enabled(), "autocast": None}
     try:
         if torch.is_autocast_enabled(device):
             context["autocast"] = (device, str(torch.get_autocast_dtype(device)).replace("torch.", ""))

@@ -47,7 +47,8 @@ def spell(func) -> str:
         if attribute is not None:  # a Python-level wrapper a tensor method is spelled by (`x ** 2`: __pow__)
             return f"torch.Tensor.{attribute}"
         module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
-        module = _PUBLIC_MODULES.get(module, module)
+        if module in _PUBLIC_MODULES:
+            module = _PUBLIC_MODULES[module]
         if module and qualname and _resolves(module, qualname, func):
             return f"{module}.{qualname}"
     raise ReproError(f"{func!r} cannot be named as a function a script could import, so it cannot be replayed alone")

@@ -27,7 +27,8 @@ __all__ = ["fragment", "page"]
 @functools.lru_cache(maxsize=None)
 def asset(name: str) -> str:
     """A file of `torchlens/view/assets/`, as text (read once per process)."""
-    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+    # (one part per joinpath: Python 3.10's Traversable, a zipped install's, takes no more)
+    return resources.files(__package__).joinpath("assets").joinpath(name).read_text(encoding="utf-8")
 
 
 def embedded_json(data) -> str:

@@ -8,7 +8,7 @@ everywhere would show no non-finite row, and the page says it cannot tell rather
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..events import ENTER, GRAD, INPUT, NODE, OP
 from ..grammar import op_ref, plural
@@ -61,7 +61,7 @@ def _forward(recording, failed: bool) -> dict:
     lines = [_line(("before the failure: " if failed else "") + ran)]
     lines += _nonfinite_lines(recording.settings, tree, recording.findings, first, "values", "op", "#",
                               [e for e in events if e.kind is OP or e.kind is INPUT], failed)
-    section = {"title": "forward", "tag": "#", "unit": "ops", "lines": lines, "tree": tree.root,
+    section: Dict[str, Any] = {"title": "forward", "tag": "#", "unit": "ops", "lines": lines, "tree": tree.root,
                "first": tree.path(first)}
     if failed:
         error = f"forward failed: {recording.error}"
@@ -148,7 +148,7 @@ def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: s
 
 def _unmeasured(events) -> str:
     """`3 rows not measured (uninitialized: 2, a sparse tensor: 1)`, or "" when every one was."""
-    reasons = {}
+    reasons: Dict[str, int] = {}
     for event in events:
         if held(event) is None:
             reason = unmeasured_reason(event)
@@ -168,7 +168,7 @@ def _footer(narrated: List[str]) -> List[str]:
 
 def _line(text: str, cls: str = "", at: Optional[list] = None) -> dict:
     """A summary line; `at` (a row's path) makes it a link to the row."""
-    line = {"text": text}
+    line: Dict[str, Any] = {"text": text}
     if cls:
         line["cls"] = cls
     if at is not None:

@@ -16,7 +16,7 @@ non-finite rows inside, `k` children (rows and calls, in order).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OUTPUT, Attempt, BackwardAttempt
 from ..grammar import attempt_inputs_text, metas_text, render_attempt, site_text
@@ -62,7 +62,7 @@ class Tree:
         self.attempt_path: Optional[List[int]] = None
         first = events[0].scope if events else (attempt.scope if attempt else None)
         root_scope = _lineage(first)[0] if first is not None else None
-        self.root = _call(root_scope) if root_scope is not None else {"p": "", "c": "", "k": []}
+        self.root: Dict[str, Any] = _call(root_scope) if root_scope is not None else {"p": "", "c": "", "k": []}
         self._stack = [(root_scope, self.root)]
         self._indices: List[int] = []  # index of each open call (below the root) in its parent's children
         for event in events:
@@ -169,7 +169,7 @@ def _attempt_row(attempt: Attempt) -> dict:
            "w": render_attempt(attempt, normalize=False)}
     if attempt.op is not None:  # else no torch call was in flight: no op would have had the number
         row["i"] = attempt.ordinal
-    if backward and attempt.forward:
+    if isinstance(attempt, BackwardAttempt) and attempt.forward:  # (a backward's: its forward op)
         row["b"] = attempt.forward
     if attempt.site:
         row["s"] = attempt.site
