@@ -69,8 +69,9 @@ class ForwardPass:
         self.narrator = narrator
         try:
             self.session = Session(settings, root, narrator, header)
-            self.keeper = (ValueKeeper(self.session.values, settings.keep_on_cpu, settings.max_bytes)
-                           if settings.keep_values else None)
+            values = self.session.values  # (a dict exactly when `settings.keep_values`)
+            self.keeper = (ValueKeeper(values, settings.keep_on_cpu, settings.max_bytes)
+                           if values is not None else None)
             meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
             self.pipeline = Pipeline(self.session, meter, self.tensor_names, self.keeper, self.roots,
                                      held=lambda: model_tensors(model))
@@ -115,12 +116,12 @@ class ForwardPass:
 
     def _watch_backward(self, recording: Recording, outputs) -> None:
         """Hook the graph this forward built, so that its backward is narrated (`backward=True`)."""
-        roots = self.roots
-        if roots is None or not (roots.items or any(t.requires_grad for _, t in outputs)):
+        roots, backward = self.roots, self.backward  # (roots are noted only with a backward to narrate)
+        if roots is None or backward is None or not (roots.items or any(t.requires_grad for _, t in outputs)):
             return
         self.roots = self.pipeline.roots = None
         with guarded("hooking the backward"):
-            self.backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root,
+            backward.watch(recording, roots, outputs, self.tensor_names(), self.session.root,
                                 self._parameters() if world_size() > 1 else (), self.pipeline.forward_values)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:

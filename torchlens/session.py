@@ -11,7 +11,7 @@ measures and judges them before they are appended). Every event enters the log t
 from __future__ import annotations
 
 import traceback
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 from .errors import NonFiniteError
 from .events import ENTER, EXIT, OP, Attempt, Event, Scope
@@ -54,7 +54,7 @@ class Session:
         self.narrator = narrator
         self.header = header
         self.events: List[Event] = []
-        self.values = {} if settings.keep_values else None
+        self.values: Optional[Dict[int, tuple]] = {} if settings.keep_values else None  # ordinal -> kept value
         self.ordinal = 0
         self.scope = root
         self.failed_call: Optional[FailedCall] = None  # the last torch call that raised
@@ -124,6 +124,7 @@ class Session:
                 self._unwound.append(current)
                 current = current.parent
             self._unwound.append(scope)
+            assert scope.parent is not None  # (a module call: `open_scope` never gives the root)
             self.scope = scope.parent
             return
         if self._unwound:
@@ -134,6 +135,7 @@ class Session:
 
     def _record_exit(self, scope: Scope) -> None:
         self.append(Event(EXIT, self.ordinal, scope.type_name, scope))
+        assert scope.parent is not None  # (a module call, never the root)
         self.scope = scope.parent
 
     def _recover(self) -> None:
@@ -220,7 +222,7 @@ class Session:
         made.kept_calls = pipeline.kept_calls
         return made
 
-    def fail(self, exc: BaseException, pipeline) -> PartialTrace:
+    def fail(self, exc: BaseException, pipeline) -> Optional[PartialTrace]:
         """Build the partial trace for `exc`, narrate the tail, and attach both to the exception.
 
         Never raises: a problem here is reported as a warning and the user's exception goes on.
@@ -280,11 +282,12 @@ def attach_finding(finding, live: bool) -> None:
 def in_chain(target: BaseException, exc: BaseException) -> bool:
     """Whether `target` is `exc` or one of the exceptions it was raised from or during."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        if exc is target:
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        if current is target:
             return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
     return False
 
 
@@ -316,11 +319,13 @@ def user_site_of(exc: BaseException) -> Optional[str]:
 def attach(exc: BaseException, partial: PartialTrace) -> None:
     """Give the exception `exc.partial_trace` and a PEP 678 note with the short form of the tail."""
     try:
-        exc.partial_trace = partial
+        exc.partial_trace = partial  # type: ignore[attr-defined]  # an attribute of our own on the user's exception
     except Exception:  # an exception type that refuses attributes: the note still helps
         pass
+    add_note = getattr(exc, "add_note", None)  # (Python 3.11 on: on 3.10 an exception takes no notes)
     try:
-        exc.add_note(partial.short_note())
+        if add_note is not None:
+            add_note(partial.short_note())
     except Exception:
         pass
 

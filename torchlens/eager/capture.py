@@ -25,9 +25,11 @@ from __future__ import annotations
 import sys
 import threading
 import types
+from typing import Dict, List
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ..collectives import C10D_MODULE, collective_call
 from ..compiled_regions import install_for_dynamo, run_by_dynamo
@@ -79,7 +81,7 @@ class CaptureMode(TorchFunctionMode):
 
     torchlens_capture = True  # how `fastpaths` tells the capture's modes from anybody else's
 
-    def __init__(self, capture: "EagerCapture"):
+    def __init__(self, capture: "OpReporter"):
         super().__init__()
         self.capture = capture
 
@@ -122,7 +124,8 @@ class CaptureMode(TorchFunctionMode):
 _meta = TensorMeta.of
 _single = TensorMeta.single
 _interned = TensorMeta.interned
-_NO_KWARGS = types.MappingProxyType({})  # shared by every call without keyword arguments: read-only
+# shared by every call without keyword arguments: read-only
+_NO_KWARGS: types.MappingProxyType[str, object] = types.MappingProxyType({})
 
 
 def output_metas(out):
@@ -282,9 +285,9 @@ class EagerCapture(OpReporter):
         self.scripted = 0  # TorchScript calls narrated as one op each
         self.graph_calls = 0  # compiled graph calls narrated as one op each (see `compiled_regions`)
         # id(module) -> handles of the closing hooks of its calls in progress (see `_pre_hook`)
-        self._closers = {}
-        self._wrapped = {}  # id(module) -> calls in progress through its torch.compile wrapper
-        self._folded = {}  # id(module) -> calls in progress that share their caller's scope
+        self._closers: Dict[int, List[RemovableHandle]] = {}
+        self._wrapped: Dict[int, int] = {}  # id(module) -> calls in progress through its torch.compile wrapper
+        self._folded: Dict[int, int] = {}  # id(module) -> calls in progress that share their caller's scope
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -317,7 +320,8 @@ class EagerCapture(OpReporter):
         released, it is freed as the pass ends. A mode still held somewhere (a copy of the mode
         stack) passes every call through."""
         self.stop()
-        self._mode.capture = _RELEASED
+        # (a stand-in, not an OpReporter: its `suspended` and `off` pass every call by before a report)
+        self._mode.capture = _RELEASED  # type: ignore[assignment]
 
     # -- module hooks ---------------------------------------------------------------------------
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import collections
 import sys
 import threading
-from typing import Deque, List, Optional, Tuple
+import types
+from typing import Deque, List, Literal, Optional, Tuple
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..backward import BackwardNarration, running_backward
 from ..errors import OptionValueError, RecorderStateError
@@ -66,12 +68,12 @@ class Recorder:
         self._tail_passes: Deque[Tuple[int, int, int]] = collections.deque()
         self.passes = 0
         self._narrator: Optional[Narrator] = None
-        self._handles = []
+        self._handles: List[RemovableHandle] = []
         self._run: Optional[EagerPass] = None
         self._backward: Optional[BackwardNarration] = None
         self._narrating = False  # a pass's lines are being written (from its header to its footer)
-        self._call_frame = None
-        self._thread = None
+        self._call_frame: Optional[types.FrameType] = None
+        self._thread: Optional[int] = None
 
     def __repr__(self) -> str:
         state = "active" if self._handles else "inactive"
@@ -93,7 +95,7 @@ class Recorder:
         ]
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -115,6 +117,7 @@ class Recorder:
         caught inside the block, when the next pass begins: kept then as a `PartialTrace`.
         """
         run, self._run = self._run, None
+        assert run is not None  # (called with a pass open)
         self._call_frame = None
         try:
             self._keep(run.fail(exc if exc is not None else PassCutShort()))
@@ -129,7 +132,7 @@ class Recorder:
             return
         self.recordings.append(recording)
         if self._tail is not None:
-            events = recording.events[-self._tail.maxlen:]
+            events = recording.events[-(self._tail.maxlen or 0):]  # (its maxlen is `tail`, always set)
             if not events:
                 return
             self._tail.extend(events)
@@ -144,10 +147,10 @@ class Recorder:
         """The last `tail=N` events recorded, oldest first, across passes ([] without `tail=`)."""
         return list(self._tail) if self._tail is not None else []
 
-    def _tail_by_pass(self):
+    def _tail_by_pass(self, tail: Deque[Event]):
         """(pass number, index in its pass of the first event kept, the events kept) per pass the
-        tail holds, oldest first."""
-        events = list(self._tail)
+        `tail` buffer holds, oldest first."""
+        events = list(tail)
         held = sum(count for _, _, count in self._tail_passes)
         start = 0
         for i, (number, first, count) in enumerate(self._tail_passes):
@@ -165,7 +168,7 @@ class Recorder:
             raise OptionValueError("Recorder.narrate_tail() needs a tail buffer: Recorder(model, ..., tail=N)")
         options = (self.settings.narration or NarrationOptions()).replace(on_error_only=False)
         lines: List[str] = []
-        for number, dropped, events in self._tail_by_pass():
+        for number, dropped, events in self._tail_by_pass(self._tail):
             rendered = render_lines(events, options.replace(prefix=""), f"pass {number}")
             if dropped:  # the first kept event's index in its pass
                 rendered.insert(1, render_dropped_events_note(dropped, number))
@@ -205,7 +208,8 @@ class Recorder:
         self._run = None
         self._call_frame = None  # the frame holds the forward's locals, its output among them
         try:
-            self._keep(run.fail(sys.exc_info()[1]) if unwinding() else run.finish(output))
+            failure = sys.exc_info()[1] if unwinding() else None  # (unwinding: an exception is being handled)
+            self._keep(run.fail(failure) if failure is not None else run.finish(output))
         except Exception as exc:
             internal_error("ending a pass", exc)
         finally:

@@ -40,11 +40,13 @@ class EagerPass(ForwardPass):
             super().close()  # the sink it opened
             raise
 
-    def begin(self, args: tuple, kwargs: dict) -> None:
+    # `begin` and `finish` take what this substrate has and hand the base its named inputs and its
+    # notes: a pass is driven through its own class, never as a plain ForwardPass
+    def begin(self, args: tuple, kwargs: dict) -> None:  # type: ignore[override]
         super().begin(lambda: named_inputs(self.model, args, kwargs))
         self.capture.start()
 
-    def finish(self, output) -> Recording:
+    def finish(self, output) -> Recording:  # type: ignore[override]
         self.capture.stop()
         capture = self.capture
         return super().finish(output, lambda: opaque_calls_note(capture.scripted, capture.graph_calls))

@@ -79,7 +79,7 @@ def hook_calls(ctx, hook: Callable[[], Callable[[], None]]) -> bool:
     return True
 
 
-def when_call_ends(call: CompiledCall, cleanup: Callable[[], None]) -> bool:
+def when_call_ends(call: CompiledCall, cleanup: Callable[[], object]) -> bool:
     """Run `cleanup` when `call` returns or raises.
 
     Used once, for the call during which the backend first sees a model compiled with the string

@@ -123,7 +123,7 @@ def _locate_live(run, graph, scope: Scope, arg_metas, exc: BaseException):
     to learn what the live run already knows. If the frame cannot be read, the graph call is named.
     """
     located = locate_live(graph.live_module, exc) if graph.live_module is not None else None
-    if located is None:
+    if located is None or located.node is None:  # (a located failure has its node)
         return _after_last_narrated(run, graph, scope, arg_metas)
     if located.node.name not in {node.name for node in graph.replay_copy.graph.nodes}:
         return _graph_call(scope, arg_metas, [LIVE_OWN])  # a narration call torchlens inserted raised
@@ -213,6 +213,7 @@ def _locate_by_running_eagerly(run, exc: BaseException) -> None:
     model = module_of(fn)
     reason = _why_not_rerun(model)
     if reason is None:
+        assert model is not None  # (`_why_not_rerun` gives a reason for anything but a module)
         try:
             with no_active_pass(), torch.no_grad():  # compiled calls nested in the re-run are not this run's
                 run_eager(model, args, kwargs, make_settings(None))

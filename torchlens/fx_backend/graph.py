@@ -13,7 +13,7 @@ fails, the call's result is returned all the same.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from torch import fx
 
@@ -26,7 +26,7 @@ from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
 from .runtime import CompiledPass, CompiledRuntime
-from .stats_pass import add_stats_output, module_outputs
+from .stats_pass import StatsLayout, add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
 
 __all__ = ["compile_graph"]
@@ -41,9 +41,10 @@ class CompiledGraph:
         self.fn: Callable = None  # type: ignore[assignment]  # set once the graph is compiled
         self.live = live
         self.replay_copy = replay_copy  # the graph as dynamo captured it, to locate a failure
-        self.live_module = None  # live mode: the instrumented graph, whose frame locates a failure
-        self.stats = None  # with statistics: what the graph's extra outputs hold (a `StatsLayout`)
-        self.kept_counts = None  # when keeping values: how many extra outputs each plan op has
+        # live mode: the instrumented graph, whose frame locates a failure
+        self.live_module: Optional[fx.GraphModule] = None
+        self.stats: Optional[StatsLayout] = None  # with statistics: what the graph's extra outputs hold
+        self.kept_counts: Optional[List[int]] = None  # when keeping values: how many extra outputs each plan op has
 
     def __call__(self, *args):
         if self.runtime.stop_pending is not None:

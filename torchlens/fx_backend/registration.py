@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -94,6 +94,7 @@ def install(compiled, runtime) -> None:
 
 def register_without_entry_point() -> None:
     """Register the backend by hand when no installed distribution provides the entry point."""
+    points: Iterable[importlib.metadata.EntryPoint]
     try:
         points = importlib.metadata.entry_points(group="torch_dynamo_backends")
     except Exception:

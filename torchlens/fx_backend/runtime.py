@@ -142,7 +142,7 @@ class CompiledRuntime:
         None (the runtime holds the sink, weak references and dynamo's hooks, none of which copy)."""
         return (_no_runtime, ())
 
-    def keep_latest(self, recording: Recording, graph_calls: int) -> None:
+    def keep_latest(self, recording: Optional[Recording], graph_calls: int) -> None:
         self.last_recording = recording
         self.last_graph_calls = graph_calls
 
@@ -183,7 +183,8 @@ class CompiledPass(ForwardPass):
         self.call = call or _NO_CALL  # the wrapper call this pass narrates
         self.mode_pushed = False
         self.graph_calls = 0
-        self._live = {}  # live mode: per graph, (sizes, module, args, events by op) of its call in progress
+        # live mode: per graph, (sizes, module, args, events by op) of its call in progress
+        self._live: Dict[object, tuple] = {}
         self._fast_paths_kept = False
         try:
             self.gaps = GapCapture(self.pipeline, scopes)
@@ -196,7 +197,9 @@ class CompiledPass(ForwardPass):
             self.close()  # the fast paths it kept, the sink it opened
             raise
 
-    def begin(self, push_mode: bool) -> None:
+    # (begun from the compiled call it narrates, whose arguments it hands the base as named inputs:
+    # a pass is driven through its own class, never as a plain ForwardPass)
+    def begin(self, push_mode: bool) -> None:  # type: ignore[override]
         call = self.call
         super().begin(lambda: named_arguments(call.fn, call.args, call.kwargs))
         if push_mode:
@@ -263,9 +266,11 @@ class CompiledPass(ForwardPass):
         host once, with what was measured since the last graph."""
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
+        meter = self.pipeline.meter
+        assert meter is not None  # (a graph returns what statistics need only when they are measured)
         if layout.after_call:
-            return measure_returned(layout.slots, vector, self.pipeline.meter, numels)
-        values = self.pipeline.meter.read_along(vector)
+            return measure_returned(layout.slots, vector, meter, numels)
+        values = meter.read_along(vector)
         return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
@@ -369,10 +374,12 @@ class CompiledPass(ForwardPass):
         try:
             with self.own_work():
                 self.pop_mode()
+                recording: Optional[Recording]
                 if succeeded:
                     recording = self.finish(
                         result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
                 else:
+                    assert exc is not None  # (a failed call ends with its exception: `call_outcome`)
                     if dynamo_seams.raised_while_tracing(exc):
                         locate_while_tracing(self, exc)
                     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import fx
@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .. import meter
 from ..collectives import is_functional_collective, is_wait
 from ..elements import concrete, same_elements
-from ..events import StatsGroup
+from ..events import Stats, StatsGroup
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
@@ -98,7 +98,9 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     tensors = [t for value in held for t in (value if isinstance(value, (tuple, list)) else (value,))
                if isinstance(t, torch.Tensor)]
     sizes = [_bytes(t) for t in tensors]
-    if all(t.device.type in meter.READ_NOW for t in tensors) and None not in sizes and sum(sizes) <= AFTER_CALL_BYTES:
+    known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
+    on_host = all(t.device.type in meter.READ_NOW for t in tensors)
+    if on_host and len(known) == len(sizes) and sum(known) <= AFTER_CALL_BYTES:
         slots, returned = _return_outputs(gm, plan, rung, tracking, chosen)
         return StatsLayout(slots, True, returned)
     return StatsLayout(_fuse_stats(gm, plan, rung, tracking, chosen), False)
@@ -177,7 +179,8 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
     before share its statistics and return nothing."""
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
-    returned, measured = [], {}
+    returned: List[fx.Node] = []
+    measured: Dict[fx.Node, int] = {}  # node -> index of its op, for views of it measured just after
     inputs = {_storage(node.meta["example_value"]) for node in graph.nodes
               if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
@@ -225,7 +228,7 @@ def _targets(node: fx.Node) -> set:
     """The storages a writing node may write: its result's and every tensor argument's (a schema
     may write any of them: batch norm's running statistics, a custom op's `mutates_args`), with
     None among them when one is not known."""
-    storages = set()
+    storages: Set[Optional[int]] = set()
     candidates = [node]
     fx.node.map_arg((node.args, node.kwargs), candidates.append)
     for candidate in candidates:
@@ -248,12 +251,13 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, 
     tracer = GraphAppendingTracer(graph)
     slots: Slots = [None] * len(plan.ops)
     vectors, devices = [], []
-    measured = {}  # node -> index of its op, for ops measured with one vector of their own
+    measured: Dict[fx.Node, int] = {}  # node -> index of its op, for ops measured with one vector of their own
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         with graph.inserting_before(node.next):
             proxy = fx.Proxy(holder, tracer)
             outputs = [(proxy, value)] if isinstance(value, torch.Tensor) else [
-                (proxy[i], t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+                # (Proxy's operators are set on the class when torch.fx.proxy is imported: its stubs lack them)
+                (proxy[i], t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]  # type: ignore[index]
             recipes = []
             for output, fake in outputs:
                 recipe_, vector = _vector_for(output, fake, rung, tracking)
@@ -270,7 +274,8 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, 
             # One vector, on the device most of them are on (a few stray ones, such as a CPU
             # `arange` in a CUDA model, are moved): one read per graph call.
             home = max(set(devices), key=devices.count)
-            stacked = torch.cat([v if d == home else v.to(home) for v, d in zip(vectors, devices)])
+            # (a torch function called on proxies returns a proxy: its __torch_function__ traces it)
+            stacked = cast(fx.Proxy, torch.cat([v if d == home else v.to(home) for v, d in zip(vectors, devices)]))
         else:
             stacked = fx.Proxy(graph.call_function(torch.zeros, (0,)), tracer)
     append_outputs(gm, [stacked.node])
@@ -334,7 +339,7 @@ def _may_mutate(node: fx.Node) -> bool:
     return updating and any(bound.get(name) is not None for name in ("running_mean", "running_var"))
 
 
-_SIGNATURES = {}
+_SIGNATURES: Dict[object, inspect.Signature] = {}
 
 
 def _bound(node: fx.Node):
@@ -374,7 +379,7 @@ def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, nu
     """Measure the outputs a graph call returned for it (see `StatsLayout`): a `Stats`, a
     `StatsGroup` or None per plan op; `numels[i]` are the element counts of op i's outputs."""
     position = 0
-    result = []
+    result: List[Optional[Union[Stats, StatsGroup]]] = []
     for slot, counts in zip(slots, numels):
         if slot is None:
             result.append(None)
@@ -394,7 +399,7 @@ def read_stats(slots: Slots, values: Sequence[float], tracking: bool, numels) ->
     """Turn one graph call's fused statistics (read to the host) into a `Stats`, a `StatsGroup` or
     None per plan op; `numels[i]` are the element counts of op i's outputs in this call."""
     position = 0
-    result = []
+    result: List[Optional[Union[Stats, StatsGroup]]] = []
     for slot, counts in zip(slots, numels):
         if slot is None:
             result.append(None)
