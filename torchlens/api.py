@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from typing import cast
 
 from torch import nn
 
@@ -82,7 +83,7 @@ def trace(model: nn.Module, *args, narrate=None, value_stats: str = "off", on_no
         return trace_compiled(model, args, kwargs, config, options)
     settings = make_settings(narrate, value_stats, on_nonfinite, keep_values=True, keep_on_cpu=keep_on_cpu,
                              max_bytes=max_bytes, backward=backward, dtensor_stats=dtensor_stats)
-    return run_eager(model, args, kwargs, settings)
+    return cast(Trace, run_eager(model, args, kwargs, settings))  # (a run that keeps values records a Trace)
 
 
 def _compiled_options(compiled) -> dict:

@@ -192,7 +192,7 @@ class Recording:
 
     def _options(self, select=None, normalize=None, prefix=None, engine_ops=None) -> NarrationOptions:
         options = self.settings.narration or NarrationOptions()
-        changes = {"on_error_only": False}
+        changes: Dict[str, object] = {"on_error_only": False}
         if engine_ops is not None:
             changes["engine_ops"] = check_bool("narrate", "engine_ops", engine_ops)
         if select is not None:
@@ -290,6 +290,8 @@ class Trace(Recording):
     `values[ordinal]` is the tuple of tensors the op (or input source) with that ordinal produced.
     """
 
+    _values: Dict[int, Tuple]  # (a Trace is made only with values kept)
+
     @property
     def values(self) -> Dict[int, Tuple]:
         return self._values
@@ -305,11 +307,12 @@ class Trace(Recording):
         return f"{super()._glance()}; values kept: {_size_text(size)}"
 
 
-def _size_text(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
+def _size_text(size: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
+    return f"{size:.1f} GiB"
 
 
 class PartialTrace(Recording):

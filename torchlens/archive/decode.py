@@ -36,7 +36,8 @@ from .encode import FORMAT, READABLE_VERSIONS
 
 __all__ = ["SavedSelection", "recording"]
 
-_CLASSES = {"Recording": Recording, "Trace": Trace, "PartialTrace": PartialTrace}
+# (looked up with whatever the document names: anything else, or nothing, is no class)
+_CLASSES: Dict[object, type] = {"Recording": Recording, "Trace": Trace, "PartialTrace": PartialTrace}
 _KINDS = {kind.value: kind for kind in EventKind}
 _BACKWARD_KINDS = (EventKind.NODE, EventKind.GRAD)
 _STATS_KINDS = ("exact", "sampled", "counts", "bool", "na")
@@ -169,6 +170,7 @@ def event(doc, tables: _Tables, backward: bool) -> Event:
     args = (kind, _expect(doc.get("ordinal"), int, "an ordinal"), _expect(doc.get("op"), str, "an op name"),
             tables.scope(doc.get("scope")), outputs, _optional(doc.get("site"), str, "a site"),
             stats(doc.get("stats")), label)
+    made: Event
     if backward:
         made = BackwardEvent(*args, forward=_optional(doc.get("forward"), str, "a forward op"))
     else:
@@ -336,6 +338,7 @@ def recording(doc: dict, tensors: Dict[str, torch.Tensor], how: Dict[str, str]) 
                                                                                         list, "the footer")],
                   values=values, findings=made_findings, verdict=_optional(doc.get("verdict"), str, "the verdict"))
     output = _output(doc.get("output", {"value": None}), tensors, how)
+    made: Recording
     if cls is PartialTrace:
         made = PartialTrace(forward, output, run_settings, attempt=attempt(doc.get("attempt"), tables),
                             error=_expect(doc.get("error", ""), str, "the error"), **kwargs)
@@ -397,7 +400,7 @@ def _backward(doc, tables: _Tables) -> Backward:
 
 def _values(tensors: Dict[str, torch.Tensor], how: Dict[str, str], prefix: str) -> Dict[int, tuple]:
     """Kept values by ordinal from names `prefix + "N/i"`, each restored to how it was kept."""
-    grouped: Dict[int, Dict[int, torch.Tensor]] = {}
+    grouped: Dict[int, Dict[int, Optional[torch.Tensor]]] = {}  # (None: an output left out)
     for name, tensor in tensors.items():
         if not name.startswith(prefix):
             continue

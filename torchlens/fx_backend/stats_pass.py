@@ -42,7 +42,7 @@ from ..writes import node_writes, target_name, written_tensor
 from .plan import GraphPlan
 from .values_pass import append_outputs
 
-__all__ = ["add_stats_output", "measure_returned", "module_outputs", "read_stats"]
+__all__ = ["StatsLayout", "add_stats_output", "measure_returned", "module_outputs", "read_stats"]
 
 
 class Slot(NamedTuple):
