@@ -345,14 +345,14 @@ class PartialTrace(Recording):
         return self._values
 
     def narrate(self, last: Optional[int] = None, select=None, *, normalize: Optional[bool] = None,
-                prefix: Optional[str] = None) -> Transcript:
+                prefix: Optional[str] = None, engine_ops: Optional[bool] = None) -> Transcript:
         """The tail (`last=N` lines), or with no `last` exactly what live narration printed."""
         _check_last(last)
-        options = self._options(select, normalize=normalize, prefix=prefix)
+        options = self._options(select, normalize=normalize, prefix=prefix, engine_ops=engine_ops)
         run = getattr(self, "failed_backward", None)
         if run is not None:  # the forward finished: its transcript, then the backwards, the failed one last
             if last is None:
-                return super().narrate(select=select, normalize=normalize, prefix=prefix)
+                return super().narrate(select=select, normalize=normalize, prefix=prefix, engine_ops=engine_ops)
             lines = failure_block(run.events, self.attempt, self.error, options, last, what="backward")
             return _transcript(lines, options.prefix)
         if last is None:
