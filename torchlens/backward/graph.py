@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -86,6 +86,10 @@ class NodeRecord:
 
     __slots__ = ("watch", "key", "name", "scope", "site", "forward", "label", "edges", "leaf", "ops", "before")
 
+    watch: Optional["BackwardWatch"]
+    edges: Tuple[Optional["NodeRecord"], ...]
+    leaf: Optional[weakref.ref]
+
     def __init__(self, name, scope, site, forward, label=None, key=None, ops=(), before=None):
         self.watch = None  # the `BackwardWatch` it reports through
         self.key = id(self) if key is None else key
@@ -116,6 +120,7 @@ class NodeRecord:
 
     def __call__(self, *grads) -> None:
         watch = self.watch
+        assert watch is not None  # (hooked only once its watch is set)
         if len(grads) == 2:  # after the node ran: (what it produced, what it received)
             watch.narration.node_done(watch, self, grads[0], grads[1])
         else:  # the node is about to run: what it received
@@ -216,7 +221,8 @@ class BackwardWatch:
         """Record and hook every node of this forward: (id(node) -> record, the nodes, which must be
         held for as long as those ids are read). The walk starts from each op's output, then from
         the forward's outputs (one made by a custom `autograd.Function` was no op's)."""
-        records, start, hooked = {}, roots.start, self.hooks.add
+        records: Dict[int, Optional[NodeRecord]] = {}
+        start, hooked = roots.start, self.hooks.add
         # Every node reached is held until the walk ends: autograd makes a node's Python object on
         # demand and may make a new one (at a freed one's address) once nothing holds the last
         held = []
@@ -270,7 +276,8 @@ class BackwardWatch:
             # a custom autograd.Function: its apply is no torch op, so it is named by what read it
             reader = (f"returning the output {output}" if output is not None
                       else f"read by {op_ref(event.ordinal, event.op, event.scope.path)}")
-            forward = f"{node._forward_cls.__name__}.apply (an autograd.Function), {reader}"
+            # (`_forward_cls`: the Function class torch sets on its backward node class, unknown to its stubs)
+            forward = f"{node._forward_cls.__name__}.apply (an autograd.Function), {reader}"  # type: ignore[attr-defined]
             ops = ()  # (its values are the Function's, made before the op that read them)
         elif output is not None:
             forward = f"the output {output}, made by no narrated op"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -90,12 +90,13 @@ class BackwardRun:
         gradients would keep them), and where values are read once per backward, measure what it
         received."""
         tensors = tuple(g for g in grads if isinstance(g, _Tensor))
-        versions = ()
-        if self.tracker is not None and tensors:
+        versions: Tuple[Optional[int], ...] = ()
+        meter = self.meter
+        if self.tracker is not None and meter is not None and tensors:  # (tracking measures: it has a meter)
             if tensors[0].device.type in meter_module.READ_NOW:
                 versions = tuple(_version(g) for g in tensors)  # to tell, after, that they are unchanged
             else:  # read at once under `raise`, which must decide at this node; else with the rest
-                self._received[record.key] = self.meter.measure_output(tensors, self.narration.raising)
+                self._received[record.key] = meter.measure_output(tensors, self.narration.raising)
         self.in_flight = (record, TensorMeta.all_of(tensors), versions)
 
     def add(self, event, record: Optional[NodeRecord], measured, positions, received, versions=()) -> None:
@@ -111,18 +112,20 @@ class BackwardRun:
         self.result.events.append(event)
         if self.keeper is not None and measured and event.kind is NODE:
             self.keeper(event, measured)
-        findings = ()
+        findings: Sequence[Finding] = ()
         if tracker is not None:
-            direct = self._received.pop(record.key, None) if event.kind is NODE else None
+            direct = self._received.pop(record.key, None) if event.kind is NODE and record is not None else None
             if direct is None and received is not None and event.stats is not None and settled(event):
                 # at hand: measured only when it produced one, and only if the node left it as it was
                 # received (a backward may reuse its incoming gradient's memory); the meter shares
                 # the statistics of a gradient measured as an earlier node's output. A DTensor
                 # measured whole is a collective: then every rank measures it, whatever it holds.
                 nonfinite = held(event)
-                if nonfinite or self.meter.measures_collectively(received):
+                meter = self.meter
+                assert meter is not None  # (tracking measures: it has a meter)
+                if nonfinite or meter.measures_collectively(received):
                     tensors = tuple(g for g in received if isinstance(g, _Tensor))
-                    measured = self.meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
+                    measured = meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
                     direct = measured if nonfinite else None
             findings = tracker.judge(event, record, positions, direct)
             if event.kind is NODE and record is not None and record.leaf is not None:
@@ -243,14 +246,19 @@ class BackwardNarration:
             if self.forward_open():
                 self._pending.append(lines)
             else:
-                self.narrator.write_lines(lines)
+                narrator = self.narrator
+                assert narrator is not None  # (a run holds its lines back only from a shared narrator)
+                narrator.write_lines(lines)
 
     def flush_pending(self) -> None:
         """A forward's narration ended: write the backwards held back while it ran."""
         with self._lock:
             pending, self._pending = self._pending, []
+            narrator = self.narrator
+            if narrator is None:  # (none shared: no run held its lines back)
+                return
             for lines in pending:
-                self.narrator.write_lines(lines)
+                narrator.write_lines(lines)
 
     # -- the forward side -------------------------------------------------------------------------
 
@@ -353,6 +361,7 @@ class BackwardNarration:
         try:
             with self._lock:
                 run = self._run_for(watch)
+                assert run is not None  # (without a leaf's record a run is always found or begun)
                 if not isinstance(grad, _Tensor):
                     return
                 if watch is not run.watch:
@@ -411,12 +420,11 @@ class BackwardNarration:
     def _end_failed(self, run: BackwardRun, exc: Optional[BaseException]) -> None:
         self.runs.pop(run.task, None)
         known = exc is not None
-        if not known:
-            exc = BackwardStopped()
+        failure = exc if exc is not None else BackwardStopped()
         try:
-            partial = run.fail(exc, noticed_late=not known)
-            if known and getattr(exc, "partial_trace", None) is None:
-                attach(exc, partial)
+            partial = run.fail(failure, noticed_late=not known)
+            if known and getattr(failure, "partial_trace", None) is None:
+                attach(failure, partial)
         except Exception as inner:
             internal_error("ending a failed backward", inner)
         self._ended(run)
