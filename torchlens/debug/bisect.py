@@ -79,10 +79,10 @@ class BisectReport:
         where = f"{self.compared.tag}{row.ordinal} {row.where}" if row is not None else ""
         if self.verdict == ROUNDING:
             return f"nothing to bisect: {self.compared.verdict()}"
-        if self.verdict == EAGER:
+        if self.verdict == EAGER and row is not None:  # (these verdicts are about a row)
             return (f"nothing to bisect: at {where} eager is the side far from float64 ({row.ulps_a:.3g} ulps, "
                     f"compiled {row.ulps_b:.3g}): the eager computation is wrong there, not the compiler")
-        if self.verdict == NEITHER:
+        if self.verdict == NEITHER and row is not None:
             return (f"nothing to bisect: at {where} eager and compiled are both far from float64 (eager "
                     f"{row.ulps_a:.3g} ulps, compiled {row.ulps_b:.3g}): the model's precision, not the compiler")
         if self.verdict == UNREPRODUCED:

@@ -137,7 +137,9 @@ class CompareRow:
 
     @property
     def ordinal(self) -> int:
-        return self.ordinal_b if self.ordinal_b is not None else self.ordinal_a
+        ordinal = self.ordinal_b if self.ordinal_b is not None else self.ordinal_a
+        assert ordinal is not None  # (a row has one side at least)
+        return ordinal
 
     @property
     def within_tolerance(self) -> Optional[bool]:
@@ -300,15 +302,16 @@ class CompareReport:
             raise ImportError(
                 "CompareReport.plot needs matplotlib: pip install matplotlib "
                 "(or pip install 'torchlens[plot]')") from exc
-        compared = [(position, row) for position, row in enumerate(self.rows, 1) if row.max_abs is not None]
-        floor, ceiling = _plot_range([row.max_abs for _, row in compared])
+        compared = [(position, row.max_abs, row.diverged) for position, row in enumerate(self.rows, 1)
+                    if row.max_abs is not None]
+        floor, ceiling = _plot_range([difference for _, difference, _ in compared])
         figure = Figure(figsize=(10, 4))
         axes = figure.subplots()
         axes.set_yscale("log")
         axes.axhline(floor, color="gray", linestyle=":", linewidth=1, label="equal (0)")
         for diverged, color, label in ((False, "tab:blue", "within tolerance"), (True, "tab:red", "diverged")):
-            points = [(position, min(max(row.max_abs, floor), ceiling)) for position, row in compared
-                      if row.diverged == diverged]
+            points = [(position, min(max(difference, floor), ceiling))
+                      for position, difference, row_diverged in compared if row_diverged == diverged]
             axes.plot([x for x, _ in points], [y for _, y in points], ".", color=color, label=label)
         axes.set_xlabel("aligned op")
         axes.set_ylabel("max abs difference")
@@ -374,14 +377,16 @@ def compare(trace_a, trace_b, rtol: Optional[float] = None, atol: Optional[float
     tolerance = _Tolerance(rtol, atol)
     rows = []
     for event_a, event_b in align(trace_a.ops, trace_b.ops):
+        shown = event_b or event_a  # (the side a row shows: an aligned pair has one at least)
+        assert shown is not None
         if event_b is None:
-            rows.append(CompareRow(ONLY_A, event_a.module, event_a.op, event_a.ordinal, None))
+            rows.append(CompareRow(ONLY_A, shown.module, shown.op, shown.ordinal, None))
         elif event_a is None:
-            rows.append(CompareRow(ONLY_B, event_b.module, event_b.op, None, event_b.ordinal))
+            rows.append(CompareRow(ONLY_B, shown.module, shown.op, None, shown.ordinal))
         else:
             tolerance.observe(event_a.outputs, event_b.outputs)
             rows.append(_compare_matched(event_a, event_b, values_a, values_b, tolerance))
-        rows[-1].depth = (event_b or event_a).scope.depth
+        rows[-1].depth = shown.scope.depth
     if reference is not None:
         judge_rows(rows, trace_a, trace_b, values_a, values_b, reference,
                    _reference_pairs(trace_a.ops, reference.trace.ops),
@@ -422,16 +427,18 @@ def _compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[f
     pairs += [(leaves_a.get(key), leaves_b.get(key)) for key in {**leaves_a, **leaves_b}]
     rows = []
     for event_a, event_b in sorted(pairs, key=_backward_position):
+        shown = event_b or event_a  # (the side a row shows: an aligned pair has one at least)
+        assert shown is not None
         if event_b is None:
-            rows.append(CompareRow(ONLY_A, event_a.module, _node_name(event_a), event_a.ordinal, None))
+            rows.append(CompareRow(ONLY_A, shown.module, _node_name(shown), shown.ordinal, None))
         elif event_a is None:
-            rows.append(CompareRow(ONLY_B, event_b.module, _node_name(event_b), None, event_b.ordinal))
+            rows.append(CompareRow(ONLY_B, shown.module, _node_name(shown), None, shown.ordinal))
         else:
             tolerance.observe(event_a.outputs, event_b.outputs)
             row = _compare_matched(event_a, event_b, backward_a.values, backward_b.values, tolerance)
             row.op = _node_name(event_b)
             rows.append(row)
-        rows[-1].depth = (event_b or event_a).scope.depth
+        rows[-1].depth = shown.scope.depth
     return CompareReport(rows, tag="~")
 
 
@@ -444,7 +451,8 @@ def _backward_position(pair) -> tuple:
 def _leaves(backward) -> dict:
     """(label, occurrence) -> the accumulator's event: leaves of the same name (unnamed tensors)
     pair in the order they ran, none dropped."""
-    leaves, seen = {}, {}
+    leaves: Dict[Tuple[str, int], Event] = {}
+    seen: Dict[str, int] = {}
     for event in backward.nodes:
         if event.label:
             seen[event.label] = seen.get(event.label, 0) + 1
@@ -725,13 +733,16 @@ def _real_text(row: CompareRow) -> str:
         return (f"{row.off}'s op computes something else: {_ulps(own)} from the float64 op on {row.off}'s own "
                 f"inputs, where rounding allows {_ulps(row.allowed)}{also}; {row.off} is off float64 by "
                 f"{_ulps(far)}, {near} by {_ulps(close)}")
-    off = {"a": "b", "b": "a"}.get(row.closer)
+    off = _OTHER_SIDE.get(row.closer)
     if off is None:
         return (f"both sides are off float64 (a {_ulps(row.ulps_a)}, b {_ulps(row.ulps_b)}), where rounding allows "
                 f"{_ulps(row.allowed)}")
-    far, near = (row.ulps_a, row.ulps_b) if off == "a" else (row.ulps_b, row.ulps_a)
-    return (f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(near)}, where rounding allows "
+    far, nearer = (row.ulps_a, row.ulps_b) if off == "a" else (row.ulps_b, row.ulps_a)
+    return (f"{off} is off float64 by {_ulps(far)}, {row.closer} by {_ulps(nearer)}, where rounding allows "
             f"{_ulps(row.allowed)}")
+
+
+_OTHER_SIDE: Dict[Optional[str], str] = {"a": "b", "b": "a"}  # (None: neither side is nearer)
 
 
 def _judgement_text(row: CompareRow) -> str:

@@ -23,11 +23,11 @@ nearest replay.
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 
-from ..events import INPUT
+from ..events import INPUT, Event
 from .reference import Produced, Reference, random_ops
 from .rounding import CARRIED, INHERITED, REAL, ROUNDING, UNJUDGED, drew_alike, error, judge
 
@@ -103,7 +103,7 @@ def _distance(outputs, replayed) -> float:
 
 
 def judge_rows(rows: list, trace_a, trace_b, values_a: dict, values_b: dict, reference: Reference,
-               pairs_a: Dict[int, object], pairs_b: Dict[int, object]) -> None:
+               pairs_a: Mapping[int, Event], pairs_b: Mapping[int, Event]) -> None:
     """Judge each compared row whose sides differ against the float64 reference's op (`pairs_a`,
     `pairs_b`: each trace's ordinal -> the reference event paired with it). A row takes the
     reference op paired with its sides (with one side's when the other's has none). A row that
@@ -129,7 +129,8 @@ class _Judging:
         self.same_precision = side_a.precisions == side_b.precisions
         floating = [dtype for dtype in side_a.precisions | side_b.precisions if dtype.is_floating_point]
         self.coarsest = max(floating, key=lambda dtype: torch.finfo(dtype).eps) if floating else None
-        self.random, self.drawn_apart, self.upstream = random_ops(), None, _Upstream(reference)
+        self.random, self.upstream = random_ops(), _Upstream(reference)
+        self.drawn_apart: Optional[str] = None  # why every row from a random op on is unjudged
 
     def row(self, row, ref, paired_apart: bool) -> None:
         kept = (self.reference.trace.values or {}).get(ref.ordinal) if ref is not None else None

@@ -57,7 +57,7 @@ class Produced(NamedTuple):
     tensor output of op `ordinal`."""
 
     ordinal: int
-    index: int
+    index: int  # type: ignore[assignment]  # (a field named as tuple's method, which it shadows)
 
 
 class Call(NamedTuple):
@@ -126,7 +126,7 @@ class Reference:
             if isinstance(value, Produced):
                 kept = _output(own, value)
                 tensor = value_of(value, kept) if kept is not None else None
-                if tensor is None:
+                if tensor is None or kept is None:  # (no kept value: none given)
                     missing.append(value)
                     return None
                 return _widen_tensor(tensor.detach()).to(kept.device, copy=True)  # where the float64 run ran
@@ -276,7 +276,8 @@ class _Float64(TorchFunctionMode):
             name, terms = op_name(called), reduction_terms(func, args, kwargs, result)
         except Exception:  # a name or a length we cannot tell costs the bound, not the run
             name, terms = "", 1
-        self.calls.append(_Recorded(name, terms, func, *tree_map(self._named, (args, kwargs)), generators))
+        named_args, named_kwargs = tree_map(self._named, (args, kwargs))
+        self.calls.append(_Recorded(name, terms, func, named_args, named_kwargs, generators))
         self._note_outputs(len(self.calls) - 1, result)
         return result
 
@@ -318,7 +319,7 @@ class _Recorded(NamedTuple):
 
 class _Made(NamedTuple):
     call: int  # index into the recorded calls
-    index: int
+    index: int  # type: ignore[assignment]  # (a field named as tuple's method, which it shadows)
 
 
 def _ordinals_of_calls(result: Trace, calls: List[_Recorded]) -> Dict[int, int]:
