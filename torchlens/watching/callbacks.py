@@ -70,7 +70,8 @@ def _lightning_class():
     try:
         from lightning.pytorch import Callback
     except ImportError:  # the older package name
-        from pytorch_lightning import Callback
+        # (the same class under its older package: to mypy, another type bound to the same name)
+        from pytorch_lightning import Callback  # type: ignore[assignment]
 
     class TorchlensLightningWatch(Callback):
         """Watches a Lightning fit with `tl.watch`; `watch` is the `Watch` while it runs."""

@@ -14,6 +14,7 @@ flows from that loss, and the replay recomputes it).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -105,7 +106,8 @@ class StepRecord:
     def __init__(self):
         self.forwards: List[WatchedForward] = []
         self.roots: list = []  # `roots.Root`: what each backward into the model started from
-        self.after_backward: Optional[Tuple[int, int, int]] = None  # (param index, id(grad), grad version)
+        # (param index, a weak reference to its grad, the grad's version)
+        self.after_backward: Optional[Tuple[int, weakref.ref[torch.Tensor], int]] = None
         self.backwards = 0
 
     @property

@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import List, Optional
+from typing import List, Literal, Optional, Protocol, Set, Union
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ from . import roots, updates
 from .agreement import agree, first_rank_text, flag
 from .checks import Screen, floating_leaves, nonfinite_positions, screen_sums
 from .faults import Fault
-from .replay import replay_step
+from .replay import Outcome, replay_step
 from .steps import StepRecord, WatchedForward
 
 __all__ = ["Watch", "watch"]
@@ -132,11 +132,17 @@ def _eager_module(model: nn.Module):
     while True:
         if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model, compiled = model._orig_mod, True
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
-                getattr(model, "module", None), nn.Module):
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(
+                model, "module") and isinstance(model.module, nn.Module):
             model = model.module
         else:
             return model, compiled
+
+
+class _Removable(Protocol):
+    """What the watch removes when it closes: a torch hook handle, the backward listener, the scaler's hooks."""
+
+    def remove(self) -> None: ...
 
 
 class _ScalerHooks:
@@ -227,9 +233,9 @@ class Watch:
         self.steps = 0
         self.false_alarms = 0  # screens that overflowed on finite values (confirmed finite)
         self._step = StepRecord()
-        self._open = None  # the forward running now
+        self._open: Union[WatchedForward, _Unwatched, None] = None  # the forward running now
         self._depth = 0  # nested calls of the model inside its own forward
-        self._tasks = set()  # graph tasks whose end-of-backward callback is queued
+        self._tasks: Set[int] = set()  # graph tasks whose end-of-backward callback is queued
         self._paused = False
         self._collapsed = False
         self._replayer = None  # `tl.compile` of the model, made at the first compiled replay
@@ -237,7 +243,7 @@ class Watch:
         self._thread = threading.get_ident()
         # the parameters after each update (check="grads": outputs, losses, gradients and updates)
         self._updates = updates.UpdateCheck(self._params, self.optimizers) if self.check == "grads" else None
-        self._handles = [
+        self._handles: List[_Removable] = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
             roots.listen(self._backward_called, self._backward_returned),
@@ -268,7 +274,7 @@ class Watch:
     def __enter__(self) -> "Watch":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         self.close()
         return False
 
@@ -327,7 +333,7 @@ class Watch:
             self._depth -= 1
             return None
         forward, self._open = self._open, None
-        if forward is _UNWATCHED:
+        if isinstance(forward, _Unwatched):  # (`_UNWATCHED`, the one there is)
             return None
         if sys.exc_info()[1] is not None:  # the forward raised: no step will use it
             return None
@@ -483,10 +489,11 @@ class Watch:
             screen.add(forward.sums)
         for root in step.roots:
             root.screen(screen)
-        screen.add(screen_sums([p.grad for _, p in grads]))
+        screen.add(screen_sums([p.grad for _, p in grads if p.grad is not None]))  # (all: `grads` has them)
         if not agree(screen.alarm()):
             return None
-        bad = _Confirmed(step, [grads[i][0] for i in nonfinite_positions([p.grad for _, p in grads])])
+        bad = _Confirmed(step, [grads[i][0] for i in nonfinite_positions([p.grad for _, p in grads
+                                                                          if p.grad is not None])])
         if self._updates is not None:
             self._updates.bad_grads = set(bad.grads)
         if not agree(flag(bad)):
@@ -563,7 +570,7 @@ class Watch:
         """Replay the step (eagerly, then compiled for a compiled model) until a replay reproduces it."""
         self._false_output_alarm = False
         self._paused = True
-        outcome = None
+        outcome: Optional[Outcome] = None
         try:
             for attempt in range(1, self.replays + 1):
                 outcome = replay_step(self._eager, step.forwards, self._params, self._modules, attempt,
@@ -576,6 +583,7 @@ class Watch:
                                       compiled=compiled, prefer=prefer)
                 if self._reproduced(fault, outcome, self.replays + 1):
                     return
+            assert outcome is not None  # (replays >= 1: the loop replayed)
             fault.replays = outcome.attempt
             fault.notes = list(outcome.notes)
             if gradients and any(f.dropped for f in step.forwards):
@@ -648,6 +656,7 @@ class Watch:
         """A fault when the update wrote a non-finite value (see `updates`); under a process group,
         the ranks agree, and a rank that wrote nothing names the rank that did."""
         check = self._updates
+        assert check is not None  # (its hook is registered only with the update check)
         indices, sums = check.screen(optimizer)
         if not agree(None if sums is None else ~torch.isfinite(sums.sum())):
             check.settle(optimizer)
