@@ -139,7 +139,6 @@ class Pipeline:
         if self._in_flight and call is not None:
             self._land_what_it_reads(event, name, call, value)
         if collective is not None:
-            assert call is not None  # (a collective is an eager torch call, reported with its call)
             return self._collective(event, metas, value, call, collective)
         tracker = self.tracker
         written = call.written_into(name) if call is not None else None
@@ -184,9 +183,10 @@ class Pipeline:
         if self.kept_inputs is not None and call is not None:
             self.kept_inputs.consider(event, call.func, value, call.args, call.kwargs)
 
-    def _collective(self, event: Event, metas, value, call: Call, collective: Collective) -> Event:
+    def _collective(self, event: Event, metas, value, call: Optional[Call], collective: Collective) -> Event:
         """A collective's op: its line says its group. What it sends is read now; what it brings
         is measured now if it has arrived, else when the first op reads it (`_land`)."""
+        assert call is not None  # (a collective is an eager torch call, reported with its call)
         event.label = collective.label
         written = call.written_into(event.op)
         tracker, unwritten = self.tracker, self.unwritten

@@ -55,6 +55,7 @@ class ShapeResolver:
         self.source = self._generate(exprs, sources)
         namespace: Dict[str, object] = {"math": math, "torch": torch}  # what the printer's output uses
         exec(compile(self.source, "<torchlens shape resolver>", "exec"), namespace)
+        # (exec's namespace holds objects: this one is the function the generated source defines)
         self.resolve: Callable[[Sequence], List] = namespace["resolve"]  # type: ignore[assignment]
 
     @staticmethod

@@ -70,8 +70,9 @@ def _lightning_class():
     try:
         from lightning.pytorch import Callback
     except ImportError:  # the older package name
-        # (the same class under its older package: to mypy, another type bound to the same name)
-        from pytorch_lightning import Callback  # type: ignore[assignment]
+        # (the same class under its older package: to mypy, another type bound to the same name; with
+        # neither package installed both read as Any, and the ignore has nothing to silence)
+        from pytorch_lightning import Callback  # type: ignore[assignment,unused-ignore]
 
     class TorchlensLightningWatch(Callback):
         """Watches a Lightning fit with `tl.watch`; `watch` is the `Watch` while it runs."""
