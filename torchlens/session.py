@@ -322,8 +322,8 @@ def attach(exc: BaseException, partial: PartialTrace) -> None:
         exc.partial_trace = partial  # type: ignore[attr-defined]  # an attribute of our own on the user's exception
     except Exception:  # an exception type that refuses attributes: the note still helps
         pass
-    add_note = getattr(exc, "add_note", None)  # (Python 3.11 on: on 3.10 an exception takes no notes)
     try:
+        add_note = getattr(exc, "add_note", None)  # (Python 3.11 on: on 3.10 an exception takes no notes)
         if add_note is not None:
             add_note(partial.short_note())
     except Exception:
