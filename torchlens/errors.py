@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import TYPE_CHECKING, Iterable
-
-if TYPE_CHECKING:
-    from .watching.faults import Fault
+from typing import Iterable
 
 __all__ = [
     "TorchlensError",
@@ -66,7 +63,6 @@ class NonFiniteError(TorchlensError, FloatingPointError):
     """`on_nonfinite="raise"` stopped the forward at the first op with a non-finite output."""
 
     torchlens_stop = True
-    fault: Fault  # set by `tl.watch` on the error it raises: what it found (absent otherwise)
 
 
 class CompareInputError(TorchlensError, TypeError):

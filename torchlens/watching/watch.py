@@ -699,7 +699,8 @@ class Watch:
                 p.grad = None
         if self.on_fault == "raise":
             error = NonFiniteError(f"torchlens watch: {fault}")
-            error.fault = fault
+            # (an attribute the watch gives the error it raises: `errors`, below `watching`, cannot name Fault)
+            error.fault = fault  # type: ignore[attr-defined]
             if self._close_on_raise:
                 self.close()
             raise error
