@@ -457,3 +457,10 @@ def test_a_graph_that_adds_into_its_input_is_not_replayed():
     graph.call_method("relu_", (added,))  # in place on the in-place result: still the input
     graph.output(graph.call_function(operator.mul, (added, 2)))
     assert mutates_inputs(fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_a_partial_trace_narrates_with_the_keywords_a_recording_takes():
+    """`narrate(engine_ops=...)` is a `Recording.narrate` keyword: a failed run's partial trace
+    took all of them but that one, and raised TypeError."""
+    exc = _fail(lambda: tl.record(Outer(), torch.randn(2, 3)))
+    assert exc.partial_trace.narrate(last=5, engine_ops=True) == exc.partial_trace.narrate(last=5)
