@@ -4,6 +4,9 @@ saying what the user loses, instead of narrating a wrong transcript in silence."
 
 from __future__ import annotations
 
+import ast
+import collections
+import pathlib
 import warnings
 
 import pytest
@@ -72,3 +75,142 @@ def test_a_seam_that_stops_applying_warns_once_with_what_is_lost(monkeypatch):
         warnings.simplefilter("error", tl.errors.NarrationWarning)
         with torch.no_grad():
             tl.record(model, x)  # said once per process
+
+
+# -- the table is complete by construction: every private access is a row's ------------------------
+
+_PACKAGE = pathlib.Path(torch_seams.__file__).parent
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _torch_private_attributes() -> set:
+    """The private attribute names torch's own objects carry (read from torch, not listed by hand):
+    of tensors, modules, autograd nodes, graphs, operators, hook handles, DTensors."""
+    import torch.distributed.tensor as dtensor
+    import torch.fx
+    import torch.utils.hooks
+
+    graph_module = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    objects = [torch.ones(1), nn.Linear(1, 1), torch.ones(1, requires_grad=True).mul(2).grad_fn, graph_module,
+               graph_module.graph, next(iter(graph_module.graph.nodes)), torch.ops.aten.add.Tensor, torch.ops.aten.add,
+               torch.utils.hooks.RemovableHandle(collections.OrderedDict()), dtensor.DTensor, torch.Generator(),
+               torch.autograd.Function]
+    return {name for thing in objects for name in dir(thing) if _private(name)}
+
+
+def _own_attributes() -> set:
+    """The attribute names torchlens's own classes and objects define (its `_x` is its business)."""
+    ours = set()
+    for path in _PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        ours.add(item.name)
+                    elif isinstance(item, ast.Assign):
+                        ours.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                        ours.update(c.value for c in ast.walk(item.value)
+                                    if isinstance(c, ast.Constant) and isinstance(c.value, str))
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        ours.add(item.target.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                ours.add(node.attr)
+    return ours
+
+
+def _chain(node) -> list:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
+def _torch_roots(tree) -> dict:
+    """The names a module binds to torch or to something reached through it, each with the dotted
+    path it stands for (`import torch`; `from torch._C import _functorch`; `_M = torch.nn.modules.module`)."""
+    roots = {"torch": "torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            roots.update((alias.asname or alias.name, f"{node.module}.{alias.name}") for alias in node.names)
+        elif isinstance(node, ast.Import):
+            roots.update(((alias.asname or alias.name).split(".")[0], alias.asname and alias.name or "torch")
+                         for alias in node.names if alias.name.split(".")[0] == "torch")
+        elif isinstance(node, ast.Assign) and _chain(node.value)[:1] == ["torch"]:
+            roots.update((target.id, ".".join(_chain(node.value))) for target in node.targets
+                         if isinstance(target, ast.Name))
+    return roots
+
+
+def private_accesses() -> dict:
+    """module -> {name}: every private torch name the package imports or reads (`torch._C._x`,
+    `from torch._dynamo import y`, `tensor._version`), by the module that does; a dotted path
+    through a private part is named by its last part (`torch._dynamo.utils.orig_code_map`:
+    `orig_code_map`)."""
+    attributes = _torch_private_attributes() - _own_attributes()
+    found = {}
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(_PACKAGE).with_suffix("").parts)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        roots, names = _torch_roots(tree), set()
+        inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[-1] for alias in node.names
+                             if alias.name.split(".")[0] == "torch" and any(map(_private, alias.name.split("."))))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                in_private = any(map(_private, node.module.split(".")))
+                names.update(alias.name for alias in node.names if in_private or _private(alias.name))
+            elif isinstance(node, ast.Attribute) and id(node) not in inner:
+                parts = _chain(node)
+                full = [*roots[parts[0]].split("."), *parts[1:]] if parts[:1] and parts[0] in roots else []
+                if any(map(_private, full[1:])):
+                    names.add(full[-1])
+                elif node.attr in attributes:
+                    names.add(node.attr)
+        if names:
+            found[module] = names
+    return found
+
+
+def _seam_modules(where: str) -> set:
+    """The package modules a row's `where` names (`eager.capture.exclude_from_dynamo, mode_stack`)."""
+    modules = {".".join(path.relative_to(_PACKAGE).with_suffix("").parts) for path in _PACKAGE.rglob("*.py")}
+    named = set()
+    for place in where.replace(",", " ").split():
+        parts = place.strip("()`").split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in modules:
+                named.add(".".join(parts[:end]))
+                break
+    return named
+
+
+def test_every_private_torch_access_is_a_seam_rows_and_named_in_it():
+    """What a torch upgrade can break is in the table by construction, not by care: each private
+    name a module reads must be named by a row whose `where` is that module (the table itself,
+    which probes them all, is exempt)."""
+    rows = [(_seam_modules(seam.where), seam.relies_on) for seam in torch_seams.SEAMS]
+    missing = {}
+    for module, names in private_accesses().items():
+        if module == "torch_seams":
+            continue
+        uncovered = sorted(name for name in names
+                           if not any(module in modules and name in relies_on for modules, relies_on in rows))
+        if uncovered:
+            missing[module] = uncovered
+    assert missing == {}, f"private torch reached outside the seam table (add a row, or name it in one): {missing}"
+
+
+def test_the_completeness_scan_sees_each_kind_of_private_access():
+    """The scan itself can fail to see: it must find a private import, a private chain through an
+    alias, and a torch object's private attribute, in code written for it."""
+    code = ("import torch\nfrom torch._C import _functorch\n_M = torch.nn.modules.module\n"
+            "def f(t):\n    return t._version, _M._global_forward_hooks, torch.overrides._get_current_function_mode_stack()\n")
+    tree = ast.parse(code)
+    roots = _torch_roots(tree)
+    assert roots["_functorch"] == "torch._C._functorch" and roots["_M"] == "torch.nn.modules.module"
+    assert "_version" in _torch_private_attributes()

@@ -256,6 +256,109 @@ def _probe_global_hook_check():
     return None
 
 
+def _probe_version_counters():
+    tensor = torch.zeros(1)
+    before = tensor._version
+    tensor.add_(1)
+    return None if tensor._version == before + 1 else "an in-place write no longer bumps Tensor._version"
+
+
+def _probe_dtensor_shards():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None  # no DTensors to measure
+    from torch.distributed.tensor import DTensor
+
+    return None if "_local_tensor" in getattr(DTensor, "__slots__", ()) else "DTensor keeps no _local_tensor"
+
+
+def _probe_view_bases():
+    base = torch.zeros(2)
+    return None if base[:1]._base is base else "a view's _base is not the tensor it views"
+
+
+def _probe_storage_identity():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storage = torch.zeros(1).untyped_storage()
+    if not isinstance(getattr(storage, "_cdata", None), int):
+        return "an untyped storage has no integer _cdata"
+    if StorageWeakRef(storage).cdata != storage._cdata:
+        return "StorageWeakRef.cdata is not the storage's _cdata"
+    return None
+
+
+def _probe_pytree():
+    from torch.utils import _pytree
+
+    return _missing(_pytree, "tree_map", "tree_leaves", "tree_flatten")
+
+
+def _probe_wrapper_subclasses():
+    from torch.utils import _python_dispatch
+
+    return _missing(_python_dispatch, "is_traceable_wrapper_subclass", "TorchDispatchMode")
+
+
+def _probe_operator_objects():
+    op = torch.ops.aten.add.Tensor
+    if not isinstance(op, torch._ops.OpOverload) or not isinstance(torch.ops.aten.add, torch._ops.OpOverloadPacket):
+        return "torch.ops.aten.add.Tensor is no OpOverload, or its packet no OpOverloadPacket"
+    return None if (op._opname, op._overloadname, op._schema.name) == ("add", "Tensor", "aten::add") \
+        else "an OpOverload's _opname, _overloadname or _schema moved"
+
+
+def _probe_functional_wait():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    return _missing(torch.ops._c10d_functional, "wait_tensor")
+
+
+def _probe_function_mode_stack():
+    return (_missing(torch.overrides, "_get_current_function_mode_stack")
+            or _missing(torch._C, "_len_torch_function_stack", "_get_function_stack_at", "_pop_torch_function_stack",
+                        "_push_on_torch_function_stack"))
+
+
+def _probe_functorch_wrappers():
+    from torch._C import _functorch
+
+    return _missing(_functorch, "is_functorch_wrapped_tensor", "get_unwrapped")
+
+
+def _probe_module_call_frames():
+    return None if isinstance(getattr(torch.nn.Module._call_impl, "__code__", None), types.CodeType) \
+        else "nn.Module._call_impl is not a Python function"
+
+
+def _probe_module_own_hooks():
+    module = torch.nn.Linear(1, 1)
+    handle = module.register_forward_hook(lambda *args: None)
+    try:
+        return None if len(module._forward_hooks) == 1 else "a module's forward hooks are not in its _forward_hooks"
+    finally:
+        handle.remove()
+
+
+def _probe_compile_entry_points():
+    import torch._dynamo
+    from torch._dynamo.backends import registry
+    from torch._inductor import compile_fx, list_mode_options
+
+    return (_missing(torch._dynamo, "reset", "register_backend", "list_backends", "lookup_backend")
+            or _missing(registry, "_BACKENDS") or _missing(compile_fx, "compile_fx")
+            or (None if callable(list_mode_options) else "torch._inductor.list_mode_options is not callable"))
+
+
+def _probe_shape_printer():
+    from torch.utils._sympy.printers import PythonPrinter
+
+    return None if callable(getattr(PythonPrinter, "doprint", None)) else "PythonPrinter has no doprint"
+
+
 def _probe_compiler_bisector():
     import inspect
 
@@ -286,7 +389,8 @@ SEAMS = (
          "fx_backend.dynamo_seams.current_call, hook_calls, when_call_ends, call_outcome",
          "a compiled model's forwards are not narrated as passes: each graph call is a pass of its own, "
          "code between graphs is not narrated", _probe_compile_wrapper),
-    Seam("adopt mode", "InstructionTranslator.current_tx and dynamo's saved torch function mode stacks",
+    Seam("adopt mode", "InstructionTranslator.current_tx and dynamo's saved torch function mode stacks "
+         "(torch_function_mode_stack_state_mgr)",
          "fx_backend.dynamo_seams.adopt_mode_for_this_compile",
          "a string-backend model's first call does not narrate code between graphs, and recompiles once",
          _probe_adopt_mode),
@@ -296,7 +400,8 @@ SEAMS = (
          _probe_spellings),
     Seam("fast-path handlers", "dynamo's TorchInGraphFunctionVariable._get_handlers", "fastpaths._same_to_dynamo",
          "a model compiled while a capture runs breaks its graph at every fast-path check", _probe_fast_path_handlers),
-    Seam("frame strategy", "torch._C._dynamo.eval_frame.set_code_exec_strategy", "eager.capture.exclude_from_dynamo",
+    Seam("frame strategy", "torch._C._dynamo.eval_frame.set_code_exec_strategy, with "
+         "_FrameExecStrategy(_FrameAction.SKIP, ...)", "eager.capture.exclude_from_dynamo",
          "dynamo may compile the capture's hooks as frames of their own, which then go silent between graphs",
          _probe_frame_strategy),
     Seam("disable flag", "the _torchdynamo_disable attribute dynamo reads", "eager.capture.outside_dynamo",
@@ -310,23 +415,25 @@ SEAMS = (
          _probe_has_torch_function),
     Seam("operator schemas", "torch._C._jit_get_all_schemas", "writes",
          "which calls write their arguments cannot be told: writes are not followed", _probe_schemas),
-    Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback", "backward.runs",
+    Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback",
+         "backward.runs, backward.graph, watching.watch",
          "backward narration cannot tell one backward from another, nor when one ends", _probe_graph_task),
     Seam("backward entry", "torch.autograd.backward, which Tensor.backward looks up at each call (wrapped while "
          "a watch is open)", "watching.roots.listen",
          "tl.watch does not see the loss a backward starts from: a NaN loss computed outside the model whose "
          "gradients are finite is no fault", _probe_backward_entry),
-    Seam("autograd sequence numbers", "torch._C._autograd._get_sequence_nr and Node._sequence_nr",
-         "watching.roots.loss_ops",
+    Seam("autograd sequence numbers", "torch._C._autograd._get_sequence_nr, Node._sequence_nr and a custom "
+         "Function node's _forward_cls", "watching.roots.loss_ops, watching.steps, backward.graph",
          "a watch fault for a loss computed outside the model does not list the loss's ops", _probe_sequence_numbers),
     Seam("hook handles", "torch.utils.hooks.RemovableHandle's hooks_dict_ref and id", "backward.graph.Hooks",
          "nothing shown: each backward hook's handle is kept, more objects for the garbage collector per step",
          _probe_hook_handles),
-    Seam("disable torch function", "torch._C.DisableTorchFunction", "eager.capture, mode_stack",
+    Seam("disable torch function", "torch._C.DisableTorchFunction", "eager.capture, mode_stack, naming",
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
     Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "collectives",
          "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
-    Seam("traced node", "torch._dynamo: resume functions' name prefix, TorchRuntimeError.real_stack, the `node` "
+    Seam("traced node", "torch._dynamo: resume functions' name prefix (TORCH_DYNAMO_RESUME_IN_PREFIX), "
+         "TorchRuntimeError.real_stack, the `node` "
          "local of utils.get_fake_value and the `code` local of convert_frame._compile in a tracing error's traceback",
          "fx_backend.dynamo_seams.traced_frame_resumed, traced_node",
          "a tracing error after a graph break is not located (the forward is not run again, and the tail says so)",
@@ -340,8 +447,56 @@ SEAMS = (
          "eager.module_hooks._register",
          "a compiled submodule under an eager capture compiles again at every capture, up to dynamo's recompile "
          "limit", _probe_shared_hook_keys),
+    Seam("version counters", "Tensor._version, the counter every in-place write bumps (an inference tensor has "
+         "none)", "meter, provenance, compiled_regions, backward.runs, backward.verdicts, watching.steps, "
+         "watching.updates, watching.watch",
+         "what was written since it was measured or kept cannot be told: statistics and kept values may be stale",
+         _probe_version_counters),
+    Seam("DTensor shards", "DTensor._local_tensor, the shard this rank holds", "events, meter, provenance, stats",
+         "a DTensor's lines show no local shape, its shard is not measured nor followed by tracking",
+         _probe_dtensor_shards),
+    Seam("view bases", "Tensor._base, the tensor a view views", "meter, watching.roots",
+         "a view's statistics are not shared with its base's (measured again), a loss viewing a larger tensor is "
+         "kept whole", _probe_view_bases),
+    Seam("storage identity", "an untyped storage's _cdata (StorageWeakRef.cdata)", "provenance, unwritten",
+         "writes through another view of the same memory are not followed", _probe_storage_identity),
+    Seam("pytree", "torch.utils._pytree: tree_map, tree_leaves, tree_flatten", "debug.reference, repro.kept, "
+         "results, watching.checks, watching.steps",
+         "nested outputs and arguments (dicts, ModelOutputs) are not opened", _probe_pytree),
+    Seam("wrapper subclasses", "torch.utils._python_dispatch: is_traceable_wrapper_subclass, TorchDispatchMode",
+         "collectives, integer_values, unwritten, fx_backend.replay",
+         "a wrapper subclass (an asynchronous collective's tensor) is read as plain values; a compiled graph's "
+         "failure is not located", _probe_wrapper_subclasses),
+    Seam("operator objects", "torch._ops.OpOverload and OpOverloadPacket, their _schema, _opname and "
+         "_overloadname", "naming, writes, collectives, debug.reference, eager.capture, fx_backend.replay",
+         "aten operators called directly are named by their Python repr, and their writes are not read from "
+         "their schema", _probe_operator_objects),
+    Seam("functional wait", "torch.ops._c10d_functional.wait_tensor", "collectives",
+         "a functional collective's wait is not the moment its values land: it is measured at its call",
+         _probe_functional_wait),
+    Seam("function mode stack", "torch.overrides._get_current_function_mode_stack and torch._C's "
+         "_len_torch_function_stack, _get_function_stack_at, _pop_torch_function_stack, "
+         "_push_on_torch_function_stack", "mode_stack",
+         "a capture's mode cannot be lifted from under another's: nested captures and compiled graphs inside "
+         "captures narrate each other's work", _probe_function_mode_stack),
+    Seam("functorch wrappers", "torch._C._functorch: is_functorch_wrapped_tensor, get_unwrapped", "stats",
+         "values inside torch.func transforms (vmap, grad) are not measured: their lines say n/a",
+         _probe_functorch_wrappers),
+    Seam("module call frames", "nn.Module._call_impl.__code__, the frame a module call runs in",
+         "eager.module_hooks, eager.capture",
+         "a module whose forward raised is closed as if it had returned (its exit line is not marked)",
+         _probe_module_call_frames),
+    Seam("module's own hooks", "Module._forward_hooks, the forward hooks a module holds", "eager.capture",
+         "ops a module's own forward hooks run land in its parent module", _probe_module_own_hooks),
+    Seam("compile entry points", "torch._dynamo: reset, register_backend, list_backends, lookup_backend, the "
+         "backend registry's _BACKENDS; torch._inductor: compile_fx.compile_fx, list_mode_options, config.patch",
+         "options, fx_backend.config, fx_backend.entry, fx_backend.registration, debug.bisect",
+         "tl.compile cannot check compiler= and mode=, or compile with inductor underneath",
+         _probe_compile_entry_points),
+    Seam("shape printer", "torch.utils._sympy.printers.PythonPrinter", "fx_backend.shapes",
+         "dynamic shapes are shown symbolically, not resolved to the sizes a call had", _probe_shape_printer),
     Seam("compiler bisector", "torch._inductor.compiler_bisector.CompilerBisector (do_bisect, get_backend read by "
-         "torch.compile, get_config_change) and its BACKENDS", "debug.bisect",
+         "torch.compile, get_config_change), ConfigChange and its BACKENDS", "debug.bisect",
          "tl.debug.bisect cannot bisect a compiled divergence; it says so", _probe_compiler_bisector),
 )
 
