@@ -2,7 +2,9 @@
 
 Eager capture (which argument an op wrote, for tracking's provenance), the compiled plan (what a
 graph node wrote into), the statistics pass (whether a value may change before it is read), the
-failure replay (whether a graph changes its inputs) and the one-op repro all ask it here.
+failure replay (whether a graph changes its inputs), the collectives (whether a call overwrote an
+asynchronous collective's output) and the one-op repro all ask it here (`torchlens.memory` lists
+it with the other facts about memory).
 
 The rule is derived, not listed by hand:
 
@@ -14,7 +16,12 @@ The rule is derived, not listed by hand:
 - **Python's in-place operators**, from the `operator` module (`iadd` is how dynamo records
   `x += y`; `__iadd__` how the eager capture sees it), and indexed assignment (`__setitem__`,
   dynamo's `setitem`);
-- **the call's own flags**: `inplace=True` (`F.relu(x, inplace=True)`) and `out=`.
+- **the call's own flags**: `inplace=True` (`F.relu(x, inplace=True)`), `out=`, and normalisation
+  in training, which updates the running statistics it is given (`F.batch_norm(..., training=True)`).
+
+`call_writes` answers for a call, `node_writes` for a graph node (by the same rule, on its target
+and arguments), and both say which arguments are written, not only whether one is: a write's
+provenance, a statistics copy and a replay's caveat each follow the memory actually written.
 
 A few calls write and return nothing (indexed assignment, `_foreach_add_`,
 `_amp_foreach_non_finite_check_and_unscale_`): `written_tensor` says which tensor they wrote, so
@@ -23,13 +30,15 @@ that the capture narrates them as an op on it rather than blaming the next op th
 
 from __future__ import annotations
 
+import inspect
 import operator
+import types
 from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["call_writes", "may_return_an_alias", "node_writes", "target_name", "target_writes", "writes_an_argument",
-           "writes_without_returning", "written_tensor"]
+__all__ = ["call_writes", "may_return_an_alias", "node_writes", "target_name", "writes_without_returning",
+           "written_tensor"]
 
 # Indexed assignment: `Tensor.__setitem__` (which dispatches to `index_put_`, `copy_`, `fill_`) and
 # dynamo's `operator.setitem` write their first argument and have no schema of their own.
@@ -48,27 +57,25 @@ class _Table:
     """What torch's schemas say, read once on first use (reading them takes ~50 ms)."""
 
     def __init__(self):
-        self.writers: Dict[str, tuple] = {}  # names of the operators that write a tensor argument
+        # name -> (position, name) of the positional tensor arguments its overloads write
+        self.writers: Dict[str, Tuple[Tuple[int, str], ...]] = {}
         self.aten: set = set()  # every aten operator's name
         self.aliasing: set = set()  # those of which an overload may return (a view of) an argument
-        # name -> the (position, name) of the tensor arguments a nothing-returning overload writes
-        self.without_returning: Dict[str, Tuple[Tuple[int, str], ...]] = {}
+        # names of which an overload writes a tensor and returns nothing (an `out=` variant's counts:
+        # it is all the call made), in any namespace; indexed assignment has no schema of its own
+        self.without_returning: set = set(_INDEXED_ASSIGNMENT)
         for schema in torch._C._jit_get_all_schemas():
             namespace, name = schema.name.split("::", 1)
             if namespace == "aten":
                 self.aten.add(name)
-                if any(_writes_tensor(argument) for argument in schema.arguments):
-                    self.writers[name] = ()
+                places = {(position, argument.name) for position, argument in enumerate(schema.arguments)
+                          if _writes_tensor(argument)}
+                if places:
+                    self.writers[name] = tuple(sorted(places | set(self.writers.get(name, ()))))
                 if _returns_an_argument(schema):
                     self.aliasing.add(name)
-            if not schema.returns:  # (any namespace; an `out=` written counts: it is all the call made)
-                written = [(position, argument.name) for position, argument in enumerate(schema.arguments)
-                           if _writes_tensor(argument, keyword=True)]
-                if written:
-                    known = set(self.without_returning.get(name, ()))
-                    self.without_returning[name] = tuple(sorted(known | set(written)))
-        for name in _INDEXED_ASSIGNMENT:
-            self.without_returning[name] = ((0, "self"),)
+            if not schema.returns and any(_writes_tensor(argument, keyword=True) for argument in schema.arguments):
+                self.without_returning.add(name)
         self.python = _python_in_place()
 
 
@@ -105,31 +112,83 @@ def _read() -> _Table:
     return _table
 
 
-def writes_an_argument(name: str) -> bool:
-    """Whether a call of this name (as `naming.op_name` or a graph node's `target_name` gives it)
-    writes into one of its tensor arguments, whatever its flags."""
+def call_writes(name: str, args=(), kwargs=None, func=None) -> tuple:
+    """The arguments a call writes into, as it was given them (a tensor, a list of tensors, an
+    `out=` tuple); () for a call that writes none, so the answer is also the yes or no. `name` is
+    the call's as `naming.op_name` or a graph node's `target_name` gives it; `func`, when known,
+    the callable itself: an operator's own schema then says which arguments (a custom op's
+    `mutates_args`), and a Python function's signature names its flags passed positionally (a
+    graph records `F.relu(x, True)` as the user wrote it; torch hands a function mode
+    `inplace=True`). By the rule above, and by the flags: `inplace=True` writes the input, `out=`
+    its tensors, normalisation in training (`training=True`, `use_input_stats=True`) the running
+    statistics it is given."""
+    kwargs = kwargs or {}
+    places = _places(name, func)
+    if not (places or kwargs or isinstance(func, types.FunctionType)):
+        return ()  # (most calls)
+    named = _named(func, args, kwargs)
+    written = [_argument(args, kwargs, place) for place in places]
+    if named.get("inplace") is True:
+        written.append(args[0] if args else named.get("input"))
+    written.append(kwargs.get("out"))
+    if named.get("training") is True or named.get("use_input_stats") is True:
+        written.extend((named.get("running_mean"), named.get("running_var")))
+    unique: list = []
+    for value in written:
+        if value is not None and not any(value is seen for seen in unique):
+            unique.append(value)
+    return tuple(unique)
+
+
+def _places(name: str, func) -> Tuple[Tuple[int, str], ...]:
+    """(position, name) of the arguments a call of this name (or this operator) writes, whatever
+    its flags: by the operator's own schema, else by the name's aten overloads, else Python's
+    in-place operators and indexed assignment, which write their first argument."""
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _schema_places(func)
     table = _read()
-    return name in table.writers or name in table.python
+    places = table.writers.get(name)
+    if places is None and name in table.python:
+        return ((0, "self"),)
+    return places or ()
 
 
-def call_writes(name: str, args=(), kwargs=None) -> bool:
-    """Whether this call writes into one of its arguments: by its name, or by `inplace=True` or
-    `out=` among its keyword arguments."""
-    if kwargs and (kwargs.get("inplace") is True or kwargs.get("out") is not None):
-        return True
-    return writes_an_argument(name)
+def _schema_places(target) -> Tuple[Tuple[int, str], ...]:
+    """(position, name) of the positional tensor arguments an operator's overloads write."""
+    overloads = [target] if isinstance(target, torch._ops.OpOverload) else [
+        getattr(target, name) for name in target.overloads()]
+    return tuple(sorted({(position, argument.name) for overload in overloads
+                         for position, argument in enumerate(overload._schema.arguments)
+                         if _writes_tensor(argument)}))
 
 
-def target_writes(target) -> bool:
-    """Whether an operator (`torch.ops.aten.add_.Tensor`, a custom op, its packet) writes one of
-    its tensor arguments, by its own schema; False for anything without one."""
-    if isinstance(target, torch._ops.OpOverload):
-        overloads = [target]
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        overloads = [getattr(target, name) for name in target.overloads()]
-    else:
-        return False
-    return any(_writes_tensor(argument) for overload in overloads for argument in overload._schema.arguments)
+def _argument(args, kwargs, place: Tuple[int, str]):
+    """A call's argument at a schema's (position, name); None where it was not given. torch's
+    Python bindings also take a schema's `self` as `input`."""
+    position, name = place
+    if position < len(args):
+        return args[position]
+    return kwargs.get(name, kwargs.get("input") if name == "self" else None)
+
+
+_SIGNATURES: Dict[object, Optional[inspect.Signature]] = {}
+
+
+def _named(func, args, kwargs) -> dict:
+    """A call's arguments by parameter name, its keyword arguments only unless `func` is a Python
+    function whose signature binds them (then positional flags are named too)."""
+    if not isinstance(func, types.FunctionType) or not args:
+        return kwargs
+    if func not in _SIGNATURES:
+        try:
+            _SIGNATURES[func] = inspect.signature(func)
+        except (TypeError, ValueError):
+            _SIGNATURES[func] = None
+    signature = _SIGNATURES[func]
+    try:
+        return dict(signature.bind_partial(*args, **kwargs).arguments) if signature is not None else kwargs
+    except TypeError:
+        return kwargs
 
 
 def target_name(node) -> str:
@@ -138,12 +197,13 @@ def target_name(node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
-def node_writes(node) -> bool:
-    """Whether a graph node (`call_function` or `call_method`) writes into one of its tensor
-    arguments: the rule above, by its target's name or schema and its keyword flags."""
+def node_writes(node) -> tuple:
+    """The arguments (graph nodes, or lists of them) a graph node writes into: `call_writes` of
+    its target and arguments; () for a node that is not a call of a function or method (an opaque
+    module call, `call_module`, is its caller's to judge)."""
     if node.op not in ("call_function", "call_method"):
-        return False
-    return call_writes(target_name(node), node.args, node.kwargs) or target_writes(node.target)
+        return ()
+    return call_writes(target_name(node), node.args, node.kwargs, node.target)
 
 
 def may_return_an_alias(name: str) -> bool:
@@ -168,12 +228,11 @@ def writes_without_returning(name: str) -> bool:
 
 
 def written_tensor(name: str, args, kwargs):
-    """The tensor (or tuple of tensors) a nothing-returning call of `name` wrote, or None."""
-    places = _read().without_returning.get(name)
-    if places is None:
+    """The tensor (or tuple of tensors) a nothing-returning call of `name` wrote (`call_writes`),
+    or None: what the capture shows as the call's output."""
+    if not writes_without_returning(name):
         return None
-    for position, argument in places:
-        value = kwargs.get(argument) if argument in kwargs else (args[position] if position < len(args) else None)
+    for value in call_writes(name, args, kwargs):
         if isinstance(value, torch.Tensor):
             return value
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
