@@ -1,4 +1,4 @@
-"""One rule for "do these two tensors address the same elements?" (`torchlens.elements`): the eager
+"""One rule for "do these two tensors address the same elements?" (`torchlens.memory`): the eager
 meter and the compiled statistics pass share a view's statistics in exactly the same cases, so a
 view measured in one substrate is not reduced again in the other, and a copy is measured in both."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchlens import meter
+from torchlens import memory
 from torchlens.fx_backend import stats_pass
 
 # (name, what the op does to a [2, 3, 24] tensor, whether it addresses the same elements)
@@ -34,8 +34,8 @@ OPS = [
 
 def _eager(op):
     y = torch.randn(2, 3, 24)
-    theirs = meter._same_elements(y)  # as it was measured, before the op
-    mine = meter._same_elements(op(y))
+    theirs = memory.elements_identity(y)  # as it was measured, before the op
+    mine = memory.elements_identity(op(y))
     return mine is not None and theirs is not None and mine[1] == theirs[1]
 
 
@@ -72,10 +72,10 @@ def test_eager_and_compiled_share_statistics_in_the_same_cases(name, op, same):
 
 def test_a_write_in_between_stops_the_sharing_in_both():
     y = torch.randn(2, 3, 24)
-    before = meter._same_elements(y)[1]
+    before = memory.elements_identity(y)[1]
     view = y.view(6, 24)
     y.add_(1)
-    assert meter._same_elements(view)[1] != before
+    assert memory.elements_identity(view)[1] != before
 
     def op(y):
         y.add_(1)

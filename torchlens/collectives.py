@@ -17,16 +17,14 @@ views of it before that are not read (`torchlens.unwritten`).
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .memory import call_writes, held_tensors, storage_keys, storage_ref, tensors_of
 from .provenance import tensor_arguments
 from .torch_seams import degraded
-from .unwritten import storage_key
-from .writes import call_writes, may_return_an_alias
+from .writes import may_return_an_alias
 
 __all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "graph_label", "in_memory_of",
            "is_functional_collective", "is_wait", "memory_refs", "reads_memory", "shares_memory", "wait_for"]
@@ -126,8 +124,8 @@ def reads_memory(name: str, func, args, kwargs, tensors, out=None) -> Optional[s
     output): "read" when it read it (torch reads only what has arrived: it was waited on),
     "written" when it wrote all it will use of it without reading it (what it held is then gone),
     None when it did not touch it or only viewed it."""
-    keys = {key for tensor in tensors for key in _memory_keys(tensor)}
-    touched = [argument for argument in tensor_arguments(args, kwargs) if keys.intersection(_memory_keys(argument))]
+    keys = {key for tensor in tensors for key in storage_keys(tensor)}
+    touched = [argument for argument in tensor_arguments(args, kwargs) if keys.intersection(storage_keys(argument))]
     if not touched:
         return None
     if is_wait(func):
@@ -136,68 +134,42 @@ def reads_memory(name: str, func, args, kwargs, tensors, out=None) -> Optional[s
         return None
     if getattr(func, "__module__", None) == C10D_MODULE:  # another collective: it sends what it reads
         collective = collective_call(func, args, kwargs, None)
-        written = collective.tensors if collective is not None and collective.written else ()
+        sent = collective.tensors if collective is not None and collective.written else ()
         overwrites = collective is not None and collective.name not in _READ_BEFORE_WRITTEN
-        return "written" if overwrites and any(t is w for t in touched for w in written) else "read"
-    if call_writes(name, args, kwargs) and _writes_one_of(args, kwargs, touched):
+        return "written" if overwrites and any(t is w for t in touched for w in sent) else "read"
+    written = tensors_of(call_writes(name, args, kwargs, func))
+    if any(tensor is argument for tensor in written for argument in touched):
         # `y.copy_(...)`, `out=y` never read what `y` held; `y.div_(2)` reads it, then writes
         overwrites = (kwargs.get("out") is not None) or name in _OVERWRITING_IN_PLACE
         return "written" if overwrites else "read"
-    if may_return_an_alias(name) and any(keys.intersection(_memory_keys(tensor)) for tensor in _flat(out)):
+    if may_return_an_alias(name) and any(keys.intersection(storage_keys(tensor)) for tensor in tensors_of(out)):
         return None  # a view of it (`view`, `to` of its own dtype): nothing read
     return "read"  # (`to`, `contiguous`, `reshape` that copied it read it)
 
 
-# in-place ops whose result does not depend on what their tensor held
+# in-place ops whose result does not depend on what their tensor held (no schema says so)
 _OVERWRITING_IN_PLACE = frozenset(("copy_", "fill_", "zero_", "set_", "normal_", "uniform_", "bernoulli_",
                                    "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"))
 # c10d collectives that reduce or send the tensor they write into: they read it first
 _READ_BEFORE_WRITTEN = frozenset(("all_reduce", "all_reduce_coalesced", "reduce", "broadcast"))
 
 
-def _memory_keys(tensor) -> List[int]:
-    """The storages a tensor's values are in: its own, or those of the tensors a wrapper subclass
-    holds (a functional collective's `AsyncCollectiveTensor`, a DTensor's local shard)."""
-    return [key for key in map(storage_key, _plain(tensor)) if key is not None]
-
-
-def _plain(tensor) -> List[torch.Tensor]:
-    """The tensor, or the tensors a wrapper subclass holds (recursively): those with storage."""
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return [plain for name in names for plain in _plain(getattr(tensor, name))]
-    return [tensor]
-
-
 def shares_memory(tensor, tensors) -> bool:
     """Whether `tensor` views the memory of one of `tensors` (a collective's output)."""
-    keys = {key for other in tensors for key in _memory_keys(other)}
-    return any(key in keys for key in _memory_keys(tensor))
+    keys = {key for other in tensors for key in storage_keys(other)}
+    return any(key in keys for key in storage_keys(tensor))
 
 
 def memory_refs(tensors) -> list:
     """Weak references to the storages `tensors` hold their values in (they keep nothing alive)."""
-    refs = []
-    for plain in (plain for tensor in tensors for plain in _plain(tensor)):
-        try:
-            refs.append(StorageWeakRef(plain.untyped_storage()))
-        except Exception:  # no plain storage
-            continue
-    return refs
+    refs = (storage_ref(held) for tensor in tensors for held in held_tensors(tensor))
+    return [ref for ref in refs if ref is not None]
 
 
 def in_memory_of(tensor, refs) -> bool:
     """Whether `tensor` views memory one of `refs` (`memory_refs`) still stands for."""
     keys = {ref.cdata for ref in refs if not ref.expired()}
-    return bool(keys) and any(key in keys for key in _memory_keys(tensor))
-
-
-def _writes_one_of(args, kwargs, touched) -> bool:
-    """Whether what a writing call writes (its `out=`, else its first tensor) is one of `touched`."""
-    target = kwargs.get("out") if kwargs else None
-    if target is None:
-        target = next(tensor_arguments(args, {}), None)
-    return any(written is tensor for written in _flat(target) for tensor in touched)
+    return bool(keys) and any(key in keys for key in storage_keys(tensor))
 
 
 def is_functional_collective(func) -> bool:
@@ -234,9 +206,9 @@ def _c10d(func, args, kwargs, out) -> Optional[Collective]:
     if signature is None:
         signature = _SIGNATURES[func] = inspect.signature(func)
     bound = signature.bind(*args, **kwargs).arguments
-    tensors = tuple(_flat(bound.get(entry.outputs)))
+    tensors = tuple(tensors_of(bound.get(entry.outputs)))
     if not tensors and entry.outputs == "gather_list":  # not the destination: it only sent
-        tensors, written = tuple(_flat(bound.get("tensor"))), False
+        tensors, written = tuple(tensors_of(bound.get("tensor"))), False
     else:
         written = entry.written
     if not tensors:
@@ -246,7 +218,7 @@ def _c10d(func, args, kwargs, out) -> Optional[Collective]:
 
 
 def _functional(func, args, kwargs, out) -> Optional[Collective]:
-    tensors = tuple(_flat(out))
+    tensors = tuple(tensors_of(out))
     if not tensors:
         return None
     name = getattr(func, "__name__", "collective").split(".")[0]
@@ -273,15 +245,6 @@ def _functional_group_size(func, args, kwargs) -> Optional[int]:
     if group is None and positions and positions[0] < len(args):
         group = args[positions[0]]
     return _group_size_by_name(group) if isinstance(group, str) else None
-
-
-def _flat(value) -> List[torch.Tensor]:
-    """The tensors of an argument: one, a list of them, or a list of lists."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _flat(item)]
-    return []
 
 
 def _group_size(group) -> Optional[int]:

@@ -44,6 +44,7 @@ from typing import Dict
 
 import torch
 
+from .memory import Versions
 from .mode_stack import capture_modes, is_capture, with_captures_kept
 from .sites import is_internal_file
 from .torch_seams import degraded
@@ -177,7 +178,8 @@ def reporting_graph_calls(compiled):
         if not captures:
             return compiled(*args, **kwargs)
         caller = sys._getframe(1)
-        versions = _versions(args)  # a graph that only writes its inputs reports them as its outputs
+        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # dynamo's boxed calling
+        versions = Versions(arg for arg in flat if isinstance(arg, torch.Tensor))  # (what the graph writes)
         for capture in captures:
             capture.suspended += 1  # the graph's own torch calls are the compiler's, not the user's ops
         try:
@@ -187,25 +189,13 @@ def reporting_graph_calls(compiled):
                 capture.suspended -= 1
                 capture.graph_failed(args, exc, caller)
             raise
-        written = tuple(tensor for tensor, version in versions if _version(tensor) != version)
+        written = versions.written()  # a graph that only writes its inputs reports them as its outputs
         for capture in captures:
             capture.suspended -= 1
             capture.graph_called(args, out, caller, written)
         return out
 
     return graph_call
-
-
-def _version(tensor):
-    try:
-        return tensor._version
-    except Exception:  # an inference tensor has no version counter
-        return None
-
-
-def _versions(args):
-    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # dynamo's boxed calling
-    return [(arg, _version(arg)) for arg in flat if isinstance(arg, torch.Tensor)]
 
 
 def run_by_dynamo(frame) -> bool:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from .elements import element_layout
 from .events import Stats, StatsGroup
+from .memory import elements_identity
 from .recipes import (
     Recipe,
     about_the_mean,
@@ -45,7 +45,6 @@ from .stats import (
     measures,
     plain_values,
     sample_indices,
-    shareable,
     small_int_vector,
     unmeasured,
     value_kind,
@@ -86,6 +85,14 @@ class Pending:
         self.recipe = recipe_
 
 
+class _Known(NamedTuple):
+    """Statistics taken this forward, kept by the elements they cover (`memory.elements_identity`)."""
+
+    base: weakref.ref  # the tensor the key's identity stands for while it lives
+    stats: Stats
+    read_now: bool  # whether they were read as the op completed (else with the rest of the pass)
+
+
 class Meter:
     """Measures op outputs for one forward, following the rung and the tracking mode.
 
@@ -100,9 +107,9 @@ class Meter:
         self._whole_dtensors = dtensors == "global"  # (`dtensor_stats=`: see `_measure_whole`)
         self.pending: List[Pending] = []
         self.reads = 0  # host transfers made, for the footer and the tests
-        # Statistics already taken this forward, by the elements they cover (see `_same_elements`).
-        # A sample depends on the layout, so only exact statistics and counts are shared.
-        self._known: Dict[tuple, Tuple[weakref.ref, Stats, bool]] = {}
+        # Statistics already taken this forward, by the elements they cover (views share them). A
+        # sample depends on the layout, so only exact statistics and counts are shared.
+        self._known: Dict[tuple, _Known] = {}
         self._sharing = rung != "sampled"
         # A CPU forward measures nearly every op the same way: one screen (tracking without
         # statistics) or one "sums" recipe (exact statistics); `_measure_plain` takes that case in
@@ -130,7 +137,7 @@ class Meter:
             if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
                 return self._measure_plain(tensor)
-            identity = _same_elements(tensor) if self._sharing else None
+            identity = elements_identity(tensor) if self._sharing else None
             known = self._shared(identity, live) if identity is not None else None
             if known is not None:
                 return known
@@ -138,7 +145,7 @@ class Meter:
             now = live or values.device.type in READ_NOW
             stats = self._measure(values, now)
             if identity is not None:
-                self._known[identity[1]] = (weakref.ref(identity[0]), stats, now)
+                self._known[identity[1]] = _Known(weakref.ref(identity[0]), stats, now)
             return stats
         except Exception as exc:
             return Stats("na", tensor.numel(), self.rung != "off",
@@ -195,8 +202,8 @@ class Meter:
     def _measure_plain(self, tensor: torch.Tensor) -> Stats:
         """`measure` for the common case on the CPU: a plain float32 or float64 tensor, screened or
         summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
-        shared with a view's base as `_same_elements` shares them."""
-        identity = None if torch.is_inference(tensor) else _identity(tensor)
+        shared between views of the same elements (`memory.elements_identity`)."""
+        identity = elements_identity(tensor)
         known = self._shared(identity, True) if identity is not None else None
         if known is not None:
             return known
@@ -208,31 +215,31 @@ class Meter:
         else:
             stats = self._summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel)
         if identity is not None:
-            self._known[identity[1]] = (weakref.ref(identity[0]), stats, True)
+            self._known[identity[1]] = _Known(weakref.ref(identity[0]), stats, True)
         return stats
 
     def forget(self, tensors) -> None:
         """Statistics taken of these tensors' memory no longer stand: something wrote it without
         bumping its version counter (a `torch.distributed` collective)."""
         bases = {id(tensor._base if tensor._base is not None else tensor) for tensor in tensors}
-        for key in [key for key in self._known if key[0] in bases]:
+        for key in [key for key in self._known if key[0] in bases]:  # (the identity's first part)
             del self._known[key]
 
     def known(self, tensor: torch.Tensor) -> Optional[Stats]:
         """The statistics this forward already took of `tensor`'s elements, without reading
         anything (None where it took none, or measured it on a path that keeps no record)."""
         try:
-            identity = _same_elements(tensor) if self._sharing else None
+            identity = elements_identity(tensor) if self._sharing else None
         except Exception:
             return None
         return self._shared(identity, False) if identity is not None else None
 
     def _shared(self, identity, live: bool):
-        """The statistics already taken of the same elements (`_same_elements`), if they still
-        stand for them (the same base alive) and were read at once when this one must be (`live`)."""
+        """The statistics already taken of the same elements (`memory.elements_identity`), if they
+        still stand for them (the same base alive) and were read at once when this one must be (`live`)."""
         known = self._known.get(identity[1])
-        if known is not None and known[0]() is identity[0] and (known[2] or not live):
-            return known[1]
+        if known is not None and known.base() is identity[0] and (known.read_now or not live):
+            return known.stats
         return None
 
     def _screened(self, stats: Stats, f: torch.Tensor) -> Stats:
@@ -401,24 +408,3 @@ def _ldexp(value: float, exponent: int) -> float:
 # Float dtypes reduced as they are (`torchlens.stats.as_float` keeps them; narrower ones are
 # reduced in float32, whose range their values cannot overflow).
 _REDUCED_AS_IS = frozenset((torch.float32, torch.float64))
-
-
-def _same_elements(tensor: torch.Tensor):
-    """(base, key) such that two tensors with equal keys, while `base` lives, hold the same elements:
-    a view (`view`, `transpose`, `contiguous` of a contiguous tensor, eval-mode `dropout`, the
-    `split` of a fused projection and the `view` and `transpose` of each part, ...) of a tensor
-    measured earlier in the forward, unchanged since (the version counter is shared with the base
-    and bumped by in-place ops). Statistics depend only on the elements, so they are shared instead
-    of reduced again. None for a tensor without plain strided storage."""
-    if tensor.layout != torch.strided or not shareable(tensor):
-        return None
-    return _identity(tensor)
-
-
-def _identity(tensor: torch.Tensor):
-    """`_same_elements` for a tensor already known to qualify."""
-    base = tensor._base if tensor._base is not None else tensor
-    # (`elements.element_key`, with the base and its version: unchanged since)
-    return base, (id(base), tensor.storage_offset(), element_layout(tensor), tensor.dtype, tensor._version)
-
-

@@ -6,14 +6,15 @@ the last write that covered all of it on (`origin_chain`: the rule both substrat
 compiled plan applies it at compile time to the fake tensors of a graph, `fx_backend.plan`). A
 tensor no tracked op produced is a `Source` (a parameter, a buffer, a constant, an input), named
 and measured only when a verdict needs it. Whether a call wrote into its arguments is
-`writes.call_writes`'s rule, applied by the capture before it tells `Provenance.produced`.
+`memory.call_writes`'s rule, applied by the capture before it tells `Provenance.produced`; which
+memory a tensor is in, and which part of it, `torchlens.memory`'s facts.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -21,10 +22,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .events import Event
 from .findings import NAN, NEGINF, POSINF
 from .findings import bits as _bits
-from .stats import as_float, is_dtensor, plain_values, unwrapped
+from .memory import covers, memory_span, storage_key, storage_ref, tensors_of, version
+from .stats import as_float, is_dtensor, plain_values
 
-__all__ = ["LazyReads", "Provenance", "Source", "carried_kinds", "covers", "memory_span", "origin_chain",
-           "passed_in", "tensor_arguments"]
+__all__ = ["LazyReads", "Provenance", "Source", "carried_kinds", "origin_chain", "passed_in", "tensor_arguments"]
 
 
 def origin_chain(first, writes, after: int, span) -> tuple:
@@ -40,37 +41,57 @@ def origin_chain(first, writes, after: int, span) -> tuple:
     return tuple(refs)
 
 
+class _Producer(NamedTuple):
+    """The op that produced a tensor, kept by the tensor's identity (checked by the weak reference:
+    an identity is reused once its tensor is freed)."""
+
+    ref: weakref.ref
+    event: Event
+
+
+class _Write(NamedTuple):
+    """An op that wrote into a storage: which, where in the pass it landed, the span it wrote (as
+    `origin_chain` takes writes)."""
+
+    event: Event
+    position: float
+    span: object  # memory.memory_span of what it wrote (None: unknown)
+
+
+class _Written(NamedTuple):
+    """The writes into one storage, while the storage lives (its key may then stand for another)."""
+
+    ref: StorageWeakRef
+    writes: List[_Write]
+
+
 class Provenance:
     """What produced, and what since wrote, the tensors of one forward (by identity and storage)."""
 
     def __init__(self, names: Callable[[], Dict[int, str]]):
         self._names = names  # id(tensor) -> dotted name, of the model's parameters and buffers
         self._name_table: Optional[Dict[int, str]] = None
-        self._producers: Dict[int, Tuple[weakref.ref, Event]] = {}
-        # storage key -> (its weak reference, [(op that wrote into it in place, span written)])
-        self._writers: Dict[int, tuple] = {}
+        self._producers: Dict[int, _Producer] = {}
+        self._writers: Dict[int, _Written] = {}  # by storage key (`memory.storage_key`)
         self.sources: Dict[int, Source] = {}
 
     def origin_of(self, tensor: torch.Tensor) -> tuple:
         """Where `tensor`'s values come from: the op that produced it (or a Source) and the ops
         that wrote into its memory since, from the last write that covered all of it on."""
         known = self._producers.get(id(tensor))
-        producer = known[1] if known is not None and known[0]() is tensor else None
+        producer = known.event if known is not None and known.ref() is tensor else None
         first = producer if producer is not None else self.source(tensor)
         if not self._writers:
             return (first,)
-        entry = self._writers.get(_storage_key(tensor))  # the cheap key first: most memory was never written
-        if entry is None or entry[0].expired():
+        key = storage_key(tensor)  # (most memory was never written)
+        entry = self._writers.get(key) if key is not None else None
+        if entry is None or entry.ref.expired():
             return (first,)
         after = -1 if producer is None else producer.ordinal
-        later = [(writer, position, span) for writer, span, position in entry[1]
-                 if position > after and writer is not producer]
+        later = [write for write in entry.writes if write.position > after and write.event is not producer]
         if not later:  # written only before it was produced (or by its producer: `relu_`)
             return (first,)
-        memory = _storage_of(tensor)
-        if memory is None:
-            return (first,)
-        return origin_chain(first, later, after, memory[2])
+        return origin_chain(first, later, after, memory_span(tensor))
 
     def source(self, tensor: torch.Tensor) -> Source:
         source = self.sources.get(id(tensor))
@@ -96,28 +117,26 @@ class Provenance:
 
     def produced(self, event: Event, out, args=(), kwargs=None, position: Optional[float] = None) -> None:
         """Remember that `event` produced the tensors in `out` (one tensor, or a tuple/list).
-        `args` and `kwargs` are given for a call that writes into its arguments (`writes.call_writes`):
+        `args` and `kwargs` are given for a call that writes into its arguments (`memory.call_writes`):
         an output that is one of them (`x.add_(y)`, `out=buf`, a `_foreach_*_` list) was written
         in place. `position`: where in the pass the write landed, when later than the op's own
         ordinal (an asynchronous collective's values arrive when they are waited on)."""
-        tensors = (out,) if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
-        for tensor in tensors:
-            self._producers[id(tensor)] = (weakref.ref(tensor), event)
+        for tensor in tensors_of(out):
+            self._producers[id(tensor)] = _Producer(weakref.ref(tensor), event)
             if tensor.__class__ is not torch.Tensor and is_dtensor(tensor):  # its shard is the op's too
                 local = tensor._local_tensor  # type: ignore[attr-defined]  # a DTensor's shard: private to torch
-                self._producers[id(local)] = (weakref.ref(local), event)
+                self._producers[id(local)] = _Producer(weakref.ref(local), event)
             if (args or kwargs) and passed_in(tensor, args, kwargs):
                 self._wrote(event, tensor, event.ordinal if position is None else position)
 
     def _wrote(self, event: Event, tensor: torch.Tensor, position: float) -> None:
-        memory = _storage_of(tensor)
-        if memory is None:
+        ref = storage_ref(tensor)
+        if ref is None:
             return
-        key, ref, span = memory
-        entry = self._writers.get(key)
-        if entry is None or entry[0].expired():  # new memory (perhaps at a freed one's address)
-            entry = self._writers[key] = (ref, [])
-        entry[1].append((event, span, position))
+        entry = self._writers.get(ref.cdata)
+        if entry is None or entry.ref.expired():  # new memory (perhaps at a freed one's address)
+            entry = self._writers[ref.cdata] = _Written(ref, [])
+        entry.writes.append(_Write(event, position, memory_span(tensor)))
 
 
 class Source:
@@ -134,7 +153,7 @@ class Source:
         self.reported = False  # its finding is made once, at the first op that reads it
         # Measured later than it was read (when a finding needs it): if written in place since
         # (a buffer updated by the forward), what it held when read is unknown.
-        self.version = _version(tensor)
+        self.version = version(tensor)
 
     def kinds(self) -> Optional[int]:
         if self._kinds == -1:
@@ -148,7 +167,7 @@ class Source:
 
     def _measure(self) -> Optional[int]:
         tensor = self.ref() if self.ref is not None else None
-        if tensor is None or _version(tensor) != self.version:
+        if tensor is None or version(tensor) != self.version:
             return None
         try:
             values = plain_values(tensor).detach()
@@ -161,15 +180,6 @@ class Source:
             return None
         self.counts = " ".join(f"{name}={count}" for name, count in zip(("nan", "+inf", "-inf"), counts) if count)
         return _bits(*counts)
-
-
-def _version(tensor) -> Optional[int]:
-    try:
-        return None if tensor is None or torch.is_inference(tensor) else tensor._version
-    except Exception:  # a wrapped or nested tensor
-        return None
-
-
 
 
 def carried_kinds(args, kwargs) -> int:
@@ -191,48 +201,6 @@ def _magnitude(value: complex) -> float:
     if math.isinf(value.real) or math.isinf(value.imag):
         return math.inf
     return math.nan if math.isnan(value.real) or math.isnan(value.imag) else 0.0
-
-
-def _storage_key(tensor: torch.Tensor):
-    try:
-        return unwrapped(tensor).untyped_storage()._cdata
-    except Exception:  # no storage of its own (a nested tensor)
-        return None
-
-
-def _storage_of(tensor: torch.Tensor):
-    """(storage key, weak reference, element span) of a tensor's memory; None if it has none.
-
-    The key is only trusted while the weak reference lives: freed memory can come back under the
-    same address, holding another tensor. The span tells whether a write covered all of another
-    view of the same storage (None when it cannot be told)."""
-    try:
-        tensor = unwrapped(tensor)
-        ref = StorageWeakRef(tensor.untyped_storage())
-    except Exception:
-        return None
-    return ref.cdata, ref, memory_span(tensor)
-
-
-def memory_span(tensor) -> Optional[Tuple[int, int]]:
-    """[first, last] element offsets a tensor (or a fake one in a graph) covers in its storage;
-    None when a size is symbolic (converting it to an int would specialise the graph) or the tensor
-    has no plain strides. An empty tensor covers nothing: (offset, offset - 1)."""
-    try:
-        numbers = (tensor.storage_offset(), *tensor.shape, *tensor.stride())
-    except RuntimeError:
-        return None
-    if not all(type(n) is int for n in numbers):
-        return None
-    offset = tensor.storage_offset()
-    if any(size == 0 for size in tensor.shape):
-        return offset, offset - 1
-    return offset, offset + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def covers(span, other) -> bool:
-    """Whether a write over `span` replaced everything in `other` (unknown spans never do)."""
-    return span is not None and other is not None and span[0] <= other[0] and other[1] <= span[1]
 
 
 def _label(tensor: torch.Tensor) -> str:
@@ -279,7 +247,7 @@ class LazyReads:
         what it holds now says nothing of what the op read, so its measurement is void (what the
         op read stays unknown, never blamed on the values the op itself wrote)."""
         provenance = self._tracker.provenance
-        written = [t for t in ((out,) if isinstance(out, torch.Tensor) else out) if isinstance(t, torch.Tensor)]
+        written = tensors_of(out)
         known = provenance.sources_of(written)
         self.resolve()
         provenance.met_after_writing(written, known)
@@ -291,12 +259,9 @@ class LazyReads:
 _WRITTEN = -1  # a Source's version when it was first met after the op that read it wrote into it
 
 
-def tensor_arguments(args, kwargs):
-    for value in (*args, *(kwargs or {}).values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (item for item in value if isinstance(item, torch.Tensor))
+def tensor_arguments(args, kwargs) -> List[torch.Tensor]:
+    """The tensors a call was given (`memory.tensors_of` of its arguments), in order."""
+    return tensors_of((args, tuple(kwargs.values()))) if kwargs else tensors_of(args)
 
 
 def passed_in(tensor: torch.Tensor, args, kwargs) -> bool:

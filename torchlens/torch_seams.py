@@ -448,23 +448,23 @@ SEAMS = (
          "a compiled submodule under an eager capture compiles again at every capture, up to dynamo's recompile "
          "limit", _probe_shared_hook_keys),
     Seam("version counters", "Tensor._version, the counter every in-place write bumps (an inference tensor has "
-         "none)", "meter, provenance, compiled_regions, backward.runs, backward.verdicts, watching.steps, "
+         "none)", "memory, backward.runs, backward.verdicts, watching.steps, "
          "watching.updates, watching.watch",
          "what was written since it was measured or kept cannot be told: statistics and kept values may be stale",
          _probe_version_counters),
     Seam("DTensor shards", "DTensor._local_tensor, the shard this rank holds", "events, meter, provenance, stats",
          "a DTensor's lines show no local shape, its shard is not measured nor followed by tracking",
          _probe_dtensor_shards),
-    Seam("view bases", "Tensor._base, the tensor a view views", "meter, watching.roots",
+    Seam("view bases", "Tensor._base, the tensor a view views", "memory, meter, watching.roots",
          "a view's statistics are not shared with its base's (measured again), a loss viewing a larger tensor is "
          "kept whole", _probe_view_bases),
-    Seam("storage identity", "an untyped storage's _cdata (StorageWeakRef.cdata)", "provenance, unwritten",
+    Seam("storage identity", "an untyped storage's _cdata (StorageWeakRef.cdata)", "memory",
          "writes through another view of the same memory are not followed", _probe_storage_identity),
     Seam("pytree", "torch.utils._pytree: tree_map, tree_leaves, tree_flatten", "debug.reference, repro.kept, "
          "results, watching.checks, watching.steps",
          "nested outputs and arguments (dicts, ModelOutputs) are not opened", _probe_pytree),
     Seam("wrapper subclasses", "torch.utils._python_dispatch: is_traceable_wrapper_subclass, TorchDispatchMode",
-         "collectives, integer_values, unwritten, fx_backend.replay",
+         "memory, integer_values, fx_backend.replay",
          "a wrapper subclass (an asynchronous collective's tensor) is read as plain values; a compiled graph's "
          "failure is not located", _probe_wrapper_subclasses),
     Seam("operator objects", "torch._ops.OpOverload and OpOverloadPacket, their _schema, _opname and "

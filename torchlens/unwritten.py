@@ -25,30 +25,21 @@ a reading of stale bytes.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .provenance import covers, memory_span, passed_in, tensor_arguments
+from .memory import covers, held_tensors, memory_span, storage_key, storage_ref, tensors_of
+from .provenance import passed_in, tensor_arguments
 from .stats import unwrapped
 
 __all__ = ["IN_FLIGHT", "NOT_SEEN_WRITTEN", "UNINITIALIZED_NOTE", "SeenMemory", "UnwrittenMemory",
-           "returns_an_argument", "storage_key", "tensors_of"]
+           "returns_an_argument"]
 
 UNINITIALIZED_NOTE = "uninitialized"
 NOT_SEEN_WRITTEN = "not seen written"
 IN_FLIGHT = "in flight"  # an asynchronous collective's output before anything read it (`collectives`)
-
-
-def tensors_of(value) -> List[torch.Tensor]:
-    """The tensors of an op's output: one tensor, or those of a tuple or list."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for t in value if isinstance(t, torch.Tensor)]
-    return []
 
 
 def returns_an_argument(value, args, kwargs) -> bool:
@@ -57,15 +48,6 @@ def returns_an_argument(value, args, kwargs) -> bool:
     if value.__class__ is torch.Tensor:
         return passed_in(value, args, kwargs)
     return any(passed_in(tensor, args, kwargs) for tensor in tensors_of(value))
-
-
-def storage_key(tensor: torch.Tensor) -> Optional[int]:
-    """The identity of a tensor's storage while it lives; None for one without plain storage (a
-    nested tensor, a wrapper subclass such as a DTensor)."""
-    try:
-        return unwrapped(tensor).untyped_storage()._cdata
-    except Exception:
-        return None
 
 
 def _byte_span(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
@@ -77,14 +59,22 @@ def _byte_span(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
     return span[0] * size, (span[1] + 1) * size - 1
 
 
+class _Unwritten(NamedTuple):
+    """One storage that held no values when the pass met it."""
+
+    ref: StorageWeakRef  # (its key stands for it only while it lives)
+    note: str  # why it held none: `UNINITIALIZED_NOTE`, `NOT_SEEN_WRITTEN`, `IN_FLIGHT`
+    written: List[Tuple[int, int]]  # the byte spans exactly written since
+    address: Optional[int]  # where its bytes were: bytes it got back since (`resize_`) hold none again
+
+
 class UnwrittenMemory:
     """Storages a pass met holding no values yet, each with why and the exact byte spans written
     since. An entry stands for the bytes it was made with: memory a storage got back since
     (`resize_`, at a new address) holds no values again."""
 
     def __init__(self):
-        # storage key -> (weak reference, note, spans written, address of its bytes)
-        self._storages: Dict[int, Tuple[StorageWeakRef, str, list, Optional[int]]] = {}
+        self._storages: Dict[int, _Unwritten] = {}  # by storage key (`memory.storage_key`)
 
     def __bool__(self) -> bool:
         return bool(self._storages)
@@ -109,15 +99,13 @@ class UnwrittenMemory:
         self.wrote(tensors)
 
     def _remember(self, tensor: torch.Tensor, note: str, keep: bool) -> None:
-        try:
-            storage = unwrapped(tensor).untyped_storage()
-            ref = StorageWeakRef(storage)
-        except Exception:  # no plain storage: nothing to remember
+        ref = storage_ref(tensor)
+        if ref is None:  # no plain storage: nothing to remember
             return
-        address = _address(storage)
+        address = _address(tensor)
         known = self._storages.get(ref.cdata)
-        if not (keep and known is not None and not known[0].expired() and known[3] == address):
-            self._storages[ref.cdata] = (ref, note, [], address)
+        if not (keep and known is not None and not known.ref.expired() and known.address == address):
+            self._storages[ref.cdata] = _Unwritten(ref, note, [], address)
 
     def _entry(self, tensor: torch.Tensor):
         """The live entry of a tensor's memory, or None (never remembered, freed, or new bytes)."""
@@ -127,15 +115,12 @@ class UnwrittenMemory:
         entry = self._storages.get(key)
         if entry is None:
             return None
-        if entry[0].expired():  # freed, its address perhaps reused: not the memory remembered
+        if entry.ref.expired():  # freed, its address perhaps reused: not the memory remembered
             del self._storages[key]
             return None
-        try:
-            address = _address(unwrapped(tensor).untyped_storage())
-        except Exception:
-            return None
-        if address != entry[3]:  # new bytes (`resize_`): nothing written into them yet
-            entry = self._storages[key] = (entry[0], entry[1], [], address)
+        address = _address(tensor)
+        if address != entry.address:  # new bytes (`resize_`): nothing written into them yet
+            entry = self._storages[key] = _Unwritten(entry.ref, entry.note, [], address)
         return entry
 
     def wrote(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -143,7 +128,7 @@ class UnwrittenMemory:
         for tensor in tensors:
             entry = self._entry(tensor)
             if entry is not None and _is_exact(tensor):
-                entry[2].append(_byte_span(tensor))
+                entry.written.append(_byte_span(tensor))
 
     def unwritten(self, value) -> Optional[str]:
         """Why a tensor of `value` holds no values yet (`UNINITIALIZED_NOTE`, `NOT_SEEN_WRITTEN`),
@@ -153,8 +138,8 @@ class UnwrittenMemory:
             if entry is None:
                 continue
             span = _byte_span(tensor)
-            if not any(covers(written, span) for written in entry[2]):
-                return entry[1]
+            if not any(covers(written, span) for written in entry.written):
+                return entry.note
         return None
 
 
@@ -182,7 +167,7 @@ class SeenMemory:
         """For an op that may return memory of its first tensor argument (a view, an in-place op):
         the tensors of its output that do, when that argument is not one the pass saw. The others
         are seen from now on."""
-        source = next(tensor_arguments(args, kwargs or {}), None)
+        source = next(iter(tensor_arguments(args, kwargs)), None)
         outputs = tensors_of(value)
         if source is None or id(source) in self._ids:
             for tensor in outputs:
@@ -201,17 +186,15 @@ class SeenMemory:
 
 
 def _with_inner(tensor: torch.Tensor) -> list:
-    """A tensor, and the tensors a wrapper subclass holds (a DTensor's local shard), recursively."""
-    if tensor.__class__ is torch.Tensor or not is_traceable_wrapper_subclass(tensor):
-        return [tensor]
-    names, _ = tensor.__tensor_flatten__()
-    return [tensor] + [inner for name in names for inner in _with_inner(getattr(tensor, name))]
+    """A tensor, and the tensors a wrapper subclass holds (a DTensor's local shard)."""
+    held = held_tensors(tensor)
+    return held if held[0] is tensor else [tensor, *held]
 
 
-def _address(storage) -> Optional[int]:
-    """Where a storage's bytes are; None for a graph's fake tensor, which has none."""
+def _address(tensor: torch.Tensor) -> Optional[int]:
+    """Where the bytes of a tensor's storage are; None for a graph's fake tensor, which has none."""
     try:
-        return storage.data_ptr()
+        return unwrapped(tensor).untyped_storage().data_ptr()
     except Exception:
         return None
 

@@ -18,15 +18,14 @@ from typing import Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..collectives import graph_label, is_wait
 from ..events import Scope, TensorMeta
+from ..memory import memory_span, node_writes, storage_key, tensors_of
 from ..naming import USER_SPELLING, node_name
-from ..provenance import carried_kinds, memory_span, origin_chain
+from ..provenance import carried_kinds, origin_chain
 from ..scopes import ScopeTable
 from ..sites import site_from_stack_trace
-from ..writes import node_writes, target_name, writes_without_returning
 from .module_stack import relative_stack
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 
@@ -111,14 +110,6 @@ class GraphPlan:
 
 
 
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)):
-        return tuple(v for v in value if isinstance(v, torch.Tensor))
-    return ()
-
-
 def node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
     """The op name a node is narrated under (the eager substrate's vocabulary)."""
     spelled = node.meta.get(USER_SPELLING)
@@ -150,11 +141,9 @@ def _shape_exprs(tensor) -> Tuple:
 
 def _written_node(node: fx.Node) -> Optional[fx.Node]:
     """The tensor node an op that returns nothing wrote into (`y[i] = v`), else None."""
-    if node.meta.get("example_value") is not None or not node.args or not isinstance(node.args[0], fx.Node):
+    if node.meta.get("example_value") is not None:
         return None
-    if writes_without_returning(target_name(node)):  # `operator.setitem` included
-        return node.args[0]
-    return None
+    return next((written for written in node_writes(node) if isinstance(written, fx.Node)), None)
 
 
 def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> GraphPlan:
@@ -167,7 +156,7 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
             continue
         written = _written_node(node)
         holder = written if written is not None else node
-        tensors = _tensors(holder.meta.get("example_value"))
+        tensors = tensors_of(holder.meta.get("example_value"))
         if not tensors or _is_unpacking(node):
             continue
         shapes = tuple(_shape_exprs(t) for t in tensors)
@@ -220,11 +209,12 @@ class _Sources:
         self.written_inputs: Set[int] = set()  # positions of the graph inputs the graph writes into
 
     def produced(self, node: fx.Node, index: int, written: Optional[fx.Node]) -> None:
+        """Op `index` produced `node`'s value and wrote the arguments `memory.node_writes` names (or
+        `written`, the tensor an op that returns nothing wrote)."""
         self._producer[node] = index
-        target = written
-        if target is None and node_writes(node) and node.args and isinstance(node.args[0], fx.Node):
-            target = node.args[0]
-        if target is not None:
+        targets: List[fx.Node] = [written] if written is not None else []
+        fx.node.map_arg(node_writes(node), lambda target: None if target is written else targets.append(target))
+        for target in targets:
             memory = _storage(target)
             if memory is not None:
                 self._writers.setdefault(memory[0], []).append((index, memory[1]))
@@ -274,10 +264,5 @@ class _Sources:
 def _storage(node: fx.Node):
     """(storage key, element span or None) of a node's fake value: views share the storage."""
     value = node.meta.get("example_value")
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        key = StorageWeakRef(value.untyped_storage()).cdata
-    except Exception:
-        return None
-    return key, memory_span(value)
+    key = storage_key(value) if isinstance(value, torch.Tensor) else None
+    return None if key is None else (key, memory_span(value))

@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..events import TensorMeta
 from ..integer_values import device_faulted
-from ..writes import node_writes, target_name
+from ..memory import node_writes, tensors_of
+from ..writes import may_return_an_alias, target_name
 
 __all__ = ["locate_failure", "locate_live", "mutates_inputs", "untouched_copy", "why_not_replay"]
 
@@ -61,7 +62,7 @@ class _Locator(fx.Interpreter):
         self.current = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         self.current_call = (args, kwargs)
-        self.current_inputs = tuple(a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor))
+        self.current_inputs = tuple(tensors_of((args, kwargs)))
         result = super().run_node(n)
         holder = self.keep.get(n.name)
         if holder is not None:  # as it is right after the op (a write's tensor, after the write)
@@ -79,14 +80,6 @@ def _copied(value):
     if isinstance(value, (tuple, list)):
         return type(value)(_copied(item) for item in value)
     return value
-
-
-def _flatten(value) -> List:
-    if isinstance(value, (list, tuple)):
-        return [item for part in value for item in _flatten(part)]
-    if isinstance(value, dict):
-        return [item for part in value.values() for item in _flatten(part)]
-    return [value]
 
 
 class FailedNode:
@@ -218,7 +211,7 @@ def locate_live(gm: fx.GraphModule, exc: BaseException) -> Optional[FailedNode]:
         return None
     node = following[0]
     values = fx.node.map_arg((node.args, node.kwargs), lambda arg: bound[arg.name])
-    tensors = tuple(v for v in _flatten(values) if isinstance(v, torch.Tensor))
+    tensors = tuple(tensors_of(values))
     return FailedNode(node, tuple(TensorMeta.of(t) for t in tensors), [], tensors=tensors)
 
 
@@ -251,26 +244,19 @@ def why_not_replay(gm: fx.GraphModule, exc: BaseException) -> Optional[str]:
 
 
 def mutates_inputs(gm: fx.GraphModule) -> bool:
-    """Whether an in-place op of the graph writes into one of its inputs (or a view of one)."""
+    """Whether an op of the graph writes into one of its inputs, or into memory of one: through a
+    chain of ops that may return their argument's memory (`view`, `getitem`, an in-place op)."""
     for node in gm.graph.nodes:
-        if node_writes(node) and node.args:
-            target = node.args[0]
-            while isinstance(target, fx.Node) and target.op != "placeholder" and target.args:
-                name = target_name(target)
-                if not (_is_view(name) or node_writes(target)):  # an in-place op returns its first argument
+        written: List[fx.Node] = []
+        fx.node.map_arg(node_writes(node), written.append)
+        for target in written:
+            while target.op != "placeholder" and target.args and isinstance(target.args[0], fx.Node):
+                if not (may_return_an_alias(target_name(target)) or node_writes(target)):
                     break
                 target = target.args[0]
-            if isinstance(target, fx.Node) and target.op == "placeholder":
+            if target.op == "placeholder":
                 return True
     return False
-
-
-_VIEWS = ("view", "reshape", "transpose", "permute", "expand", "squeeze", "unsqueeze", "getitem", "narrow",
-          "select", "as_strided", "t", "flatten", "unflatten", "detach", "contiguous")
-
-
-def _is_view(name: str) -> bool:
-    return name in _VIEWS
 
 
 def replay_caveats(gm: fx.GraphModule, drew: bool) -> List[str]:

@@ -21,24 +21,21 @@ measures every element there and says so with `=`; measured after the call, it s
 
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import meter
 from ..collectives import is_functional_collective, is_wait
-from ..elements import concrete, same_elements
 from ..events import Stats, StatsGroup
+from ..memory import node_writes, same_elements, storage_key, tensors_of
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
 from ..unwritten import UnwrittenMemory
-from ..writes import node_writes, target_name, written_tensor
 from .plan import GraphPlan
 from .values_pass import append_outputs
 
@@ -95,8 +92,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     chosen = set(range(len(plan.ops)) if only is None else only)
     nodes = {node.name: node for node in gm.graph.nodes}
     held = [nodes[op.value].meta.get("example_value") for op in plan.ops if op.index in chosen]
-    tensors = [t for value in held for t in (value if isinstance(value, (tuple, list)) else (value,))
-               if isinstance(t, torch.Tensor)]
+    tensors = tensors_of(held)
     sizes = [_bytes(t) for t in tensors]
     known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
     on_host = all(t.device.type in meter.READ_NOW for t in tensors)
@@ -151,26 +147,16 @@ def _follow_memory(unwritten: UnwrittenMemory, name: str, node: fx.Node, holder:
     if name.startswith(UNINITIALIZED):
         unwritten.allocated(holder.meta.get("example_value"))
     elif is_functional_collective(node.target):
-        unwritten.in_flight(_tensors(holder.meta.get("example_value")))
+        unwritten.in_flight(tensors_of(holder.meta.get("example_value")))
     elif unwritten and is_wait(node.target) and node.args:
-        unwritten.landed(_tensors(_fake(node.args[0])))
-    elif unwritten and node_writes(node):
-        value = holder.meta.get("example_value")
-        if not isinstance(value, (torch.Tensor, tuple, list)):  # `setitem` and the like return nothing
-            value = written_tensor(target_name(node), tuple(_fake(a) for a in node.args),
-                                   {key: _fake(v) for key, v in node.kwargs.items()})
-        unwritten.wrote(tensor for tensor in _tensors(value))
+        unwritten.landed(tensors_of(_fake(node.args[0])))
+    elif unwritten and (written := node_writes(node)):
+        unwritten.wrote(tensors_of(fx.node.map_arg(written, _fake)))
 
 
 def _fake(argument):
     """A node argument as the fake value dynamo recorded for it (other arguments as they are)."""
     return argument.meta.get("example_value") if isinstance(argument, fx.Node) else argument
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    return tuple(t for t in value if isinstance(t, torch.Tensor)) if isinstance(value, (tuple, list)) else ()
 
 
 def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
@@ -181,7 +167,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
     slots: Slots = [None] * len(plan.ops)
     returned: List[fx.Node] = []
     measured: Dict[fx.Node, int] = {}  # node -> index of its op, for views of it measured just after
-    inputs = {_storage(node.meta["example_value"]) for node in graph.nodes
+    inputs = {storage_key(node.meta["example_value"]) for node in graph.nodes
               if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
@@ -210,13 +196,12 @@ def _written_later(node: fx.Node, value, inputs: set) -> bool:
     no recorded value) counts, and so does any write into a graph input when `node`'s output is
     one of them or a view of one: inputs may alias each other in a later call without a recompile.
     `inputs` holds the storages of the graph's inputs."""
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    mine = {_storage(t) for t in values if isinstance(t, torch.Tensor)}
+    mine = {storage_key(t) for t in tensors_of(value)}
     later = node.next
     while later.op != "output":
         if _may_mutate(later):
             targets = _targets(later)
-            if later.op == "call_module" or None in mine or None in targets or targets & mine:
+            if None in mine or None in targets or targets & mine:
                 return True
             if mine & inputs and targets & inputs:
                 return True
@@ -225,24 +210,17 @@ def _written_later(node: fx.Node, value, inputs: set) -> bool:
 
 
 def _targets(node: fx.Node) -> set:
-    """The storages a writing node may write: its result's and every tensor argument's (a schema
-    may write any of them: batch norm's running statistics, a custom op's `mutates_args`), with
-    None among them when one is not known."""
+    """The storages a writing node may write (`memory.node_writes`), with None among them when one
+    is not known: an opaque module call may write anything, an argument may have no recorded value."""
+    if node.op == "call_module":
+        return {None}
     storages: Set[Optional[int]] = set()
-    candidates = [node]
-    fx.node.map_arg((node.args, node.kwargs), candidates.append)
-    for candidate in candidates:
-        fake = candidate.meta.get("example_value")
-        tensors = fake if isinstance(fake, (tuple, list)) else (fake,)
-        storages.update(_storage(t) for t in tensors if isinstance(t, torch.Tensor))
+    written: List[fx.Node] = []
+    fx.node.map_arg(node_writes(node), written.append)
+    for argument in written:
+        tensors = tensors_of(argument.meta.get("example_value"))
+        storages.update(map(storage_key, tensors) if tensors else (None,))
     return storages or {None}
-
-
-def _storage(fake: torch.Tensor):
-    try:
-        return StorageWeakRef(fake.untyped_storage()).cdata
-    except Exception:  # no storage of its own (a nested tensor): unknown
-        return None
 
 
 def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Slots:
@@ -286,20 +264,20 @@ def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
     """The op index whose statistics `node`'s output shares, or None.
 
     A node whose output addresses the same elements as its first argument, measured just before
-    (`elements.same_elements`, read from the fake tensors dynamo recorded: views, transposes, the
+    (`memory.same_elements`, read from the fake tensors dynamo recorded: views, transposes, the
     heads of a split projection, `contiguous` of what already is), holds the same values, so the
     same statistics: they are read once, not reduced again (about half of a transformer's ops), as
-    the eager meter shares them. Eval-mode dropout returns its input unchanged in eager; its fake
-    output is a new tensor, so it is told by its arguments. Only when nothing in between may have
-    changed the tensor in place, the node included (the eager meter's version counter).
+    the eager meter shares them. Only when nothing in between may have changed the tensor in
+    place, the node included (`memory.node_writes`: what the eager meter's version counter tells).
     """
     if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0] not in measured:
         return None
     source = node.args[0]
-    value, before = node.meta.get("example_value"), source.meta.get("example_value")
+    before = source.meta.get("example_value")
+    value = before if _returns_its_input(node) else node.meta.get("example_value")
     if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
         return None
-    if not (same_elements(value, before) or (_is_eval_dropout(node) and _same_layout(value, before))):
+    if not same_elements(value, before):
         return None
     between = source.next
     while between is not node.next:  # the node itself included: `relu_` addresses what it wrote
@@ -309,13 +287,10 @@ def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
     return measured[source]
 
 
-def _same_layout(value: torch.Tensor, before: torch.Tensor) -> bool:
-    """Same dtype, sizes and strides (never compared while symbolic: that would specialise the graph)."""
-    return (concrete(value) and concrete(before) and value.dtype == before.dtype
-            and tuple(value.shape) == tuple(before.shape) and tuple(value.stride()) == tuple(before.stride()))
-
-
-def _is_eval_dropout(node: fx.Node) -> bool:
+def _returns_its_input(node: fx.Node) -> bool:
+    """Whether the node returns its input itself when run eagerly: eval-mode dropout (torch's
+    `dropout` hands back its argument when not training), whose fake output dynamo recorded as a
+    new tensor."""
     if node.op != "call_function" or node.target is not torch.nn.functional.dropout:
         return False
     training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
@@ -323,38 +298,9 @@ def _is_eval_dropout(node: fx.Node) -> bool:
 
 
 def _may_mutate(node: fx.Node) -> bool:
-    """Whether a node may write into an existing tensor: an op that writes an argument
-    (`writes.node_writes`: by its name or schema, `inplace=True`, `out=`), an `inplace` flag passed
-    positionally, normalisation statistics updated in training, or an opaque module call."""
-    if node.op in ("placeholder", "get_attr", "output"):
-        return False
-    if node.op == "call_module" or node_writes(node):
-        return True
-    bound = _bound(node)
-    if bound is None:
-        return False
-    if bound.get("inplace") is True:
-        return True
-    updating = bound.get("training") is True or bound.get("use_input_stats") is True
-    return updating and any(bound.get(name) is not None for name in ("running_mean", "running_var"))
-
-
-_SIGNATURES: Dict[object, inspect.Signature] = {}
-
-
-def _bound(node: fx.Node):
-    """The node's arguments by parameter name (a flag passed positionally included), or None when
-    its target's signature cannot be read."""
-    target = node.target
-    if node.op != "call_function" or not callable(target):
-        return None
-    try:
-        signature = _SIGNATURES.get(target)
-        if signature is None:
-            signature = _SIGNATURES[target] = inspect.signature(target)
-        return signature.bind_partial(*node.args, **node.kwargs).arguments
-    except (TypeError, ValueError):
-        return None
+    """Whether a node may write into an existing tensor: one that writes an argument
+    (`memory.node_writes`), or an opaque module call."""
+    return node.op == "call_module" or bool(node_writes(node))
 
 
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
