@@ -214,3 +214,45 @@ def test_the_completeness_scan_sees_each_kind_of_private_access():
     roots = _torch_roots(tree)
     assert roots["_functorch"] == "torch._C._functorch" and roots["_M"] == "torch.nn.modules.module"
     assert "_version" in _torch_private_attributes()
+
+
+def node_meta_reads(tree: ast.AST) -> set:
+    """The string keys of a node's `meta` that code reads by a literal (`node.meta.get("val")`,
+    `node.meta["val"]`, `"val" in node.meta`)."""
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            owner, key = node.func.value, node.args[0] if node.args else None
+        elif isinstance(node, ast.Subscript):
+            owner, key = node.value, node.slice
+        elif isinstance(node, ast.Compare) and len(node.comparators) == 1 and isinstance(node.ops[0], ast.In):
+            owner, key = node.comparators[0], node.left
+        else:
+            continue
+        if isinstance(owner, ast.Attribute) and owner.attr == "meta" and isinstance(key, ast.Constant):
+            keys.add(key.value)
+    return keys
+
+
+def test_dynamo_node_meta_is_read_only_where_its_seam_row_says():
+    """The keys dynamo writes into a graph node's meta are dynamo's, not torch.fx's contract: a
+    module reading one by name, outside `node_meta`, would escape the row's probe."""
+    outside = {}
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(_PACKAGE).with_suffix("").parts)
+        keys = node_meta_reads(ast.parse(path.read_text(encoding="utf-8")))
+        if keys and module != "node_meta":
+            outside[module] = sorted(keys)
+    assert outside == {}, f"dynamo's node meta read outside torchlens/node_meta.py: {outside}"
+    code = 'def f(n):\n    return n.meta.get("val"), n.meta["stack_trace"], "nn_module_stack" in n.meta, d.get("x")\n'
+    assert node_meta_reads(ast.parse(code)) == {"val", "stack_trace", "nn_module_stack"}
+
+
+def test_the_node_meta_probe_notices_a_key_dynamo_stopped_writing(monkeypatch):
+    from torchlens import node_meta
+
+    monkeypatch.setattr(node_meta, "module_stack", lambda node: None)
+    assert torch_seams.check()["node meta"] == "a captured graph's nodes carry no nn_module_stack naming their module"
+    monkeypatch.undo()
+    monkeypatch.setattr(node_meta, "stack_trace", lambda node: None)
+    assert torch_seams.check()["node meta"] == "a captured graph's nodes carry no stack_trace of the user's lines"

@@ -24,6 +24,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .node_meta import example_value
+
 __all__ = ["USER_SPELLING", "node_name", "op_name"]
 
 _BINARY = {
@@ -105,10 +107,9 @@ def _key(target):
 def _is_tensor_arg(arg) -> bool:
     if isinstance(arg, torch.Tensor):
         return True
-    meta = getattr(arg, "meta", None)  # an fx.Node: what it computed, recorded by dynamo
-    if meta is None:
+    if getattr(arg, "meta", None) is None:  # not an fx.Node
         return False
-    value = meta.get("example_value", meta.get("val"))
+    value = example_value(arg, or_val=True)  # what the node computed, recorded by its tracer
     return isinstance(value, torch.Tensor) or value is None
 
 

@@ -18,6 +18,7 @@ this module imports nothing of dynamo until `check()` runs, so `import torchlens
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 from typing import Callable, Dict, NamedTuple, Optional
@@ -110,6 +111,41 @@ def _probe_spellings():
         return "TensorVariable has no attribute hook"
     return None
 
+
+@functools.lru_cache(maxsize=None)  # (dynamo caches the frame: compiled again, it would not call the backend)
+def _probe_graph_nodes() -> tuple:
+    """The call nodes of a graph dynamo captured from a module calling a submodule."""
+    from torch import nn
+
+    graphs = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.inner(x).relu()
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(Probe(), backend=backend, fullgraph=True)(torch.ones(1, 2))
+    return tuple(node for gm in graphs for node in gm.graph.nodes if node.op == "call_function")
+
+
+def _probe_node_meta():
+    from . import node_meta
+
+    nodes = _probe_graph_nodes()
+    if not nodes or not all(isinstance(node_meta.example_value(node), torch.Tensor) for node in nodes):
+        return "a captured graph's nodes carry no example_value"
+    if not any("inner" in str(node_meta.module_stack(node) or {}) for node in nodes):
+        return "a captured graph's nodes carry no nn_module_stack naming their module"
+    if not any(__file__.rsplit(".", 1)[0] in (node_meta.stack_trace(node) or "") for node in nodes):
+        return "a captured graph's nodes carry no stack_trace of the user's lines"
+    return None
 
 def _probe_fast_path_handlers():
     from torch._dynamo.variables import torch as torch_variables
@@ -398,6 +434,9 @@ SEAMS = (
          "fx_backend.dynamo_seams.record_user_spellings",
          "compiled ops keep the name of the call dynamo wrote (tensor for x.new_tensor, _get_data_attr for .data)",
          _probe_spellings),
+    Seam("node meta", "dynamo's node.meta keys: example_value (val from other tracers), nn_module_stack, stack_trace",
+         "node_meta", "compiled ops lose their shapes, modules and user sites (lines, statistics and writes go wrong)",
+         _probe_node_meta),
     Seam("fast-path handlers", "dynamo's TorchInGraphFunctionVariable._get_handlers", "fastpaths._same_to_dynamo",
          "a model compiled while a capture runs breaks its graph at every fast-path check", _probe_fast_path_handlers),
     Seam("frame strategy", "torch._C._dynamo.eval_frame.set_code_exec_strategy, with "

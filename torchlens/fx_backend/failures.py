@@ -23,6 +23,7 @@ import torch
 from ..eager.runner import run_eager
 from ..events import INPUT, Scope, TensorMeta
 from ..naming import USER_SPELLING, node_name
+from ..node_meta import example_value, module_stack, stack_trace
 from ..options import make_settings
 from ..repro.kept import KeptCall
 from ..session import error_summary, in_chain, internal_error
@@ -152,8 +153,8 @@ def _at_node(run, graph, scope: Scope, node, inputs, notes):
     plan_op = plan.by_node.get(node.name)
     if plan_op is not None:
         return FailedOp(completed, plan_op.op, plan.op_scopes(table, scope)[plan_op.index], plan_op.site, inputs, notes)
-    modules = relative_stack(table, node.meta.get("nn_module_stack"), plan.compiled_in.path)
-    site = site_from_stack_trace(node.meta.get("stack_trace"))
+    modules = relative_stack(table, module_stack(node), plan.compiled_in.path)
+    site = site_from_stack_trace(stack_trace(node))
     return FailedOp(completed, node_op_name(node, graph.replay_copy), table.resolve(scope, modules), site, inputs,
                     notes)
 
@@ -186,12 +187,12 @@ def _at_traced_node(run, exc: BaseException, node) -> bool:
     try:
         table = run.runtime.scopes
         frame_scope = table.scope_of_traceback(exc.__traceback__)
-        modules = relative_stack(table, node.meta.get("nn_module_stack"), frame_scope.path)
+        modules = relative_stack(table, module_stack(node), frame_scope.path)
         scope = table.resolve(frame_scope, modules)
-        inputs = tuple(TensorMeta.of(value) for value in (arg.meta.get("example_value") for arg in node.all_input_nodes)
+        inputs = tuple(TensorMeta.of(value) for value in (example_value(arg) for arg in node.all_input_nodes)
                        if isinstance(value, torch.Tensor))
         name = node.meta.get(USER_SPELLING) or node_name(node.target, node.args, node.op)
-        site = site_from_stack_trace(node.meta.get("stack_trace"))
+        site = site_from_stack_trace(stack_trace(node))
     except Exception as inner:
         internal_error("reading the op dynamo failed to trace", inner)
         return False

@@ -23,6 +23,7 @@ from ..collectives import graph_label, is_wait
 from ..events import Scope, TensorMeta
 from ..memory import memory_span, node_writes, storage_key, tensors_of
 from ..naming import USER_SPELLING, node_name
+from ..node_meta import example_value, module_stack, stack_trace
 from ..provenance import carried_kinds, origin_chain
 from ..scopes import ScopeTable
 from ..sites import site_from_stack_trace
@@ -124,7 +125,7 @@ def _is_unpacking(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is not operator.getitem:
         return False
     source = node.args[0]
-    return isinstance(source, fx.Node) and isinstance(source.meta.get("example_value"), (tuple, list))
+    return isinstance(source, fx.Node) and isinstance(example_value(source), (tuple, list))
 
 
 def _shape_exprs(tensor) -> Tuple:
@@ -141,7 +142,7 @@ def _shape_exprs(tensor) -> Tuple:
 
 def _written_node(node: fx.Node) -> Optional[fx.Node]:
     """The tensor node an op that returns nothing wrote into (`y[i] = v`), else None."""
-    if node.meta.get("example_value") is not None:
+    if example_value(node) is not None:
         return None
     return next((written for written in node_writes(node) if isinstance(written, fx.Node)), None)
 
@@ -156,7 +157,7 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
             continue
         written = _written_node(node)
         holder = written if written is not None else node
-        tensors = tensors_of(holder.meta.get("example_value"))
+        tensors = tensors_of(example_value(holder))
         if not tensors or _is_unpacking(node):
             continue
         shapes = tuple(_shape_exprs(t) for t in tensors)
@@ -167,9 +168,9 @@ def build_plan(gm: fx.GraphModule, scopes: ScopeTable, frame_scope: Scope) -> Gr
                 index=len(ops),
                 node=node.name,
                 op=node_op_name(node, gm),
-                modules=relative_stack(scopes, node.meta.get("nn_module_stack"), frame_scope.path),
+                modules=relative_stack(scopes, module_stack(node), frame_scope.path),
                 metas=metas,
-                site=site_from_stack_trace(node.meta.get("stack_trace")),
+                site=site_from_stack_trace(stack_trace(node)),
                 exprs=shapes if dynamic else None,
                 value=holder.name,
                 reads=sources.reads(node),
@@ -243,7 +244,7 @@ class _Sources:
         for value in (*node.args, *node.kwargs.values()):
             items = value if isinstance(value, (list, tuple)) else (value,)
             for item in items:
-                if isinstance(item, fx.Node) and isinstance(item.meta.get("example_value"), torch.Tensor):
+                if isinstance(item, fx.Node) and isinstance(example_value(item), torch.Tensor):
                     refs.extend(self.origin(item))
                 elif isinstance(item, fx.Node) and _is_unpacking(item):
                     refs.extend(self.origin(item))
@@ -263,6 +264,6 @@ class _Sources:
 
 def _storage(node: fx.Node):
     """(storage key, element span or None) of a node's fake value: views share the storage."""
-    value = node.meta.get("example_value")
+    value = example_value(node)
     key = storage_key(value) if isinstance(value, torch.Tensor) else None
     return None if key is None else (key, memory_span(value))

@@ -17,6 +17,8 @@ import torch
 from torch import fx
 from torch.utils._sympy.printers import PythonPrinter
 
+from ..node_meta import example_value
+
 __all__ = ["ShapeResolver", "maybe_resolver", "symbolic_shape"]
 
 _printer = PythonPrinter()
@@ -32,11 +34,11 @@ def symbol_sources(gm: fx.GraphModule) -> Dict[sympy.Symbol, str]:
     sources: Dict[sympy.Symbol, str] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for position, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+        value = example_value(node)
         if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
             sources.setdefault(value.node.expr, f"args[{position}]")
     for position, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+        value = example_value(node)
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
                 if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):

@@ -32,6 +32,7 @@ from .. import meter
 from ..collectives import is_functional_collective, is_wait
 from ..events import Stats, StatsGroup
 from ..memory import node_writes, same_elements, storage_key, tensors_of
+from ..node_meta import example_value
 from ..recipes import Recipe, not_applicable, recipe
 from ..stats import as_float, value_kind, vector_dtype
 from ..tracking import UNINITIALIZED
@@ -91,7 +92,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     call, when they are on the CPU and within the budget; else fused statistics vectors."""
     chosen = set(range(len(plan.ops)) if only is None else only)
     nodes = {node.name: node for node in gm.graph.nodes}
-    held = [nodes[op.value].meta.get("example_value") for op in plan.ops if op.index in chosen]
+    held = [example_value(nodes[op.value]) for op in plan.ops if op.index in chosen]
     tensors = tensors_of(held)
     sizes = [_bytes(t) for t in tensors]
     known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
@@ -129,7 +130,7 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
         if op.index not in chosen:
             continue
         source = _same_elements_as(node, measured)
-        note = unwritten.unwritten(holder.meta.get("example_value")) if unwritten else None
+        note = unwritten.unwritten(example_value(holder)) if unwritten else None
         if note is not None:
             slots[op.index] = Slot((not_applicable(note, rung),) * len(op.metas))
         elif source is not None:
@@ -138,16 +139,16 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
         elif op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
             slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
         else:
-            yield op, node, holder, holder.meta["example_value"]
+            yield op, node, holder, example_value(holder)
 
 
 def _follow_memory(unwritten: UnwrittenMemory, name: str, node: fx.Node, holder: fx.Node) -> None:
     """What an uninitialized op of the graph allocated, what a functional collective will write
     (nothing is there until its `wait_tensor`), and what later nodes wrote into either."""
     if name.startswith(UNINITIALIZED):
-        unwritten.allocated(holder.meta.get("example_value"))
+        unwritten.allocated(example_value(holder))
     elif is_functional_collective(node.target):
-        unwritten.in_flight(tensors_of(holder.meta.get("example_value")))
+        unwritten.in_flight(tensors_of(example_value(holder)))
     elif unwritten and is_wait(node.target) and node.args:
         unwritten.landed(tensors_of(_fake(node.args[0])))
     elif unwritten and (written := node_writes(node)):
@@ -156,7 +157,7 @@ def _follow_memory(unwritten: UnwrittenMemory, name: str, node: fx.Node, holder:
 
 def _fake(argument):
     """A node argument as the fake value dynamo recorded for it (other arguments as they are)."""
-    return argument.meta.get("example_value") if isinstance(argument, fx.Node) else argument
+    return example_value(argument) if isinstance(argument, fx.Node) else argument
 
 
 def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
@@ -167,8 +168,8 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
     slots: Slots = [None] * len(plan.ops)
     returned: List[fx.Node] = []
     measured: Dict[fx.Node, int] = {}  # node -> index of its op, for views of it measured just after
-    inputs = {storage_key(node.meta["example_value"]) for node in graph.nodes
-              if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)}
+    inputs = {storage_key(example_value(node)) for node in graph.nodes
+              if node.op == "placeholder" and isinstance(example_value(node), torch.Tensor)}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
             slots[op.index] = Slot((recipe(value_kind(value.dtype), rung, tracking),))  # nothing to read
@@ -218,7 +219,7 @@ def _targets(node: fx.Node) -> set:
     written: List[fx.Node] = []
     fx.node.map_arg(node_writes(node), written.append)
     for argument in written:
-        tensors = tensors_of(argument.meta.get("example_value"))
+        tensors = tensors_of(example_value(argument))
         storages.update(map(storage_key, tensors) if tensors else (None,))
     return storages or {None}
 
@@ -273,8 +274,8 @@ def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
     if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0] not in measured:
         return None
     source = node.args[0]
-    before = source.meta.get("example_value")
-    value = before if _returns_its_input(node) else node.meta.get("example_value")
+    before = example_value(source)
+    value = before if _returns_its_input(node) else example_value(node)
     if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
         return None
     if not same_elements(value, before):

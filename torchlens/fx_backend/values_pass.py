@@ -15,6 +15,7 @@ from typing import List
 import torch
 from torch import fx
 
+from ..node_meta import example_value
 from .plan import GraphPlan
 
 __all__ = ["add_value_outputs", "append_outputs", "split_values"]
@@ -27,7 +28,7 @@ def add_value_outputs(gm: fx.GraphModule, plan: GraphPlan) -> List[int]:
     kept, counts = [], []
     for op in plan.ops:
         node, holder = nodes[op.node], nodes[op.value]  # the op, and the node holding its output
-        value = holder.meta["example_value"]
+        value = example_value(holder)
         # A copy taken right after the op: a later in-place op of the graph (`x += y`) must not
         # change what is kept, as the eager trace's copies are taken at op time too.
         with graph.inserting_before(node.next):
