@@ -449,7 +449,7 @@ SEAMS = (
          "limit", _probe_shared_hook_keys),
     Seam("version counters", "Tensor._version, the counter every in-place write bumps (an inference tensor has "
          "none)", "meter, provenance, compiled_regions, backward.runs, backward.verdicts, watching.steps, "
-         "watching.updates, watching.watch",
+         "watching.updates",
          "what was written since it was measured or kept cannot be told: statistics and kept values may be stale",
          _probe_version_counters),
     Seam("DTensor shards", "DTensor._local_tensor, the shard this rank holds", "events, meter, provenance, stats",
