@@ -23,6 +23,7 @@ import torch
 from ..errors import OptionTypeError, OptionValueError
 from ..events import Event
 from ..grammar import dtype_name, shape_text
+from .rounding import COMPLEX_PARTS, wide
 from .rows import BOTH, DIVERGED, NOT_COMPARABLE, ONLY_A, ONLY_B, UNCHECKED, WITHIN, CompareRow
 
 __all__ = ["DEFAULT_TOLERANCES", "Tolerance", "check_tolerance", "compare_pairs", "tolerance_for"]
@@ -40,14 +41,12 @@ DEFAULT_TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
 # Floating dtypes missing from the table (the float8 family) get this many machine epsilons.
 _EPSILONS_FOR_UNLISTED = 2
 
-_COMPLEX_PARTS = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
-
 EXACT = "exact"
 
 
 def tolerance_for(dtype: torch.dtype) -> Tuple[float, float]:
     """The default (rtol, atol) for values of `dtype`; (0, 0) for integers and bool (exact)."""
-    dtype = _COMPLEX_PARTS.get(dtype, dtype)
+    dtype = COMPLEX_PARTS.get(dtype, dtype)
     if dtype in DEFAULT_TOLERANCES:
         return DEFAULT_TOLERANCES[dtype]
     if dtype.is_floating_point:
@@ -194,8 +193,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> _
     tensors are within tolerance only when equal (float64 could round large integers together).
     """
     a, b = _dense(a), _dense(b)
-    wide = torch.complex128 if a.dtype.is_complex else torch.float64
-    a64, b64 = a.detach().to("cpu", wide), b.detach().to("cpu", wide)
+    a64, b64 = wide(a), wide(b)
     same = (a64 == b64) | (a64.isnan() & b64.isnan())
     finite = a64.isfinite() & b64.isfinite()
     magnitude = b64.abs()

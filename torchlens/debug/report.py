@@ -8,6 +8,7 @@ the same rows.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .rounding import CARRIED, REAL, ROUNDING, UNJUDGED
@@ -49,21 +50,13 @@ class CompareReport:
 
     @property
     def counts(self) -> Dict[str, int]:
-        verdicts = [row.verdict for row in self.rows]
-        statuses = [row.status for row in self.rows]
-        return {
-            "matched": statuses.count(BOTH),
-            "within_tolerance": verdicts.count(WITHIN),
-            "diverged": verdicts.count(DIVERGED),
-            "not_comparable": verdicts.count(NOT_COMPARABLE),
-            "unchecked": verdicts.count(UNCHECKED),
-            "only_a": statuses.count(ONLY_A),
-            "only_b": statuses.count(ONLY_B),
-            **({"rounding": sum(row.judgement == ROUNDING for row in self.rows),
-                "real": sum(row.judgement == REAL for row in self.rows),
-                "carried": sum(row.judgement == CARRIED for row in self.rows),
-                "unjudged": sum(row.judgement == UNJUDGED for row in self.rows)} if self.judged else {}),
-        }
+        verdicts, statuses = Counter(row.verdict for row in self.rows), Counter(row.status for row in self.rows)
+        judgements = Counter(row.judgement for row in self.rows) if self.judged else None
+        return {"matched": statuses[BOTH], "within_tolerance": verdicts[WITHIN], "diverged": verdicts[DIVERGED],
+                "not_comparable": verdicts[NOT_COMPARABLE], "unchecked": verdicts[UNCHECKED],
+                "only_a": statuses[ONLY_A], "only_b": statuses[ONLY_B],
+                **({"rounding": judgements[ROUNDING], "real": judgements[REAL], "carried": judgements[CARRIED],
+                    "unjudged": judgements[UNJUDGED]} if judgements is not None else {})}
 
     def to_rows(self) -> List[dict]:
         """Every row as a plain dict (the `CompareRow` fields plus `within_tolerance`)."""

@@ -6,6 +6,7 @@ against float64 (`judging`) its judgement; the report (`report`) reads and rende
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 __all__ = ["BOTH", "DIVERGED", "NOT_COMPARABLE", "ONLY_A", "ONLY_B", "UNCHECKED", "WITHIN", "CompareRow"]
@@ -14,6 +15,7 @@ BOTH, ONLY_A, ONLY_B = "both", "only_a", "only_b"
 WITHIN, DIVERGED, NOT_COMPARABLE, UNCHECKED = "within", "diverged", "not comparable", "unchecked"
 
 
+@dataclasses.dataclass(eq=False, slots=True)  # (eq=False: a row is equal to itself only)
 class CompareRow:
     """One aligned op: where it is in each trace and how its values compare.
 
@@ -36,37 +38,28 @@ class CompareRow:
       (the most ulps rounding allows there). None otherwise.
     """
 
-    __slots__ = ("status", "module", "op", "ordinal_a", "ordinal_b", "shapes_match", "dtypes_match",
-                 "max_abs", "max_rel", "rtol", "atol", "verdict", "reason", "depth", "judgement", "closer",
-                 "ulps_a", "ulps_b", "allowed", "own_a", "own_b", "off")
-
-    def __init__(self, status: str, module: str, op: str, ordinal_a: Optional[int], ordinal_b: Optional[int],
-                 shapes_match: Optional[bool] = None, dtypes_match: Optional[bool] = None,
-                 max_abs: Optional[float] = None, max_rel: Optional[float] = None,
-                 rtol: Optional[float] = None, atol: Optional[float] = None,
-                 verdict: Optional[str] = None, reason: str = ""):
-        self.status = status
-        self.module = module
-        self.op = op
-        self.ordinal_a = ordinal_a
-        self.ordinal_b = ordinal_b
-        self.shapes_match = shapes_match
-        self.dtypes_match = dtypes_match
-        self.max_abs = max_abs
-        self.max_rel = max_rel
-        self.rtol = rtol
-        self.atol = atol
-        self.verdict = verdict
-        self.reason = reason
-        self.depth = 0  # the module depth narration indents the op by (module calls from the root)
-        self.judgement: Optional[str] = None
-        self.closer: Optional[str] = None
-        self.ulps_a: Optional[float] = None
-        self.ulps_b: Optional[float] = None
-        self.allowed: Optional[float] = None
-        self.own_a: Optional[float] = None
-        self.own_b: Optional[float] = None
-        self.off: Optional[str] = None
+    status: str
+    module: str
+    op: str
+    ordinal_a: Optional[int]
+    ordinal_b: Optional[int]
+    shapes_match: Optional[bool] = None
+    dtypes_match: Optional[bool] = None
+    max_abs: Optional[float] = None
+    max_rel: Optional[float] = None
+    rtol: Optional[float] = None
+    atol: Optional[float] = None
+    verdict: Optional[str] = None
+    reason: str = ""
+    depth: int = 0  # the module depth narration indents the op by (module calls from the root)
+    judgement: Optional[str] = None
+    closer: Optional[str] = None
+    ulps_a: Optional[float] = None
+    ulps_b: Optional[float] = None
+    allowed: Optional[float] = None
+    own_a: Optional[float] = None
+    own_b: Optional[float] = None
+    off: Optional[str] = None
 
     @property
     def ordinal(self) -> int:
@@ -90,9 +83,7 @@ class CompareRow:
         return f"{self.op} @{self.module}" if self.module else self.op
 
     def to_dict(self) -> dict:
-        row = {name: getattr(self, name) for name in self.__slots__}
-        row["within_tolerance"] = self.within_tolerance
-        return row
+        return {**dataclasses.asdict(self), "within_tolerance": self.within_tolerance}
 
     def __repr__(self) -> str:
         return f"CompareRow({self.status} #{self.ordinal} {self.where}: {self.verdict})"

@@ -114,21 +114,12 @@ class Fault:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         head = f"{rank}step {self.step}: {self.what}"
         if self.phase in MEASURED:  # found where it happened, without a replay
-            where = self.finding or "not named"
-            if self.micro_batch is not None and self.micro_batches > 1:
-                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
-            if self.birth_rank is not None and self.birth_rank != self.rank:
-                where = f"on rank {self.birth_rank}: {where}"
-            text = f"{head}; {where}" + (f"; {self.why}" if self.phase == "loss" and self.why else "")
+            text = f"{head}; {self._where('not named', 'on rank')}"
+            text += f"; {self.why}" if self.phase == "loss" and self.why else ""
         elif self.reproduced:
-            where = self.finding or "non-finite values"
-            if self.micro_batch is not None and self.micro_batches > 1:
-                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
-            if self.birth_rank is not None and self.birth_rank != self.rank:
-                where = f"born on rank {self.birth_rank}: {where}"
-            how = "compiled, after the eager replays found nothing" if self.compiled_only else ""
-            text = f"{head}; {where}; reproduced in replay {self.replay} of {self.replays}"
-            text += f" ({how})" if how else ""
+            how = " (compiled, after the eager replays found nothing)" if self.compiled_only else ""
+            text = (f"{head}; {self._where('non-finite values', 'born on rank')}; reproduced in replay "
+                    f"{self.replay} of {self.replays}{how}")
         elif self.reproduced is False:
             text = (f"{head}; transient: not reproduced in {self.replays} replay{'s' if self.replays != 1 else ''} "
                     f"(a nondeterministic kernel, a race or the hardware)")
@@ -137,6 +128,15 @@ class Fault:
         for note in self.notes:
             text += f"; {note}"
         return text
+
+    def _where(self, unnamed: str, born: str) -> str:
+        """Where the value was born: the finding, its micro-batch, and the rank it was born on."""
+        where = self.finding or unnamed
+        if self.micro_batch is not None and self.micro_batches > 1:
+            where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
+        if self.birth_rank is not None and self.birth_rank != self.rank:
+            where = f"{born} {self.birth_rank}: {where}"
+        return where
 
     def __repr__(self) -> str:
         return f"<Fault step={self.step} phase={self.phase} reproduced={self.reproduced}: {self.finding}>"

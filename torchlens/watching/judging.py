@@ -53,7 +53,7 @@ class StepJudge:
         self.false_alarms = 0
         self._collapsed = False  # the scale is below 1, a fault said once until it recovers
 
-    def step(self, step: StepRecord, number: int, outputs_only: bool) -> Optional[Fault]:
+    def step_fault(self, step: StepRecord, number: int, outputs_only: bool) -> Optional[Fault]:
         """Step `number`'s screens read as one number; on an alarm, the fault confirmed, then
         replayed or, for a loss that went non-finite outside the model, named on the loss's graph."""
         if not step.forwards:
@@ -111,7 +111,7 @@ class StepJudge:
             parts.append("non-finite values on another rank")
         return " and ".join(parts)
 
-    def skipped(self, step: StepRecord, number: int) -> Optional[Fault]:
+    def scale_fault(self, step: StepRecord, number: int) -> Optional[Fault]:
         """Step `number`, which the scaler skipped: a fault only when the scale fell below 1 (once,
         until it recovers)."""
         if not step.forwards:
@@ -128,7 +128,7 @@ class StepJudge:
         self.replays.run(fault, step, gradients=True, prefer="backward")
         return self._write(fault, step)
 
-    def update(self, optimizer, steps: int) -> Optional[Fault]:
+    def update_fault(self, optimizer, steps: int) -> Optional[Fault]:
         """A fault when `optimizer`'s update (after `steps` steps) wrote a non-finite value (see
         `updates`); under a process group, the ranks agree, and a rank that wrote nothing names
         the rank that did."""

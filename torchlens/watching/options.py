@@ -3,7 +3,6 @@ through), the parameters they step, and the module a replay runs."""
 
 from __future__ import annotations
 
-import os
 from typing import List, Tuple
 
 import torch
@@ -11,8 +10,8 @@ from torch import nn
 
 from ..errors import OptionTypeError, OptionValueError, describe_choices, suggest
 
-__all__ = ["CHECKS", "DEFAULT_MAX_BYTES", "ON_FAULT", "check_choice", "check_count", "check_out", "check_scaler",
-           "eager_module", "optimizers", "watched_parameters"]
+__all__ = ["CHECKS", "DEFAULT_MAX_BYTES", "ON_FAULT", "check_choice", "check_count", "eager_module", "optimizers",
+           "watched_parameters"]
 
 ON_FAULT = ("raise", "skip", "report")
 CHECKS = ("grads", "outputs")
@@ -68,18 +67,6 @@ def eager_module(model: nn.Module):
             model = model.module
         else:
             return model, compiled
-
-
-def check_out(out) -> str:
-    if not isinstance(out, (str, os.PathLike)):
-        raise OptionTypeError(f"tl.watch out= takes a directory path, got {out!r}")
-    return os.fspath(out)
-
-
-def check_scaler(scaler):
-    if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
-        raise OptionTypeError(f"tl.watch scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
-    return scaler
 
 
 def watched_parameters(optimizers: List[torch.optim.Optimizer], model: nn.Module) -> Tuple[List[torch.Tensor],

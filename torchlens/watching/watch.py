@@ -26,6 +26,7 @@ scale: one that fell below 1 means the gradients overflow unscaled, a fault.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import weakref
@@ -34,7 +35,7 @@ from typing import List, Literal, Protocol, Set, Union
 import torch
 from torch import nn
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, OptionTypeError
 from ..guard import internal_error, is_stop
 from ..sinks import checked_sink, open_sink
 from ..sites import find_user_site
@@ -107,10 +108,14 @@ class Watch:
         check_model(model, "tl.watch")
         self.on_fault = options.check_choice("on_fault", on_fault, options.ON_FAULT)
         self.check = options.check_choice("check", check, options.CHECKS)
-        replays = options.check_count("replays", replays, 1)
+        self.replays = options.check_count("replays", replays, 1)
         self.max_bytes = options.check_count("max_bytes", max_bytes, 0)
-        self.out = options.check_out(out)
-        self.scaler = options.check_scaler(scaler)
+        if not isinstance(out, (str, os.PathLike)):
+            raise OptionTypeError(f"tl.watch out= takes a directory path, got {out!r}")
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise OptionTypeError(f"tl.watch scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.out = os.fspath(out)
+        self.scaler = scaler
         self.model = model
         self.optimizers = options.optimizers(optimizer)
         self.compiler = compiler
@@ -127,7 +132,7 @@ class Watch:
         self._thread = threading.get_ident()
         # the parameters after each update (check="grads": outputs, losses, gradients and updates)
         self._updates = updates.UpdateCheck(self._params, self.optimizers) if self.check == "grads" else None
-        self._replays = Replays(eager, compiled, self._params, self._modules, replays, compiler)
+        self._replays = Replays(eager, compiled, self._params, self._modules, self.replays, compiler)
         self._judge = StepJudge(self._params, names, self._updates, self._replays, self.out, scaler)
         self._handles: List[_Removable] = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -144,10 +149,6 @@ class Watch:
         if scaler is not None:
             self._handles.append(roots.ScalerHooks(scaler, self._scaled, self._after_scaler_update))
         self._closed = False
-
-    @property
-    def replays(self) -> int:
-        return self._replays.count
 
     @property
     def false_alarms(self) -> int:
@@ -339,9 +340,9 @@ class Watch:
             self._updates.judged_grads(())
         fault = None
         try:
-            fault = self._judge.step(step, self.steps, outputs_only)
+            fault = self._judge.step_fault(step, self.steps, outputs_only)
             if fault is None and skipped and self.scaler is not None:
-                fault = self._judge.skipped(step, self.steps)
+                fault = self._judge.scale_fault(step, self.steps)
         except Exception as exc:
             if is_stop(exc):
                 raise
@@ -356,7 +357,7 @@ class Watch:
             return None
         fault = None
         try:
-            fault = self._judge.update(optimizer, self.steps)
+            fault = self._judge.update_fault(optimizer, self.steps)
         except Exception as exc:
             if is_stop(exc):
                 raise
