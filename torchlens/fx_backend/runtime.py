@@ -158,8 +158,7 @@ def _nothing() -> None:
     return None
 
 
-def _no_runtime() -> None:
-    return None
+_no_runtime = _nothing  # what a copied or saved compiled model's runtime is rebuilt as (pickles name it)
 
 
 def _forget_recording_with(root: nn.Module, runtime: CompiledRuntime) -> None:

@@ -18,7 +18,8 @@ place after the forward is counted. What does not match is said, never assumed.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -36,28 +37,25 @@ from .steps import StepRecord, WatchedForward, autocast_as
 __all__ = ["Outcome", "Replays", "replay_step"]
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Outcome:
     """What one replay found. `finding` is the first finding in program order (forward before its
     backward, micro-batch by micro-batch), `recording` the pass it is in (a `Recording`, or the
     compiled forward's), `micro_batch` its forward's number in the step, `phase` "forward" or
     "backward"; `notes` say what was not as in the step."""
 
-    __slots__ = ("attempt", "compiled", "finding", "recording", "micro_batch", "phase", "notes", "recordings",
-                 "nonfinite_gradients", "nonfinite_outputs", "exact", "recorder")
-
-    def __init__(self, attempt: int, compiled: bool):
-        self.attempt = attempt
-        self.compiled = compiled
-        self.finding: Optional[Finding] = None
-        self.recording = None
-        self.micro_batch: Optional[int] = None
-        self.phase: Optional[str] = None
-        self.notes: List[str] = []
-        self.recordings: list = []
-        self.nonfinite_gradients = 0  # parameters whose replayed gradient holds a non-finite value
-        self.nonfinite_outputs = 0  # replayed forwards with a non-finite output
-        self.exact = True  # every replayed forward's outputs screened bitwise as the step's did
-        self.recorder: Optional[Recorder] = None
+    attempt: int
+    compiled: bool
+    finding: Optional[Finding] = None
+    recording: Any = None  # (a Recording, or a compiled pass's)
+    micro_batch: Optional[int] = None
+    phase: Optional[str] = None
+    notes: List[str] = dataclasses.field(default_factory=list)
+    recordings: list = dataclasses.field(default_factory=list)
+    nonfinite_gradients: int = 0  # parameters whose replayed gradient holds a non-finite value
+    nonfinite_outputs: int = 0  # replayed forwards with a non-finite output
+    exact: bool = True  # every replayed forward's outputs screened bitwise as the step's did
+    recorder: Optional[Recorder] = None
 
     @property
     def reproduced(self) -> bool:
