@@ -1,7 +1,7 @@
 """One aligned op of a comparison, `CompareRow`, and the statuses and verdicts it takes.
 
-Alignment (`align`) decides a row's status, the numeric diff (`diff`) its verdict, the judging
-against float64 (`judging`) its judgement; the report (`report`) reads and renders rows.
+A row is made by the numeric diff (`diff`), which gives its status and verdict, judged against
+float64 by `judging`, and read and rendered by `report`: the one type they all share.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def _nothing() -> None:
     return None
 
 
-_no_runtime = _nothing  # what a copied or saved compiled model's runtime is rebuilt as (pickles name it)
+def _no_runtime() -> None:
+    return None
 
 
 def _forget_recording_with(root: nn.Module, runtime: CompiledRuntime) -> None:

@@ -84,7 +84,6 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
                  max_bytes=max_bytes, scaler=scaler, compiler=compiler)
 
 
-
 class _Removable(Protocol):
     """What the watch removes when it closes: a torch hook handle, the backward listener, the scaler's hooks."""
 
