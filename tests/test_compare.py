@@ -423,7 +423,7 @@ def _op(ordinal, op, shape, module=""):
 
 
 def test_an_extra_twin_on_one_side_does_not_shift_the_pairing():
-    from torchlens.debug.compare import align
+    from torchlens.debug.align import align
 
     a = [_op(1, "view", [2, 4]), _op(2, "getitem", [1, 1, 1, 1]), _op(3, "getitem", [1, 1, 7, 1]), _op(4, "add", [2, 4])]
     b = [_op(1, "view", [2, 4]), _op(2, "getitem", [1, 1, 7, 1]), _op(3, "add", [2, 4])]
@@ -432,7 +432,7 @@ def test_an_extra_twin_on_one_side_does_not_shift_the_pairing():
 
 
 def test_an_op_whose_shape_really_changed_still_pairs_with_its_twin():
-    from torchlens.debug.compare import align
+    from torchlens.debug.align import align
 
     a = [_op(1, "linear", [2, 4]), _op(2, "relu", [2, 4])]
     b = [_op(1, "linear", [2, 5]), _op(2, "relu", [2, 5])]

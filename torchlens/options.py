@@ -275,7 +275,7 @@ def check_stats_on(owner: str, value) -> str:
     return value
 
 
-def check_compiler(owner: str, compiler):
+def check_compiler(compiler):
     """A backend callable, or the name of a registered dynamo backend other than torchlens itself."""
     if callable(compiler):
         return compiler
@@ -321,7 +321,7 @@ KEYWORDS: Tuple[Keyword, ...] = (
     # (a compiled graph measures the local shards it computes on: "global" is eager narration's)
     Keyword("dtensor_stats", (RECORD, TRACE, RECORDER), lambda owner, value: check_dtensor_stats(value)),
     Keyword("live", (COMPILE,), lambda owner, value: check_bool(owner, "live", value)),
-    Keyword("compiler", (COMPILE,), check_compiler),
+    Keyword("compiler", (COMPILE,), lambda owner, value: check_compiler(value)),
     Keyword("stats_on", (COMPILE,), check_stats_on),
 )
 _BY_NAME = {keyword.name: keyword for keyword in KEYWORDS}

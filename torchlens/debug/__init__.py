@@ -5,8 +5,11 @@
 
 from .across_ranks import RankReport, across_ranks
 from .bisect import BisectReport, bisect
-from .compare import DEFAULT_TOLERANCES, CompareReport, CompareRow, compare, tolerance_for
+from .compare import compare
+from .diff import DEFAULT_TOLERANCES, tolerance_for
 from .reference import Reference, reference
+from .report import CompareReport
+from .rows import CompareRow
 
 __all__ = ["across_ranks", "bisect", "BisectReport", "compare", "CompareReport", "CompareRow", "DEFAULT_TOLERANCES",
            "RankReport", "Reference", "reference", "tolerance_for"]

@@ -38,8 +38,10 @@ from ..errors import OptionValueError
 from ..generators import RandomState
 from ..structure import check_model
 from ..torch_seams import degraded
-from .compare import CompareReport, CompareRow, compare
+from .compare import compare
 from .reference import random_ops, reference
+from .report import CompareReport
+from .rows import CompareRow
 
 __all__ = ["BisectReport", "bisect"]
 

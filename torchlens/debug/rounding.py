@@ -46,13 +46,13 @@ neither nearer.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["CARRIED", "DRAWN_APART", "FLOOR_ULPS", "GROWTH", "INHERITED", "REAL", "ROUNDING", "SPREAD", "UNJUDGED",
-           "Error",
-           "Judgement", "allowance", "carries_rounding", "drew_alike", "error", "judge", "own_allowance", "ulp"]
+__all__ = ["CARRIED", "COMPLEX_PARTS", "DRAWN_APART", "FLOOR_ULPS", "GROWTH", "INHERITED", "REAL", "ROUNDING", "SPREAD",
+           "UNJUDGED", "Error", "Judgement", "allowance", "carries_rounding", "drew_alike", "error", "judge",
+           "own_allowance", "ulp", "wide"]
 
 FLOOR_ULPS = 4.0
 SPREAD = 16.0
@@ -60,6 +60,8 @@ GROWTH = 2.0
 ROUNDING, REAL, UNJUDGED, CARRIED = "rounding", "real", "unjudged", "carried"
 INHERITED = "inherited"  # a judgement's: the op added only rounding; what it carries, `judging` tells
 DRAWN_APART = 0.1  # a random op's output this far off float64 (of its largest magnitude) drew other numbers
+# a complex dtype's real and imaginary parts: what its rounding and tolerances are those of
+COMPLEX_PARTS = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 _OTHER_SIDE: Dict[Optional[str], Optional[str]] = {"a": "b", "b": "a"}  # None: neither side is off
 
 
@@ -73,15 +75,12 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
     return math.ldexp(info.eps, exponent - 1)
 
 
-class Error:
+class Error(NamedTuple):
     """One side's distance from the reference over an op's outputs: `absolute` (largest |x - ref|)
     and `ulps` (of the side's dtype, at the output's largest reference magnitude)."""
 
-    __slots__ = ("absolute", "ulps")
-
-    def __init__(self, absolute: float, ulps: float):
-        self.absolute = absolute
-        self.ulps = ulps
+    absolute: float
+    ulps: float
 
 
 def error(values: Sequence[torch.Tensor], references: Sequence[torch.Tensor], dtypes=None) -> Error:
@@ -92,8 +91,8 @@ def error(values: Sequence[torch.Tensor], references: Sequence[torch.Tensor], dt
         if not (value.is_floating_point() or value.is_complex()):
             continue
         dtype = value.dtype if dtypes is None else dtypes[position]
-        dtype = dtype if dtype.is_floating_point else _real_dtype(dtype)
-        x, r = _wide(value), _wide(ref)
+        dtype = COMPLEX_PARTS.get(dtype, dtype)
+        x, r = wide(value), wide(ref)
         if x.numel() == 0:
             continue
         largest, scale = _largest_difference(x, r)
@@ -118,14 +117,10 @@ def _largest_difference(x: torch.Tensor, r: torch.Tensor):
     return float(torch.where(same, 0.0, diff).max()), float(finite_ref.abs().max()) if finite_ref.numel() else 0.0
 
 
-def _wide(value: torch.Tensor) -> torch.Tensor:
+def wide(value: torch.Tensor) -> torch.Tensor:
     """`value` on the CPU in float64 (complex128 for a complex one), where both sides and the
     reference are compared."""
     return value.detach().to("cpu", torch.complex128 if value.is_complex() else torch.float64)
-
-
-def _real_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
 
 
 def allowance(terms: int, nearer_ulps: float) -> float:
@@ -252,7 +247,7 @@ def drew_alike(values, references) -> bool:
     for value, ref in zip(values, references):
         if value is None or ref is None or not (value.is_floating_point() or value.is_complex()):
             continue
-        x, r = _wide(value), _wide(ref)
+        x, r = wide(value), wide(ref)
         if x.shape != r.shape:
             return False
         if x.numel() == 0:

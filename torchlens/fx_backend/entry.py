@@ -22,7 +22,6 @@ from .runtime import CompiledRuntime
 __all__ = ["compile_model", "trace_compiled"]
 
 
-
 def _torch_compile_keywords() -> tuple:
     """The keywords this torch's `torch.compile` takes, less those torchlens sets itself."""
     try:

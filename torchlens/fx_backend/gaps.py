@@ -10,6 +10,8 @@ the model.
 
 from __future__ import annotations
 
+import contextlib
+
 from ..eager.capture import OpReporter
 from ..pipeline import Pipeline
 from ..scopes import ScopeTable
@@ -20,11 +22,21 @@ __all__ = ["GapCapture"]
 class GapCapture(OpReporter):
     """The capture `CaptureMode` reports to during a compiled forward."""
 
-    def __init__(self, pipeline: Pipeline, scopes: ScopeTable):
+    def __init__(self, pipeline: Pipeline, scopes: ScopeTable, nested: bool):
         super().__init__(pipeline)
         self.scopes = scopes
+        self.nested = nested  # inside an eager capture's forward
 
     follows_stack = True
 
     def locate(self, frame) -> None:
         self.session.move_to(self.scopes.scope_of_stack(frame))
+
+    @contextlib.contextmanager
+    def stepping_aside(self):
+        """Report nothing while a compiled graph runs below the mode: its ops are the plan's."""
+        self.suspended += 1
+        try:
+            yield
+        finally:
+            self.suspended -= 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class CompiledRuntime:
         self.passes = 0
         self.last_recording: Optional[Recording] = None
         self.last_graph_calls = 0
-        self.stop_pending: Optional[tuple] = None  # (a stop, the call it belongs to): see `pending_stop`
+        self.stop_pending: Optional[_PendingStop] = None  # see `pending_stop`
         # `backward=True`: the backwards through the graphs of this model's forwards (see `backward`)
         self.backward = BackwardNarration(config.settings, None) if config.settings.backward else None
 
@@ -93,7 +93,7 @@ class CompiledRuntime:
         try:
             forward = self.start(call, push_mode=False)  # dynamo is tracing: the mode joins its saved stack
         except Exception as exc:  # a stop (on_nonfinite="raise": a NaN in the inputs), its partial trace attached
-            self.stop_pending = (exc, call)  # raised inside the compile, dynamo would wrap it
+            self.stop_pending = _PendingStop(exc, call)  # raised inside the compile, dynamo would wrap it
             dynamo_seams.when_call_ends(call, self.pending_stop)  # a call that ran no graph drops it
             return
         if forward is None:
@@ -108,8 +108,8 @@ class CompiledRuntime:
         `BackendCompilerFailed`. None when there is none, or its call has ended."""
         if self.stop_pending is None:
             return None
-        (stop, call), self.stop_pending = self.stop_pending, None
-        return stop if call.running() else None
+        pending, self.stop_pending = self.stop_pending, None
+        return pending.stop if pending.call.running() else None
 
     def start(self, call: Optional[dynamo_seams.CompiledCall], push_mode: bool) -> Optional["CompiledPass"]:
         """The one way a compiled pass begins: for a wrapper `call` in progress, or (None) for a
@@ -145,6 +145,13 @@ class CompiledRuntime:
     def keep_latest(self, recording: Optional[Recording], graph_calls: int) -> None:
         self.last_recording = recording
         self.last_graph_calls = graph_calls
+
+
+class _PendingStop(NamedTuple):
+    """A stop a pass raised while dynamo compiled the call it belongs to."""
+
+    stop: BaseException
+    call: dynamo_seams.CompiledCall
 
 
 def _nothing() -> None:
@@ -183,12 +190,10 @@ class CompiledPass(ForwardPass):
         self.call = call or _NO_CALL  # the wrapper call this pass narrates
         self.mode_pushed = False
         self.graph_calls = 0
-        # live mode: per graph, (sizes, module, args, events by op) of its call in progress
-        self._live: Dict[object, tuple] = {}
+        self._live: Dict[object, _LiveCall] = {}  # live mode: per graph, its call in progress
         self._fast_paths_kept = False
         try:
-            self.gaps = GapCapture(self.pipeline, scopes)
-            self.gaps.nested = self.nested  # inside an eager capture's forward
+            self.gaps = GapCapture(self.pipeline, scopes, self.nested)
             self.mode = CaptureMode(self.gaps)
             keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
             self._fast_paths_kept = True
@@ -225,11 +230,8 @@ class CompiledPass(ForwardPass):
             if lifted:
                 yield
                 return
-            self.gaps.suspended += 1
-            try:
+            with self.gaps.stepping_aside():
                 yield
-            finally:
-                self.gaps.suspended -= 1
 
     def scope_of_call(self, plan: GraphPlan, caller) -> Scope:
         """The module the graph runs in for this call (read from the caller unless it is fixed)."""
@@ -314,22 +316,23 @@ class CompiledPass(ForwardPass):
     def start_live(self, graph, args, scope: Scope) -> None:
         plan = graph.plan
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
-        self._live[graph] = (concrete, scope, args, {})
+        self._live[graph] = _LiveCall(concrete, scope, args, {})
 
     def emit_live(self, graph, index: int, value) -> None:
         """Record op `index` of `graph`, which just completed (live mode)."""
-        concrete, scope, args, events = self._live[graph]
-        self.add_plan_ops(graph.plan, scope, concrete, index, index + 1, values=[value], args=args, events=events)
+        call = self._live[graph]
+        self.add_plan_ops(graph.plan, call.scope, call.concrete, index, index + 1, values=[value], args=call.args,
+                          events=call.events)
 
     def live_narrated(self, graph) -> int:
         """How many of `graph`'s ops this call has narrated so far (live mode)."""
-        events = self._live[graph][3] if graph in self._live else {}
+        events = self._live[graph].events if graph in self._live else {}
         return max(events) + 1 if events else 0
 
     def end_live(self, graph, out) -> None:
         """A live graph call returned `out`."""
         if graph in self._live:
-            self.graph_outputs(graph.plan, self._live.pop(graph)[3], out)
+            self.graph_outputs(graph.plan, self._live.pop(graph).events, out)
 
     def graph_fed_autograd(self, first: int, out) -> None:
         """With `backward=True`: a fused graph call recorded its ops from `session.events[first]` on
@@ -411,6 +414,16 @@ class CompiledPass(ForwardPass):
 
 
 _NO_CALL = dynamo_seams.CompiledCall(None, None, (), {})
+
+
+class _LiveCall(NamedTuple):
+    """A live graph call in progress: its concrete sizes, the module it runs in, its arguments,
+    and its events so far by op index."""
+
+    concrete: Optional[Tuple]
+    scope: Scope
+    args: tuple
+    events: Dict[int, Event]
 
 
 def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:

@@ -5,9 +5,11 @@
 - `roots`: the tensor each backward starts from (a loss computed outside the model);
 - `updates`: what each optimizer update wrote into the parameters;
 - `agreement`: the ranks agreeing on a verdict, under a process group;
-- `replay`: the replay under tracking, the user's state put back around it;
+- `replay`: the replay under tracking, the user's state put back around it, and the replays a fault gets;
+- `judging`: a step's screens read, an alarm confirmed, the fault described and replayed;
 - `faults`: `Fault`, and what a fault leaves on disk;
-- `watch`: the hooks and the policy (`on_fault=`);
+- `options`: what `tl.watch` takes, checked;
+- `watch`: the hooks, where a step ends, and the policy (`on_fault=`);
 - `callbacks`: thin adapters for transformers' `Trainer` and PyTorch Lightning.
 """
 

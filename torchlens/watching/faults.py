@@ -38,7 +38,7 @@ class Fault:
     - `recording`: the replayed pass that holds the finding (a `Recording`), in memory.
     """
 
-    def __init__(self, step: int, what: str, rank: Optional[int] = None):
+    def __init__(self, step: int, what: str, rank: Optional[int] = None, micro_batches: int = 0):
         self.step = step
         self.what = what
         self.rank = rank
@@ -48,7 +48,7 @@ class Fault:
         self.replays = 0
         self.finding: Optional[str] = None
         self.micro_batch: Optional[int] = None
-        self.micro_batches = 0
+        self.micro_batches = micro_batches
         self.phase: Optional[str] = None
         self.compiled_only = False
         self.birth_rank: Optional[int] = None
@@ -59,9 +59,10 @@ class Fault:
         self.repro: Optional[str] = None
         self.inputs: Optional[str] = None
 
-    def take(self, outcome: Outcome, replays: int) -> None:
-        """Take what the replay that reproduced the fault (or the last one) found."""
-        self.replays = replays
+    def reproduced_by(self, outcome: Outcome, attempt: int, replays: int, birth=None) -> None:
+        """Replay `attempt` reproduced the fault: take what it found. `birth`, under a process group:
+        `tl.debug.across_ranks` over the replays, which names the rank the value was born on."""
+        self.reproduced, self.replay, self.replays = True, attempt, replays
         self.notes = list(outcome.notes)
         if outcome.finding is not None:
             self.finding = outcome.finding.text + _location(outcome.finding.event, outcome.finding.text)
@@ -70,26 +71,55 @@ class Fault:
             self.finding = (f"non-finite gradients in {outcome.nonfinite_gradients} parameters, "
                             f"with no finding in what was narrated")
         self.compiled_only = outcome.compiled and outcome.reproduced
+        if birth is None:
+            return
+        self.birth_rank = birth.first_rank
+        born_elsewhere = birth.first_rank is not None and birth.first_rank != self.rank
+        if birth.finding and (outcome.finding is None or born_elsewhere):
+            # the birth, not what reached this rank (FSDP2's reduce-scatter runs in the replay
+            # too, so a rank replays the values another rank sent it)
+            if self.finding is not None:
+                self.notes.insert(0, f"on this rank: {self.finding}")
+            self.finding, self.phase, self.micro_batch = birth.finding, None, None
+
+    def not_reproduced(self, outcome: Optional[Outcome], why: Optional[str]) -> None:
+        """No replay reproduced the fault (`outcome`: the last one's): transient, or, given `why`,
+        the replays could not tell (they did not replay the step, or raised)."""
+        if outcome is not None:
+            self.replays, self.notes = outcome.attempt, list(outcome.notes)
+        if why is None:
+            self.reproduced = False
+        else:
+            self.why = why
+
+    def of_loss(self, finding: Optional[str], birth_rank: Optional[int], micro_batch: Optional[int],
+                replayed: bool) -> None:
+        """The fault is the loss's, named on its autograd graph (`finding`, on rank `birth_rank`;
+        `micro_batch` where this rank's loss went non-finite). `replayed`: the model was replayed
+        first (the loss read a tensor of it no screen saw)."""
+        self.finding, self.phase, self.reproduced = finding, "loss", None
+        self.why = ("the model's replay found nothing there, and the loop's loss is not replayed" if replayed else
+                    "not replayed: the loop computes the loss, outside the model, and a replay runs the model alone")
+        if micro_batch is not None:
+            self.micro_batch = micro_batch
+        if self.rank is not None:
+            self.birth_rank = birth_rank
+
+    def of_update(self, finding: Optional[str], birth_rank: Optional[int]) -> None:
+        """The fault is what an optimizer's update wrote (`finding`, on rank `birth_rank`)."""
+        self.finding, self.phase, self.birth_rank = finding, "update", birth_rank
+        self.why = "an update is measured where it ran, not replayed"
 
     def __str__(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
         head = f"{rank}step {self.step}: {self.what}"
         if self.phase in MEASURED:  # found where it happened, without a replay
-            where = self.finding or "not named"
-            if self.micro_batch is not None and self.micro_batches > 1:
-                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
-            if self.birth_rank is not None and self.birth_rank != self.rank:
-                where = f"on rank {self.birth_rank}: {where}"
-            text = f"{head}; {where}" + (f"; {self.why}" if self.phase == "loss" and self.why else "")
+            text = f"{head}; {self._where('not named', 'on rank')}"
+            text += f"; {self.why}" if self.phase == "loss" and self.why else ""
         elif self.reproduced:
-            where = self.finding or "non-finite values"
-            if self.micro_batch is not None and self.micro_batches > 1:
-                where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
-            if self.birth_rank is not None and self.birth_rank != self.rank:
-                where = f"born on rank {self.birth_rank}: {where}"
-            how = "compiled, after the eager replays found nothing" if self.compiled_only else ""
-            text = f"{head}; {where}; reproduced in replay {self.replay} of {self.replays}"
-            text += f" ({how})" if how else ""
+            how = " (compiled, after the eager replays found nothing)" if self.compiled_only else ""
+            text = (f"{head}; {self._where('non-finite values', 'born on rank')}; reproduced in replay "
+                    f"{self.replay} of {self.replays}{how}")
         elif self.reproduced is False:
             text = (f"{head}; transient: not reproduced in {self.replays} replay{'s' if self.replays != 1 else ''} "
                     f"(a nondeterministic kernel, a race or the hardware)")
@@ -98,6 +128,15 @@ class Fault:
         for note in self.notes:
             text += f"; {note}"
         return text
+
+    def _where(self, unnamed: str, born: str) -> str:
+        """Where the value was born: the finding, its micro-batch, and the rank it was born on."""
+        where = self.finding or unnamed
+        if self.micro_batch is not None and self.micro_batches > 1:
+            where += f", in the {self.phase} of micro-batch {self.micro_batch} of {self.micro_batches}"
+        if self.birth_rank is not None and self.birth_rank != self.rank:
+            where = f"{born} {self.birth_rank}: {where}"
+        return where
 
     def __repr__(self) -> str:
         return f"<Fault step={self.step} phase={self.phase} reproduced={self.reproduced}: {self.finding}>"

@@ -18,43 +18,44 @@ place after the forward is counted. What does not match is said, never assumed.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..findings import Finding
 from ..generators import RandomState
+from ..guard import is_stop
 from ..options import NarrationOptions
+from ..ranks import rank_and_world_size
 from ..recording import Recorder
+from .agreement import agree, flag
 from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums
-from .steps import WatchedForward, autocast_as
+from .steps import StepRecord, WatchedForward, autocast_as
 
-__all__ = ["Outcome", "replay_step"]
+__all__ = ["Outcome", "Replays", "replay_step"]
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Outcome:
     """What one replay found. `finding` is the first finding in program order (forward before its
     backward, micro-batch by micro-batch), `recording` the pass it is in (a `Recording`, or the
     compiled forward's), `micro_batch` its forward's number in the step, `phase` "forward" or
     "backward"; `notes` say what was not as in the step."""
 
-    __slots__ = ("attempt", "compiled", "finding", "recording", "micro_batch", "phase", "notes", "recordings",
-                 "nonfinite_gradients", "nonfinite_outputs", "exact", "recorder")
-
-    def __init__(self, attempt: int, compiled: bool):
-        self.attempt = attempt
-        self.compiled = compiled
-        self.finding: Optional[Finding] = None
-        self.recording = None
-        self.micro_batch: Optional[int] = None
-        self.phase: Optional[str] = None
-        self.notes: List[str] = []
-        self.recordings: list = []
-        self.nonfinite_gradients = 0  # parameters whose replayed gradient holds a non-finite value
-        self.nonfinite_outputs = 0  # replayed forwards with a non-finite output
-        self.exact = True  # every replayed forward's outputs screened bitwise as the step's did
-        self.recorder: Optional[Recorder] = None
+    attempt: int
+    compiled: bool
+    finding: Optional[Finding] = None
+    recording: Any = None  # (a Recording, or a compiled pass's)
+    micro_batch: Optional[int] = None
+    phase: Optional[str] = None
+    notes: List[str] = dataclasses.field(default_factory=list)
+    recordings: list = dataclasses.field(default_factory=list)
+    nonfinite_gradients: int = 0  # parameters whose replayed gradient holds a non-finite value
+    nonfinite_outputs: int = 0  # replayed forwards with a non-finite output
+    exact: bool = True  # every replayed forward's outputs screened bitwise as the step's did
+    recorder: Optional[Recorder] = None
 
     @property
     def reproduced(self) -> bool:
@@ -174,3 +175,77 @@ def _run_backward(entries, outputs: List[List[torch.Tensor]]) -> None:
             grads.append(grad)
     if tensors:
         torch.autograd.backward(tensors, grads, retain_graph=True)
+
+
+class Replays:
+    """How a watch replays a faulty step: eagerly, up to `count` times, until a replay reproduces
+    the fault; then, for a compiled model whose eager replays found nothing, once through
+    `tl.compile` of it (made at its first use, compiled by `compiler`). `running` while a replay
+    runs (the watch's hooks stand aside); `false_output_alarm`: the last replay saw the step's
+    outputs finite and exact, so their screen's alarm was an overflow of finite values."""
+
+    def __init__(self, eager: nn.Module, compiled: bool, params: List[torch.Tensor], modules: List[nn.Module],
+                 count: int, compiler):
+        self.eager, self.compiled, self.params, self.modules = eager, compiled, params, modules
+        self.count, self.compiler = count, compiler
+        self.running = False
+        self.false_output_alarm = False
+        self._replayer = None
+
+    def run(self, fault, step: StepRecord, gradients: bool, prefer: Optional[str] = None) -> None:
+        """Replay `step` for `fault` (a `faults.Fault`, told what the replays found)."""
+        self.false_output_alarm = False
+        self.running = True
+        outcome: Optional[Outcome] = None
+        try:
+            for attempt in range(1, self.count + 1):
+                outcome = replay_step(self.eager, step.forwards, self.params, self.modules, attempt, prefer=prefer)
+                if self._reproduced(fault, outcome):
+                    return
+            if self.compiled and rank_and_world_size()[1] == 1:
+                outcome = replay_step(self.eager, step.forwards, self.params, self.modules, self.count + 1,
+                                      compiled=self._compiled_replayer(), prefer=prefer)
+                if self._reproduced(fault, outcome):
+                    return
+            assert outcome is not None  # (count >= 1: the loop replayed)
+            why = _not_replayed(step.forwards, gradients)
+            fault.not_reproduced(outcome, why)
+            # (outputs that differ from the step's are what a transient fault looks like)
+            self.false_output_alarm = why is None and not gradients and outcome.nonfinite_outputs == 0 and outcome.exact
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            fault.not_reproduced(None, f"the replay raised {type(exc).__name__}: {exc}")
+        finally:
+            self.running = False
+
+    def _reproduced(self, fault, outcome: Outcome) -> bool:
+        """Whether `outcome` reproduced the fault: under a process group, on any rank (the ranks
+        agree through `tl.debug.across_ranks`, which also names the rank of birth)."""
+        birth, reproduced = None, outcome.reproduced
+        if rank_and_world_size()[1] > 1 and outcome.recorder is not None:
+            from ..debug.across_ranks import across_ranks
+
+            birth = across_ranks(outcome.recorder)
+            reproduced = agree(flag(outcome.reproduced)) or birth.first_rank is not None
+        if reproduced:
+            fault.reproduced_by(outcome, outcome.attempt, self.count + (1 if outcome.compiled else 0), birth)
+        return reproduced
+
+    def _compiled_replayer(self):
+        if self._replayer is None:
+            from ..api import compile as tl_compile
+
+            self._replayer = tl_compile(self.eager, on_nonfinite="track", backward=True, compiler=self.compiler)
+        return self._replayer
+
+
+def _not_replayed(forwards: List[WatchedForward], gradients: bool) -> Optional[str]:
+    """Why the replays could not tell a transient fault (they did not replay the step), or None."""
+    if gradients and any(f.dropped for f in forwards):
+        return next(f.dropped for f in forwards if f.dropped)
+    if gradients and not any(f.received for f in forwards):
+        return "no backward reached the model's outputs, so the gradients were not replayed"
+    if any(f.changed_inputs() for f in forwards):
+        return "the step's inputs were changed in place after its forward, so the replay is not the step"
+    return None

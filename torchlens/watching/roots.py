@@ -6,7 +6,8 @@ batch whose labels are all `ignore_index` is 0/0, and its backward sends exactly
 logits. So while a watch is open `torch.autograd.backward` (which `Tensor.backward` calls) is
 wrapped: after a backward on the watch's thread returns, the watch is told the tensors it started
 from, and keeps a `Root` for each backward that reached its model. One wrapper serves every watch;
-it is put back when the last one closes (`listen` returns the handle).
+it is put back when the last one closes (`listen` returns the handle). Given a `GradScaler`, the
+loss is seen where the scaler scales it instead (`ScalerHooks`).
 
 Where such a loss went non-finite is on its autograd graph: the nodes between it and the model's
 outputs are the loss's own ops. They are told from the model's by autograd's sequence numbers
@@ -26,7 +27,7 @@ from ..errors import warn_safely
 from ..torch_seams import degraded
 from .checks import Screen, nonfinite_counts
 
-__all__ = ["LossOps", "Root", "listen", "loss_ops", "next_node_number"]
+__all__ = ["LossOps", "Root", "ScalerHooks", "listen", "loss_ops", "next_node_number"]
 
 OPS_SHOWN = 6  # the loss's ops a finding lists (the rest counted)
 OPS_WALKED = 64  # the nodes a walk of the loss's graph visits at most
@@ -224,3 +225,34 @@ def _quietly(function, *args):
     except Exception as exc:
         warn_safely(f"torchlens watch: an internal error watching a backward ({type(exc).__name__}: {exc})")
         return None
+
+
+class ScalerHooks:
+    """`scaler.scale` and `scaler.update` wrapped on the instance: `scaled(loss)` sees each loss
+    the scaler scales (the loss itself, even one computed outside the model), `updated()` runs
+    once `update` returns. `remove()` puts the originals back (a handle, like the hooks')."""
+
+    def __init__(self, scaler, scaled, updated):
+        self.scaler = scaler
+        self.wrappers = {"scale": self._wrap(scaler.scale, before=scaled),
+                         "update": self._wrap(scaler.update, after=updated)}
+        for name, wrapper in self.wrappers.items():
+            setattr(scaler, name, wrapper)
+
+    @staticmethod
+    def _wrap(original, before=None, after=None):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if before is not None and args:
+                before(args[0])
+            result = original(*args, **kwargs)
+            if after is not None:
+                after()
+            return result
+
+        return wrapper
+
+    def remove(self) -> None:
+        for name, wrapper in self.wrappers.items():
+            if self.scaler.__dict__.get(name) is wrapper:
+                delattr(self.scaler, name)

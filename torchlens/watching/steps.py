@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from ..generators import RandomState
 from .checks import floating_leaves, screen_sums
 
-__all__ = ["StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
+__all__ = ["GradsSeen", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -96,6 +96,15 @@ class WatchedForward:
         return leaves
 
 
+class GradsSeen(NamedTuple):
+    """How a step's gradients looked after its last backward: the first parameter with a gradient,
+    a weak reference to that gradient, and the gradient's version counter."""
+
+    param: int
+    grad: weakref.ref
+    version: int
+
+
 class StepRecord:
     """The forwards since the step began, and how the step's gradients looked after its last
     backward (to tell, at the next forward, that they were reset without an optimizer step: a step
@@ -106,9 +115,25 @@ class StepRecord:
     def __init__(self):
         self.forwards: List[WatchedForward] = []
         self.roots: list = []  # `roots.Root`: what each backward into the model started from
-        # (param index, a weak reference to its grad, the grad's version)
-        self.after_backward: Optional[Tuple[int, weakref.ref[torch.Tensor], int]] = None
+        self.after_backward: Optional[GradsSeen] = None
         self.backwards = 0
+
+    def backward_finished(self, params: Sequence[torch.Tensor]) -> None:
+        """A backward into the model finished: note how the gradients of `params` look now."""
+        self.backwards += 1
+        for index, grad in enumerate(p.grad for p in params):
+            if grad is not None:
+                self.after_backward = GradsSeen(index, weakref.ref(grad), grad._version)
+                return
+
+    def grads_reset(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether the gradients were reset without an optimizer step since the step's last backward
+        (False before any backward, and while they still accumulate: the next micro-batch)."""
+        seen = self.after_backward
+        if seen is None:
+            return False
+        grad = params[seen.param].grad
+        return not (grad is not None and grad._version == seen.version and seen.grad() is grad)
 
     @property
     def received_bytes(self) -> int:

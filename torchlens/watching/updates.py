@@ -66,6 +66,10 @@ class UpdateCheck:
         if sums is not None and not bool(torch.isfinite(sums.sum())):
             self.held.update((i, "") for i in nonfinite_positions(self.params))
 
+    def judged_grads(self, bad: Sequence[int]) -> None:
+        """The step's own check found the gradients of parameters `bad` non-finite (none: a new step)."""
+        self.bad_grads = set(bad)
+
     def before(self, optimizer) -> None:
         """Before `optimizer`'s update: screen each of its parameters written since the last check."""
         changed = [i for i in self.indices.get(id(optimizer), ()) if self.versions[i] != self.params[i]._version]

@@ -30,34 +30,30 @@ import os
 import sys
 import threading
 import weakref
-from typing import List, Literal, Optional, Protocol, Set, Union
+from typing import List, Literal, Protocol, Set, Union
 
 import torch
 from torch import nn
 
-from ..errors import NonFiniteError, OptionTypeError, OptionValueError, describe_choices, suggest
+from ..errors import NonFiniteError, OptionTypeError
 from ..guard import internal_error, is_stop
-from ..ranks import rank_and_world_size
 from ..sinks import checked_sink, open_sink
 from ..sites import find_user_site
 from ..structure import check_model
-from . import roots, updates
-from .agreement import agree, first_rank_text, flag
-from .checks import Screen, floating_leaves, nonfinite_positions, screen_sums
+from . import options, roots, updates
+from .checks import floating_leaves
 from .faults import Fault
-from .replay import Outcome, replay_step
+from .judging import StepJudge
+from .replay import Replays
 from .steps import StepRecord, WatchedForward
 
 __all__ = ["Watch", "watch"]
 
-ON_FAULT = ("raise", "skip", "report")
-CHECKS = ("grads", "outputs")
-DEFAULT_MAX_BYTES = 64 << 20
 _graph_task_id = torch._C._current_graph_task_id
 
 
 def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str = "raise", check: str = "grads",
-          narrate=True, replays: int = 2, max_bytes: int = DEFAULT_MAX_BYTES, scaler=None,
+          narrate=True, replays: int = 2, max_bytes: int = options.DEFAULT_MAX_BYTES, scaler=None,
           compiler="inductor") -> "Watch":
     """Watch every training step of `model` stepped by `optimizer` (one, or a list of them).
 
@@ -88,111 +84,10 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
                  max_bytes=max_bytes, scaler=scaler, compiler=compiler)
 
 
-def _choice(name: str, value, choices) -> str:
-    if not isinstance(value, str):
-        raise OptionTypeError(f"tl.watch {name}= takes {describe_choices(choices)}, got {value!r}")
-    if value not in choices:
-        raise OptionValueError(f"tl.watch {name}={value!r}{suggest(value, choices)}: accepted are "
-                               f"{describe_choices(choices)}")
-    return value
-
-
-def _count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionTypeError(f"tl.watch {name}= takes an integer, got {value!r}")
-    if value < minimum:
-        raise OptionValueError(f"tl.watch {name}={value}: it must be at least {minimum}")
-    return value
-
-
-def _optimizers(optimizer) -> List[torch.optim.Optimizer]:
-    """The torch optimizers to hook: one, or several; a wrapper exposing `.optimizer` (accelerate's
-    `AcceleratedOptimizer`, Lightning's) is unwrapped to the optimizer whose `step` runs."""
-    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    if not items:
-        raise OptionValueError("tl.watch needs the optimizer that steps the model (or a list of them); got none")
-    found = []
-    for item in items:
-        inner = item
-        while not hasattr(inner, "register_step_pre_hook") and hasattr(inner, "optimizer"):
-            inner = inner.optimizer
-        while type(inner).__name__ in ("AcceleratedOptimizer", "LightningOptimizer") and hasattr(inner, "optimizer"):
-            inner = inner.optimizer
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise OptionTypeError(f"tl.watch takes a torch.optim.Optimizer (or a list of them) as the optimizer, "
-                                  f"got {type(item).__name__}")
-        found.append(inner)
-    return found
-
-
-def _eager_module(model: nn.Module):
-    """(the module a replay runs, whether `model` is compiled): `torch.compile`'s wrapper and DDP's
-    are looked through (a replay runs locally, without DDP's gradient all-reduce)."""
-    compiled = False
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model, compiled = model._orig_mod, True
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(
-                model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        else:
-            return model, compiled
-
-
 class _Removable(Protocol):
     """What the watch removes when it closes: a torch hook handle, the backward listener, the scaler's hooks."""
 
     def remove(self) -> None: ...
-
-
-class _ScalerHooks:
-    """`scaler.scale` and `scaler.update` wrapped on the instance: `scaled(loss)` sees each loss
-    the scaler scales (the loss itself, even one computed outside the model), `updated()` runs
-    once `update` returns. `remove()` puts the originals back (a handle, like the hooks')."""
-
-    def __init__(self, scaler, scaled, updated):
-        self.scaler = scaler
-        self.wrappers = {"scale": self._wrap(scaler.scale, before=scaled),
-                         "update": self._wrap(scaler.update, after=updated)}
-        for name, wrapper in self.wrappers.items():
-            setattr(scaler, name, wrapper)
-
-    @staticmethod
-    def _wrap(original, before=None, after=None):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if before is not None and args:
-                before(args[0])
-            result = original(*args, **kwargs)
-            if after is not None:
-                after()
-            return result
-
-        return wrapper
-
-    def remove(self) -> None:
-        for name, wrapper in self.wrappers.items():
-            if self.scaler.__dict__.get(name) is wrapper:
-                delattr(self.scaler, name)
-
-
-class _Confirmed:
-    """What of a step that raised an alarm holds non-finite values, element by element: the
-    parameters whose gradients do (`grads`, their indices), the forwards whose outputs do (their
-    numbers), the losses (`roots.Root`). `loss_first`: a loss is non-finite while every output is
-    finite (it went non-finite outside the model, before any backward, unless it read a tensor of
-    the model that is not an output: `loss_reads_inside`, which a replay looks into first)."""
-
-    def __init__(self, step: StepRecord, grads: List[int]):
-        self.grads = grads
-        self.forwards = [f.number for f in step.forwards
-                         if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
-        self.roots = [root for root in step.roots if root.bad]
-        self.loss_first = bool(self.roots) and not self.forwards
-        self.loss_reads_inside = self.loss_first and any(root.ops.unscreened for root in self.roots)
-
-    def __bool__(self) -> bool:
-        return bool(self.grads or self.forwards or self.roots)
 
 
 class _Unwatched:
@@ -207,42 +102,37 @@ class Watch:
     ended; `close()` (or leaving its `with` block) removes every hook it added."""
 
     def __init__(self, model: nn.Module, optimizer, *, out="torchlens-watch", on_fault="raise", check="grads",
-                 narrate=True, replays=2, max_bytes=DEFAULT_MAX_BYTES, scaler=None, compiler="inductor",
+                 narrate=True, replays=2, max_bytes=options.DEFAULT_MAX_BYTES, scaler=None, compiler="inductor",
                  step_hook: bool = True, close_on_raise: bool = False):
         check_model(model, "tl.watch")
-        self.on_fault = _choice("on_fault", on_fault, ON_FAULT)
-        self.check = _choice("check", check, CHECKS)
-        self.replays = _count("replays", replays, 1)
-        self.max_bytes = _count("max_bytes", max_bytes, 0)
+        self.on_fault = options.check_choice("on_fault", on_fault, options.ON_FAULT)
+        self.check = options.check_choice("check", check, options.CHECKS)
+        self.replays = options.check_count("replays", replays, 1)
+        self.max_bytes = options.check_count("max_bytes", max_bytes, 0)
         if not isinstance(out, (str, os.PathLike)):
             raise OptionTypeError(f"tl.watch out= takes a directory path, got {out!r}")
         if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
             raise OptionTypeError(f"tl.watch scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.out = os.fspath(out)
-        self.model = model
-        self.optimizers = _optimizers(optimizer)
         self.scaler = scaler
+        self.model = model
+        self.optimizers = options.optimizers(optimizer)
         self.compiler = compiler
         self._sink = open_sink(checked_sink(narrate)) if narrate not in (None, False) else None
-        self._eager, self._compiled = _eager_module(model)
-        self._modules = list(self._eager.modules())
-        self._params = self._watched_parameters()
-        names = {id(p): name for name, p in self._eager.named_parameters(remove_duplicate=False)}
-        self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self._params)]
+        eager, compiled = options.eager_module(model)
+        self._modules = list(eager.modules())
+        self._params, names = options.watched_parameters(self.optimizers, eager)
         self.faults: List[Fault] = []
         self.steps = 0
-        self.false_alarms = 0  # screens that overflowed on finite values (confirmed finite)
         self._step = StepRecord()
         self._open: Union[WatchedForward, _Unwatched, None] = None  # the forward running now
         self._depth = 0  # nested calls of the model inside its own forward
         self._tasks: Set[int] = set()  # graph tasks whose end-of-backward callback is queued
-        self._paused = False
-        self._collapsed = False
-        self._replayer = None  # `tl.compile` of the model, made at the first compiled replay
-        self._false_output_alarm = False
         self._thread = threading.get_ident()
         # the parameters after each update (check="grads": outputs, losses, gradients and updates)
         self._updates = updates.UpdateCheck(self._params, self.optimizers) if self.check == "grads" else None
+        self._replays = Replays(eager, compiled, self._params, self._modules, self.replays, compiler)
+        self._judge = StepJudge(self._params, names, self._updates, self._replays, self.out, scaler)
         self._handles: List[_Removable] = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
@@ -256,18 +146,13 @@ class Watch:
         if self._updates is not None:
             self._handles += [opt.register_step_post_hook(self._after_update) for opt in self.optimizers]
         if scaler is not None:
-            self._handles.append(_ScalerHooks(scaler, self._scaled, self._after_scaler_update))
+            self._handles.append(roots.ScalerHooks(scaler, self._scaled, self._after_scaler_update))
         self._closed = False
 
-    def _watched_parameters(self) -> List[torch.Tensor]:
-        seen, params = set(), []
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if id(p) not in seen and p.requires_grad:
-                        seen.add(id(p))
-                        params.append(p)
-        return params
+    @property
+    def false_alarms(self) -> int:
+        """Screens that overflowed on finite values (confirmed finite)."""
+        return self._judge.false_alarms
 
     # -- the context manager and closing --------------------------------------------------------
 
@@ -302,10 +187,10 @@ class Watch:
         return (f"<Watch {state}: {self.steps} step{'s' if self.steps != 1 else ''}, "
                 f"{faults} fault{'s' if faults != 1 else ''}>")
 
-    # -- the hooks --------------------------------------------------------------------------------
+    # -- the hooks: what the step keeps, and where it ends --------------------------------------
 
     def _ours(self) -> bool:
-        return not (self._closed or self._paused) and threading.get_ident() == self._thread
+        return not (self._closed or self._replays.running) and threading.get_ident() == self._thread
 
     def _before_forward(self, module, args, kwargs):
         if not self._ours():
@@ -351,7 +236,7 @@ class Watch:
     def _received(self, ref, position: int, is_loss: bool, grad):
         """A backward sent `grad` into output `position` of a watched forward: keep it (see `steps`)."""
         forward = ref()
-        if forward is None or self._closed or self._paused or grad is None:
+        if forward is None or self._closed or self._replays.running or grad is None:
             return None
         try:
             task = _graph_task_id()
@@ -377,12 +262,7 @@ class Watch:
     def _backward_finished(self) -> None:
         """Autograd finished a backward into the model: note how the gradients look now."""
         self._tasks.discard(_graph_task_id())
-        step = self._step
-        step.backwards += 1
-        for index, p in enumerate(self._params):
-            if p.grad is not None:
-                step.after_backward = (index, weakref.ref(p.grad), p.grad._version)
-                return
+        self._step.backward_finished(self._params)
 
     def _backward_called(self):
         """`torch.autograd.backward` was called on this thread: a mark to tell, once it returns,
@@ -405,14 +285,8 @@ class Watch:
 
     def _end_reset_step(self) -> None:
         """At a forward: end a step whose gradients were reset without an optimizer step."""
-        after = self._step.after_backward
-        if after is None:
-            return
-        index, grad_ref, version = after
-        grad = self._params[index].grad
-        if grad is not None and grad_ref() is grad and grad._version == version:
-            return  # still accumulating: the next micro-batch of the same step
-        self._end_skipped_step()
+        if self._step.grads_reset(self._params):
+            self._end_skipped_step()
 
     def _end_skipped_step(self) -> None:
         """End a step no optimizer step took: judged by its outputs (its gradients were never
@@ -462,12 +336,12 @@ class Watch:
     def _end_step(self, outputs_only: bool, skipped: bool) -> None:
         step, self._step = self._step, StepRecord()
         if self._updates is not None:
-            self._updates.bad_grads = set()
+            self._updates.judged_grads(())
         fault = None
         try:
-            fault = self._judge(step, outputs_only)
+            fault = self._judge.step_fault(step, self.steps, outputs_only)
             if fault is None and skipped and self.scaler is not None:
-                fault = self._scale_fault(step)
+                fault = self._judge.scale_fault(step, self.steps)
         except Exception as exc:
             if is_stop(exc):
                 raise
@@ -476,174 +350,13 @@ class Watch:
         if fault is not None:
             self._act(fault, clear=self.on_fault == "skip" and not skipped)
 
-    # -- judging a step -----------------------------------------------------------------------------
-
-    def _judge(self, step: StepRecord, outputs_only: bool) -> Optional[Fault]:
-        """The step's screens read as one number; on an alarm, the fault confirmed, then replayed
-        or, for a loss that went non-finite outside the model, named on the loss's graph."""
-        if not step.forwards:
-            return None
-        grads = [] if outputs_only else [(i, p) for i, p in enumerate(self._params) if p.grad is not None]
-        screen = Screen()
-        for forward in step.forwards:
-            screen.add(forward.sums)
-        for root in step.roots:
-            root.screen(screen)
-        screen.add(screen_sums([p.grad for _, p in grads if p.grad is not None]))  # (all: `grads` has them)
-        if not agree(screen.alarm()):
-            return None
-        bad = _Confirmed(step, [grads[i][0] for i in nonfinite_positions([p.grad for _, p in grads
-                                                                          if p.grad is not None])])
-        if self._updates is not None:
-            self._updates.bad_grads = set(bad.grads)
-        if not agree(flag(bad)):
-            self.false_alarms += 1
-            return None
-        rank, world = rank_and_world_size()
-        fault = Fault(self.steps, self._what(bad, step), rank if world > 1 else None)
-        fault.micro_batches = len(step.forwards)
-        inside = agree(flag(bad.forwards or bad.loss_reads_inside))
-        if inside or not agree(flag(bad.loss_first)):
-            self._replay(fault, step, gradients=bool(bad.grads or bad.roots),
-                         prefer=None if bad.forwards or bad.loss_reads_inside else "backward")
-            # (every rank asks, whatever its own replay found: the question is a collective)
-            if agree(flag(bad.loss_first and fault.reproduced is not True)):
-                mine = bad.loss_first and fault.reproduced is not True
-                self._blame_loss(fault, bad.roots[0] if mine else None, replayed=True)
-            elif fault.reproduced is False and not bad.grads and self._false_output_alarm:
-                self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
-                return None
-        else:  # the loss went non-finite first, outside the model: nothing in the model to replay
-            self._blame_loss(fault, bad.roots[0] if bad.loss_first else None, replayed=False)
-        fault.notes += self._updates.notes(self._names) if self._updates is not None else []
-        directory = os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}")
-        fault.write(directory, step.forwards)
-        return fault
-
-    def _blame_loss(self, fault: Fault, root: Optional[roots.Root], replayed: bool) -> None:
-        """The fault is the loss's (`root`; on another rank when None): named on its autograd graph.
-        `replayed`: the model was replayed first (the loss read a tensor of it no screen saw)."""
-        birth_rank, finding = first_rank_text(root.finding() if root is not None else None)
-        fault.finding, fault.phase, fault.reproduced = finding, "loss", None
-        fault.why = ("the model's replay found nothing there, and the loop's loss is not replayed" if replayed else
-                     "not replayed: the loop computes the loss, outside the model, and a replay runs the model alone")
-        if root is not None:
-            fault.micro_batch = root.after
-        if fault.rank is not None:
-            fault.birth_rank = birth_rank
-
-    def _what(self, bad: "_Confirmed", step: StepRecord) -> str:
-        parts = [bad.roots[0].what()] if bad.loss_first else []
-        if bad.forwards:
-            n = len(step.forwards)
-            which = (f"forward {bad.forwards[0]} of {n}" if len(bad.forwards) == 1 and n > 1
-                     else f"{len(bad.forwards)} of {n} forwards" if n > 1 else "the forward")
-            parts.append(f"non-finite outputs in {which}")
-        if bad.grads:
-            named = ", ".join(self._names[i] for i in bad.grads[:3]) + (", ..." if len(bad.grads) > 3 else "")
-            parts.append(f"non-finite gradients in {len(bad.grads)} of {len(self._params)} parameters ({named})")
-        if not parts:
-            parts.append("non-finite values on another rank")
-        return " and ".join(parts)
-
-    def _scale_fault(self, step: StepRecord) -> Optional[Fault]:
-        """A step the scaler skipped: a fault only when the scale fell below 1 (once, until it recovers)."""
-        if not step.forwards:
-            return None
-        scale = float(self.scaler.get_scale())
-        if scale >= 1.0:
-            self._collapsed = False
-            return None
-        if self._collapsed:
-            return None
-        self._collapsed = True
-        rank, world = rank_and_world_size()
-        fault = Fault(self.steps, f"the GradScaler's scale collapsed to {scale:g}: the gradients overflow even "
-                                  f"unscaled", rank if world > 1 else None)
-        fault.micro_batches = len(step.forwards)
-        self._replay(fault, step, gradients=True, prefer="backward")
-        directory = os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}")
-        fault.write(directory, step.forwards)
-        return fault
-
-    def _replay(self, fault: Fault, step: StepRecord, gradients: bool, prefer: Optional[str] = None) -> None:
-        """Replay the step (eagerly, then compiled for a compiled model) until a replay reproduces it."""
-        self._false_output_alarm = False
-        self._paused = True
-        outcome: Optional[Outcome] = None
-        try:
-            for attempt in range(1, self.replays + 1):
-                outcome = replay_step(self._eager, step.forwards, self._params, self._modules, attempt,
-                                      prefer=prefer)
-                if self._reproduced(fault, outcome, attempt):
-                    return
-            if self._compiled and rank_and_world_size()[1] == 1:
-                compiled = self._compiled_replayer()
-                outcome = replay_step(self._eager, step.forwards, self._params, self._modules, self.replays + 1,
-                                      compiled=compiled, prefer=prefer)
-                if self._reproduced(fault, outcome, self.replays + 1):
-                    return
-            assert outcome is not None  # (replays >= 1: the loop replayed)
-            fault.replays = outcome.attempt
-            fault.notes = list(outcome.notes)
-            if gradients and any(f.dropped for f in step.forwards):
-                fault.why = next(f.dropped for f in step.forwards if f.dropped)
-            elif gradients and not any(f.received for f in step.forwards):
-                fault.why = "no backward reached the model's outputs, so the gradients were not replayed"
-            elif any(f.changed_inputs() for f in step.forwards):
-                fault.why = "the step's inputs were changed in place after its forward, so the replay is not the step"
-            else:  # (outputs that differ from the step's are what a transient fault looks like)
-                fault.reproduced = False
-                self._false_output_alarm = not gradients and outcome.nonfinite_outputs == 0 and outcome.exact
-        except Exception as exc:
-            if is_stop(exc):
-                raise
-            fault.why = f"the replay raised {type(exc).__name__}: {exc}"
-        finally:
-            self._paused = False
-
-    def _reproduced(self, fault: Fault, outcome, attempt: int) -> bool:
-        """Whether `outcome` reproduced the fault: under a process group, on any rank (the ranks
-        agree through `tl.debug.across_ranks`, which also names the rank of birth)."""
-        if rank_and_world_size()[1] > 1 and outcome.recorder is not None:
-            from ..debug.across_ranks import across_ranks
-
-            report = across_ranks(outcome.recorder)
-            reproduced = agree(flag(outcome.reproduced)) or report.first_rank is not None
-            if not reproduced:
-                return False
-            fault.take(outcome, self.replays)
-            fault.birth_rank = report.first_rank
-            born_elsewhere = report.first_rank is not None and report.first_rank != rank_and_world_size()[0]
-            if report.finding and (outcome.finding is None or born_elsewhere):
-                # the birth, not what reached this rank (FSDP2's reduce-scatter runs in the replay
-                # too, so a rank replays the values another rank sent it)
-                if fault.finding is not None:
-                    fault.notes.insert(0, f"on this rank: {fault.finding}")
-                fault.finding, fault.phase, fault.micro_batch = report.finding, None, None
-        else:
-            if not outcome.reproduced:
-                return False
-            fault.take(outcome, self.replays if not outcome.compiled else self.replays + 1)
-        fault.reproduced, fault.replay = True, attempt
-        return True
-
-    def _compiled_replayer(self):
-        if self._replayer is None:
-            from ..api import compile as tl_compile
-
-            self._replayer = tl_compile(self._eager, on_nonfinite="track", backward=True, compiler=self.compiler)
-        return self._replayer
-
-    # -- what an update wrote ----------------------------------------------------------------------
-
     def _after_update(self, optimizer, args, kwargs):
         """`optimizer`'s update has run: screen the parameters it holds (one sum each, one read)."""
         if not self._ours():
             return None
         fault = None
         try:
-            fault = self._judge_update(optimizer)
+            fault = self._judge.update_fault(optimizer, self.steps)
         except Exception as exc:
             if is_stop(exc):
                 raise
@@ -651,36 +364,6 @@ class Watch:
         if fault is not None:
             self._act(fault, clear=False)
         return None
-
-    def _judge_update(self, optimizer) -> Optional[Fault]:
-        """A fault when the update wrote a non-finite value (see `updates`); under a process group,
-        the ranks agree, and a rank that wrote nothing names the rank that did."""
-        check = self._updates
-        assert check is not None  # (its hook is registered only with the update check)
-        indices, sums = check.screen(optimizer)
-        if not agree(None if sums is None else ~torch.isfinite(sums.sum())):
-            check.settle(optimizer)
-            return None
-        written = check.written(optimizer, indices)
-        step = max(self.steps - 1, 0)  # (the step judged before this update)
-        check.hold(written, updates.origins(written, step, optimizer))
-        check.settle(optimizer)
-        news = [w for w in written if w.born]
-        if not agree(flag(news)):
-            # (the rest: non-finite gradients applied, which the step's own check saw, or values
-            # something else wrote before the update, which a forward reads as a source)
-            if not written:
-                self.false_alarms += 1
-            return None
-        what, finding = (updates.describe(news, self._names, optimizer, len(check.indices[id(optimizer)]))
-                         if news else (None, None))
-        rank, world = rank_and_world_size()
-        birth_rank, finding = first_rank_text(finding)
-        fault = Fault(step, what or "non-finite values written by an update on another rank",
-                      rank if world > 1 else None)
-        fault.finding, fault.phase, fault.birth_rank = finding, "update", birth_rank if world > 1 else None
-        fault.why = "an update is measured where it ran, not replayed"
-        return fault
 
     # -- acting on a fault ----------------------------------------------------------------------------
 
