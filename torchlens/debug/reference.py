@@ -43,11 +43,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import ModelTypeError
 from ..generators import RandomState
+from ..memory import call_writes, tensors_of
 from ..naming import op_name
 from ..results import Trace
 from ..structure import check_model
-from ..unwritten import tensors_of
-from ..writes import call_writes
 
 __all__ = ["Call", "Produced", "Reference", "random_ops", "reference", "reduction_terms"]
 
@@ -120,7 +119,7 @@ class Reference:
         if call is None:
             return None
         missing, own = [], self.trace.values or {}
-        writes = call_writes(op_name(call.func), call.args, call.kwargs) or any(arg is True for arg in call.args)
+        writes = call_writes(op_name(call.func), call.args, call.kwargs, call.func)
 
         def given(value):
             if isinstance(value, Produced):

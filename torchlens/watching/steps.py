@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..generators import RandomState
+from ..memory import version
 from .checks import floating_leaves, screen_sums
 
 __all__ = ["GradsSeen", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
@@ -47,9 +48,9 @@ def autocast_as(state):
         yield
 
 
-def tensor_versions(value) -> Tuple[Tuple[torch.Tensor, int], ...]:
+def tensor_versions(value) -> Tuple[Tuple[torch.Tensor, Optional[int]], ...]:
     """(tensor, version counter) of each tensor in `value` (a forward's arguments)."""
-    return tuple((leaf, leaf._version) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+    return tuple((leaf, version(leaf)) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
 
 
 class WatchedForward:
@@ -80,7 +81,7 @@ class WatchedForward:
 
     def changed_inputs(self) -> int:
         """How many of its argument tensors were modified in place after it ran."""
-        return sum(1 for tensor, version in self.versions if tensor._version != version)
+        return sum(1 for tensor, seen in self.versions if version(tensor) != seen)
 
     def screen(self, output, next_node: Optional[int]) -> List[torch.Tensor]:
         """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number)."""
@@ -102,7 +103,7 @@ class GradsSeen(NamedTuple):
 
     param: int
     grad: weakref.ref
-    version: int
+    version: Optional[int]
 
 
 class StepRecord:
@@ -123,7 +124,7 @@ class StepRecord:
         self.backwards += 1
         for index, grad in enumerate(p.grad for p in params):
             if grad is not None:
-                self.after_backward = GradsSeen(index, weakref.ref(grad), grad._version)
+                self.after_backward = GradsSeen(index, weakref.ref(grad), version(grad))
                 return
 
     def grads_reset(self, params: Sequence[torch.Tensor]) -> bool:
@@ -133,7 +134,7 @@ class StepRecord:
         if seen is None:
             return False
         grad = params[seen.param].grad
-        return not (grad is not None and grad._version == seen.version and seen.grad() is grad)
+        return not (grad is not None and version(grad) == seen.version and seen.grad() is grad)
 
     @property
     def received_bytes(self) -> int:

@@ -23,6 +23,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..memory import version
 from .checks import local, nonfinite_positions, screen_sums
 
 __all__ = ["UpdateCheck", "Written", "describe", "origins"]
@@ -61,7 +62,7 @@ class UpdateCheck:
         self.bad_grads: set = set()
         self._before: Dict[int, Tuple[List[int], Optional[torch.Tensor]]] = {}
         # the first check, when the watch is made (not in a step): one sum each, one read
-        self.versions: List[int] = [p._version for p in self.params]  # as of the last check
+        self.versions: List[Optional[int]] = [version(p) for p in self.params]  # as of the last check
         sums = screen_sums(self.params)
         if sums is not None and not bool(torch.isfinite(sums.sum())):
             self.held.update((i, "") for i in nonfinite_positions(self.params))
@@ -72,7 +73,7 @@ class UpdateCheck:
 
     def before(self, optimizer) -> None:
         """Before `optimizer`'s update: screen each of its parameters written since the last check."""
-        changed = [i for i in self.indices.get(id(optimizer), ()) if self.versions[i] != self.params[i]._version]
+        changed = [i for i in self.indices.get(id(optimizer), ()) if self.versions[i] != version(self.params[i])]
         for i in changed:
             self.held.pop(i, None)  # (learned again from this screen)
         self._before[id(optimizer)] = (changed, screen_sums([self.params[i] for i in changed]))
@@ -86,7 +87,7 @@ class UpdateCheck:
     def settle(self, optimizer) -> None:
         """The check of this update is done: note each parameter's version counter."""
         for i in self.indices.get(id(optimizer), ()):
-            self.versions[i] = self.params[i]._version
+            self.versions[i] = version(self.params[i])
         self._before.pop(id(optimizer), None)
 
     def written(self, optimizer, indices: List[int]) -> List[Written]:
