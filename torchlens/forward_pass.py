@@ -72,7 +72,9 @@ class ForwardPass:
             values = self.session.values  # (a dict exactly when `settings.keep_values`)
             self.keeper = (ValueKeeper(values, settings.keep_on_cpu, settings.max_bytes)
                            if values is not None else None)
-            meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
+            # (tracking while narrating: CPU statistics are read as each op completes, so a
+            # finding's `!!` line follows its op whatever the selection)
+            meter = Meter.of(settings, judging=narrator is not None)
             self.pipeline = Pipeline(self.session, meter, self.tensor_names, self.keeper, self.roots,
                                      held=lambda: model_tensors(model))
         except BaseException:

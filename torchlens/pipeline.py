@@ -3,9 +3,10 @@
 Eager capture, the compiled plans and the code between compiled graphs each see values in their
 own way; what happens to a value once seen is the same for all of them and lives here:
 
-    decide when it is read      `meter.reads_now`: now (tracking narrated live, `raise`, a line
-                                that prints), or with the rest at the end of the pass
-    measure                     `Meter.measure_output` (never raises: "n/a" when it cannot)
+    measure                     `Meter.observe`, the one entry for every value measured (the
+                                backward's too): read now (tracking narrated live, `raise`, a
+                                line that prints) or with the rest at the end of the pass; never
+                                raises ("n/a" when it cannot)
     judge                       `Tracker.judge`, with what the op read (`reads`)
     log and narrate             `Session.append`: the event log and the live narrator
     keep                        `tl.trace`'s `ValueKeeper`, and the inputs of the first op to
@@ -28,7 +29,7 @@ from .errors import NonFiniteError
 from .events import INPUT, OUTPUT, Event, Stats
 from .grammar import measurement_notes
 from .guard import internal_error
-from .meter import Meter, reads_now
+from .meter import Meter
 from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, attach_finding, nonfinite_message
@@ -70,7 +71,7 @@ class Pipeline:
     def __init__(self, session: Session, meter: Optional[Meter], tensor_names, keeper=None, roots=None, held=tuple):
         settings = session.settings
         self.session = session
-        self.meter = meter if meter is not None and meter.active else None
+        self.meter = meter  # (`Meter.of`: None when nothing is measured)
         # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
         # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
@@ -84,9 +85,6 @@ class Pipeline:
         self.keeper = keeper
         self.roots = roots
         self.raising = settings.on_nonfinite == "raise"
-        # Tracking while narrating: CPU statistics are read as each op completes (there is no
-        # device to wait for), so a finding's `!!` line follows its op whatever the selection.
-        self._judge_live = self.tracker is not None and session.narrator is not None
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[Tuple[Event, Collective, _Written]] = []
@@ -243,7 +241,7 @@ class Pipeline:
             self.meter.forget(collective.tensors)
             collective_event.stats = (Stats("na", 0, self.meter.rung != "off",
                                             note=f"overwritten by #{reader.ordinal} before it was read")
-                                      if overwritten else self.meter.measure_output(value, True))
+                                      if overwritten else self.meter.observe(value, True))
         if self.unwritten is not None:
             self.unwritten.landed(collective.tensors)
         if self.tracker is not None:
@@ -258,7 +256,7 @@ class Pipeline:
         an eager one's, before the wait is."""
         stats = wait.stats
         if stats is None and value is not None and self.meter is not None:  # (live: measured here)
-            stats = self.meter.measure_output(value, True)
+            stats = self.meter.observe(value, True)
         if stats is None:
             return
         collective_event.stats = stats
@@ -341,16 +339,15 @@ class Pipeline:
             unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs))
 
     def _measure(self, meter: Meter, event: Event, value) -> Stats:
-        """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
-        (the rule the backward uses too; tracking judges live here only while it narrates). Memory
-        no op has written yet (`empty`'s, and views of it) is never read: torch has not read it."""
+        """The statistics of an op's output, through `Meter.observe` (the backward's entry too).
+        Memory no op has written yet (`empty`'s, and views of it) is never read: torch has not
+        read it."""
         note = UNINITIALIZED_NOTE if event.op.startswith(UNINITIALIZED) else (
             self.unwritten.unwritten(value) if self.unwritten else None)
         if note is not None:
             return Stats("na", 0, meter.rung != "off", note=note)
         narrator = self.session.narrator
-        live = reads_now(self.raising, narrator is not None and narrator.prints(event), self._judge_live, value)
-        return meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+        return meter.observe(value, narrator is not None and narrator.prints(event))
 
     def _judge(self, tracker: Tracker, event: Event) -> list:
         """The tracker's findings made now; those about this very op get their `!!` line after it."""

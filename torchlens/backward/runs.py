@@ -10,7 +10,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import meter as meter_module
 from ..errors import NonFiniteError
 from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
 from ..findings import Finding
@@ -50,8 +49,7 @@ class BackwardRun:
         self.result = Backward(f"backward{number} of {watch.pass_name}", settings)
         watch.add_backward(self.result)
         self.ordinal = 0
-        meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
-        self.meter = meter if meter.active else None
+        self.meter = Meter.of(settings, judging=True)
         # `tl.trace(..., backward=True)`: each node's gradients kept, within a budget of their own
         self.keeper = (ValueKeeper(self.result.values, settings.keep_on_cpu, settings.max_bytes)
                        if self.result.values is not None else None)
@@ -93,10 +91,10 @@ class BackwardRun:
         versions: Tuple[Optional[int], ...] = ()
         meter = self.meter
         if self.tracker is not None and meter is not None and tensors:  # (tracking measures: it has a meter)
-            if tensors[0].device.type in meter_module.READ_NOW:
+            if meter.on_host(tensors):
                 versions = tuple(_version(g) for g in tensors)  # to tell, after, that they are unchanged
             else:  # read at once under `raise`, which must decide at this node; else with the rest
-                self._received[record.key] = meter.measure_output(tensors, self.narration.raising)
+                self._received[record.key] = meter.observe(tensors)  # (read now only under `raise`)
         self.in_flight = (record, TensorMeta.all_of(tensors), versions)
 
     def add(self, event, record: Optional[NodeRecord], measured, positions, received, versions=()) -> None:
@@ -106,9 +104,8 @@ class BackwardRun:
         narrator = self.narrator
         tracker = self.tracker
         if self.meter is not None and measured:
-            live = meter_module.reads_now(narration.raising, narrator is not None and narrator.prints(event),
-                                          tracker is not None, measured[0])
-            event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
+            event.stats = self.meter.observe(measured[0] if len(measured) == 1 else measured,
+                                             narrator is not None and narrator.prints(event))
         self.result.events.append(event)
         if self.keeper is not None and measured and event.kind is NODE:
             self.keeper(event, measured)
@@ -125,7 +122,7 @@ class BackwardRun:
                 assert meter is not None  # (tracking measures: it has a meter)
                 if nonfinite or meter.measures_collectively(received):
                     tensors = tuple(g for g in received if isinstance(g, _Tensor))
-                    measured = meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
+                    measured = meter.observe(tensors, True) if versions == _versions(tensors) else UNREAD
                     direct = measured if nonfinite else None
             findings = tracker.judge(event, record, positions, direct)
             if event.kind is NODE and record is not None and record.leaf is not None:
