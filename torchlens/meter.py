@@ -71,22 +71,18 @@ class Pending:
 
 
 class Meter:
-    """Measures the values of one forward, or of one backward run, following the rung and the
-    tracking mode.
+    """Measures the values of one forward or backward run, following the rung and the tracking mode.
 
-    `observe(value, printed)` is the one entry for a value to be measured (an op's output, a
-    backward node's gradients): it decides when the value is read, then returns a `Stats` that is
-    complete when it is read now and otherwise filled in by `flush()` at the end of the pass, one
-    transfer per device. `raising`: `on_nonfinite="raise"` decides at each value; `judging`:
-    tracking judges each value as it is recorded (where its device is read at once).
+    `observe` is the one entry for a value (an op's output, a backward node's gradients): a `Stats`
+    complete when read now, otherwise filled in by `flush()` at the end, one transfer per device.
     """
 
     def __init__(self, rung: str, tracking: bool, dtensors: str = "local", raising: bool = False,
                  judging: bool = False):
         self.rung = rung
         self.tracking = tracking
-        self.raising = raising
-        self.judging = judging
+        self.raising = raising  # `on_nonfinite="raise"`: it decides at each value
+        self.judging = judging  # tracking judges each value as it is recorded
         self._whole_dtensors = dtensors == "global"  # (`dtensor_stats=`: see `_measure_whole`)
         self.pending: List[Pending] = []
         self.reads = 0  # host transfers made, for the footer and the tests
@@ -113,12 +109,11 @@ class Meter:
         return measures(self.rung, self.tracking)
 
     def observe(self, value, printed: bool = False):
-        """The statistics of `value` (a tensor, or a `StatsGroup` for a sequence of them), read as it
-        is recorded or with the rest of the pass: the one rule, for the forward and the backward.
-        Read now when `on_nonfinite="raise"` must decide at this value, when `printed` (its line is
-        printed now, or the value will not stay as it is), or when tracking judges it now because
-        its device is read at once (`on_host`). Otherwise read with the rest, in one read (an
-        accelerator's way). Never raises: "n/a" when it cannot measure."""
+        """The statistics of `value` (a tensor, or a sequence: a `StatsGroup`), read by the one rule of
+        the forward and the backward: now when `raise` must decide at it, when `printed` (its line
+        prints now, or the value will not stay as it is), or when tracking judges it now because its
+        device is read at once (`on_host`); else with the rest, in one read (an accelerator's way).
+        Never raises: "n/a" when it cannot measure."""
         return self.measure_output(value, self.raising or printed or (self.judging and self.on_host(value)))
 
     @staticmethod

@@ -117,21 +117,22 @@ class Pipeline:
 
     def op(self, name: str, metas, site=None, value=None, stats=None, reads=None, call: Optional[Call] = None,
            kept=None, collective: Optional[Collective] = None, engine: Optional[str] = None,
-           group: Optional[str] = None, lands: Optional[Event] = None) -> Event:
+           group: Optional[Collective] = None, lands: Optional[Event] = None) -> Event:
         """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
         for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
         derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
         it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
         is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`).
-        A compiled graph's functional collective comes with its `group` (`group of 2, async`), and the
-        graph's `wait_tensor` for it with the collective's event, which it `lands`."""
+        A compiled graph's functional collective comes with its `group` (the `Collective` its node is,
+        without tensors), and the graph's `wait_tensor` for it with the collective's event, which it
+        `lands`."""
         event = self.session.op_event(name, metas, site, stats)
         event.engine = engine
         if group is not None:
-            event.label = group
+            event.label = group.label
             if self.tracker is not None:
-                self.tracker.collective(event, group.split(", ")[0])
+                self.tracker.collective(event, group.group)
         if lands is not None:
             self._land_in_graph(lands, event, value)
         if self._in_flight and call is not None:
@@ -193,7 +194,7 @@ class Pipeline:
             if collective.in_flight:
                 unwritten.in_flight(collective.tensors)
         if tracker is not None:
-            tracker.collective(event, collective.label.split(", ")[0])
+            tracker.collective(event, collective.group)
             if can_hold_nonfinite(metas):
                 event.reads = lazy = LazyReads(tracker, call.args, call.kwargs or {})
                 if written[0] or written[1]:
@@ -384,8 +385,8 @@ class Pipeline:
         except Exception as exc:
             internal_error("reading value statistics", exc)
         if self.tracker is not None:
-            for collective_event, _, _ in self._in_flight:
-                self.tracker.never_landed(collective_event)
+            for _ in self._in_flight:
+                self.tracker.never_landed()
         self._in_flight = []
         verdict = self.verdict = self._verdict(self.tracker) if self.tracker is not None else None
         session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
