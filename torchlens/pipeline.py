@@ -26,13 +26,13 @@ from typing import List, NamedTuple, Optional, Tuple
 from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
 from .errors import NonFiniteError
-from .events import INPUT, OUTPUT, Event, Stats
+from .events import Event, Stats
 from .grammar import measurement_notes
 from .guard import internal_error
 from .meter import Meter
 from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
-from .session import Session, attach_finding, nonfinite_message
+from .session import Session, Settled, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
@@ -88,7 +88,6 @@ class Pipeline:
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[Tuple[Event, Collective, _Written]] = []
-        self.verdict: Optional[str] = None  # non-finite tracking's, once settled (the footer's words)
         # with tracking and a backward to narrate: the forward's non-finite values by op, for its verdicts
         self.forward_values: Optional[ForwardValues] = None
         # metadata only, where nothing lands them: the memory of every asynchronous collective's
@@ -103,11 +102,9 @@ class Pipeline:
     # -- what substrates report -----------------------------------------------------------------
 
     def input(self, label: str, metas, value) -> Event:
-        session = self.session
-        session.ordinal += 1
         if self.seen is not None:
             self.seen.saw(value)
-        event = self._observe(Event(INPUT, session.ordinal, "input", session.root, metas, None, None, label), value)
+        event = self._observe(self.session.input_event(label, metas), value)
         if self.tracker is not None:
             self.tracker.produced(event, value)
         self._keep(event, value)
@@ -268,12 +265,10 @@ class Pipeline:
     def output(self, label: str, metas, value=None) -> Event:
         if self.tracker is not None and value is not None:
             self._outputs.append((label, value))
-        session = self.session
-        session.move_to(session.root)
-        event = Event(OUTPUT, session.ordinal, "output", session.root, metas, None, None, label)
+        event = self.session.output_event(label, metas)
         if value is not None:
             event.stats = self._held_by(value)
-        return session.append(event)
+        return self.session.append(event)
 
     def _held_by(self, value) -> Optional[Stats]:
         """What an output holds, for the page and tools (the `=>` line shows no statistics): the
@@ -375,9 +370,9 @@ class Pipeline:
 
     # -- ending the pass ------------------------------------------------------------------------
 
-    def settle(self) -> None:
+    def settle(self) -> Settled:
         """Read what statistics are still on the device, judge what waited for them, and say in the
-        session's footer what was measured and found. Never raises."""
+        session's footer what was measured and found: what the pass's recording takes. Never raises."""
         session = self.session
         try:
             if self.meter is not None:
@@ -388,8 +383,10 @@ class Pipeline:
             for _ in self._in_flight:
                 self.tracker.never_landed()
         self._in_flight = []
-        verdict = self.verdict = self._verdict(self.tracker) if self.tracker is not None else None
+        verdict = self._verdict(self.tracker) if self.tracker is not None else None
         session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
+        return Settled(tuple(self.tracker.findings) if self.tracker is not None else (), verdict,
+                       self.kept_inputs.calls if self.kept_inputs is not None else {})
 
     def _verdict(self, tracker: Tracker) -> str:
         session = self.session
@@ -408,12 +405,3 @@ class Pipeline:
         except Exception as exc:
             internal_error("judging non-finite values", exc)
             return "non-finite tracking failed: no verdict"
-
-    @property
-    def findings(self) -> tuple:
-        """What non-finite tracking found (`torchlens.findings.Finding`), in order."""
-        return tuple(self.tracker.findings) if self.tracker is not None else ()
-
-    @property
-    def kept_calls(self) -> dict:
-        return self.kept_inputs.calls if self.kept_inputs is not None else {}
