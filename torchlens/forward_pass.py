@@ -73,8 +73,7 @@ class ForwardPass:
             values = self.session.values  # (a dict exactly when `settings.keep_values`)
             self.keeper = (ValueKeeper(values, settings.keep_on_cpu, settings.max_bytes)
                            if values is not None else None)
-            # (tracking while narrating: CPU statistics are read as each op completes, so a
-            # finding's `!!` line follows its op whatever the selection)
+            # (tracking while narrating reads a CPU op's statistics at once: its `!!` line follows it)
             meter = Meter.of(settings, judging=narrator is not None)
             self.pipeline = Pipeline(self.session, meter, self.tensor_names, self.keeper, self.roots,
                                      held=lambda: model_tensors(model))
@@ -129,14 +128,14 @@ class ForwardPass:
                                 self._parameters() if world_size() > 1 else (), self.pipeline.forward_values)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
-        """The partial trace of a forward that raised `exc`, attached to it, the tail narrated. Never
-        raises: a problem here is reported as a warning and the user's exception goes on."""
-        session, pipeline = self.session, self.pipeline
+        """The partial trace of a forward that raised `exc`, attached to it. Never raises: a problem
+        here is a warning, and the user's exception goes on."""
+        session = self.session
         with self.own_work():
             try:
                 # (before `settle`, which forgets the collectives still in flight: their memory is not read)
-                attempt = None if isinstance(exc, NonFiniteError) else session.attempt_for(exc, pipeline.unread)
-                return session.fail(exc, attempt, pipeline.settle())
+                attempt = None if isinstance(exc, NonFiniteError) else session.attempt_for(exc, self.pipeline.unread)
+                return session.fail(exc, attempt, self.pipeline.settle())
             except Exception as inner:
                 internal_error("building the partial trace", inner)
                 return None

@@ -97,8 +97,7 @@ class Meter:
 
     @classmethod
     def of(cls, settings, judging: bool) -> Optional["Meter"]:
-        """The meter `settings` ask for (`value_stats=`, `on_nonfinite=`, `dtensor_stats=`), None
-        when they measure nothing."""
+        """The meter `settings` ask for (None when they measure nothing)."""
         tracking = settings.on_nonfinite is not None
         meter = cls(settings.value_stats, tracking, settings.dtensor_stats, settings.on_nonfinite == "raise",
                     tracking and judging)
@@ -109,17 +108,15 @@ class Meter:
         return measures(self.rung, self.tracking)
 
     def observe(self, value, printed: bool = False):
-        """The statistics of `value` (a tensor, or a sequence: a `StatsGroup`), read by the one rule of
-        the forward and the backward: now when `raise` must decide at it, when `printed` (its line
-        prints now, or the value will not stay as it is), or when tracking judges it now because its
-        device is read at once (`on_host`); else with the rest, in one read (an accelerator's way).
-        Never raises: "n/a" when it cannot measure."""
+        """The statistics of `value` (a tensor; a sequence: a `StatsGroup`), read now when `raise` must
+        decide at it, when `printed` (its line prints now; or it will not stay as it is), or when
+        tracking judges it now as its device is read at once (`on_host`); else with the rest, in one
+        read (an accelerator's way). Never raises: "n/a" when it cannot measure."""
         return self.measure_output(value, self.raising or printed or (self.judging and self.on_host(value)))
 
     @staticmethod
     def on_host(value) -> bool:
-        """Whether `value` (a tensor, or a sequence of them: its first tensor decides) lies where
-        values are read as each is recorded, with no device to wait for (`READ_NOW`)."""
+        """Whether `value` (a tensor; a sequence: its first) has no device to wait for (`READ_NOW`)."""
         if value.__class__ is not torch.Tensor and isinstance(value, (tuple, list)):
             value = next((t for t in value if isinstance(t, torch.Tensor)), None)
         return isinstance(value, torch.Tensor) and value.device.type in READ_NOW

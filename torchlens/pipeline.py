@@ -3,10 +3,9 @@
 Eager capture, the compiled plans and the code between compiled graphs each see values in their
 own way; what happens to a value once seen is the same for all of them and lives here:
 
-    measure                     `Meter.observe`, the one entry for every value measured (the
-                                backward's too): read now (tracking narrated live, `raise`, a
-                                line that prints) or with the rest at the end of the pass; never
-                                raises ("n/a" when it cannot)
+    measure                     `Meter.observe`, the backward's entry too: read now (tracking
+                                narrated live, `raise`, a line that prints) or with the rest at
+                                the end of the pass; never raises ("n/a" when it cannot)
     judge                       `Tracker.judge`, with what the op read (`reads`)
     log and narrate             `Session.append`: the event log and the live narrator
     keep                        `tl.trace`'s `ValueKeeper`, and the inputs of the first op to

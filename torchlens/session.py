@@ -2,11 +2,10 @@
 
 A substrate (eager hooks, or a compiled graph's plan) reports module enters and exits and failed
 calls here directly, and the values it sees through the pass's `pipeline.Pipeline` (which
-measures and judges them before they are appended). Every event enters the log through
-`EventLog.append`, a backward run's too (a compiled graph's replayed run of events through
-`append_segment`); the metadata-only capture's `add_op` is `append`'s body inlined, the hot path.
-At the end the session produces a `Recording` (or, on failure, a `PartialTrace` attached to the
-user's exception) from what the pipeline settled.
+measures and judges them before they are appended). Every event enters the log through `append`
+(`EventLog`'s, a backward run's too; a compiled graph's replayed run of events: `append_segment`);
+the metadata-only capture's `add_op` is `append`'s body inlined, the hot path. At the end the
+session produces a `Recording` (on failure, a `PartialTrace` attached to the user's exception).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ __all__ = ["EventLog", "Session", "Settled", "attach", "attach_finding", "error_
 
 
 class Settled(NamedTuple):
-    """What a pass's pipeline settled at its end, for its recording: non-finite tracking's findings
-    and the footer's words on them, and the calls kept for one-op repros."""
+    """What a pass's pipeline settled at its end for its recording (`Pipeline.settle`)."""
 
     findings: tuple
     verdict: Optional[str]
@@ -54,16 +52,26 @@ class EventLog:
     """Events in order, each handed to the live narrator as it is added: `append` is the one way
     into a forward's log (`Session`) and a backward run's (`backward.runs.BackwardRun`)."""
 
-    def __init__(self, events: List[Event], narrator: Optional[Narrator]):
+    def __init__(self, events: List[Event], narrator: Optional[Narrator], header: Optional[str]):
         self.events = events
         self.narrator = narrator
+        self.header = header
         self.ordinal = 0  # the number of the last op (`#N`) or backward node (`~N`)
+        self.incomplete: Optional[str] = None  # why some of the run went unrecorded, if it did
+        if narrator is not None:
+            narrator.begin_pass(header)
 
     def append(self, event: Event) -> Event:
         self.events.append(event)
         if self.narrator is not None:
             self.narrator.feed(event)
         return event
+
+    def mark_incomplete(self, why: str) -> None:
+        """Some of the run went unrecorded (`why`): the footer and the verdict say so. The first
+        reason is kept."""
+        if self.incomplete is None:
+            self.incomplete = why
 
 
 class Session(EventLog):
@@ -74,18 +82,14 @@ class Session(EventLog):
 
     def __init__(self, settings: Settings, root: Scope, narrator: Optional[Narrator] = None,
                  header: Optional[str] = None):
-        super().__init__([], narrator)
+        super().__init__([], narrator, header)
         self.settings = settings
         self.root = root
-        self.header = header
         self.values: Optional[Dict[int, tuple]] = {} if settings.keep_values else None  # ordinal -> kept value
         self.scope = root
         self.failed_call: Optional[FailedCall] = None  # the last torch call that raised
         self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
         self.footer_extra: List[str] = []
-        self.incomplete: Optional[str] = None  # why some of the forward went unrecorded, if it did
-        if narrator is not None:
-            narrator.begin_pass(header)
 
     # -- what substrates report -----------------------------------------------------------------
 
@@ -214,12 +218,6 @@ class Session(EventLog):
         self.events[:] = events
         self.ordinal, self.scope = attempt.ordinal - 1, attempt.scope
 
-    def mark_incomplete(self, why: str) -> None:
-        """Some of the forward went unrecorded (`why`): the footer and the verdict say so. The
-        first reason is kept."""
-        if self.incomplete is None:
-            self.incomplete = why
-
     def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
                   notes=(), call: Optional[KeptCall] = None, tensors=(), values: Optional[tuple] = None) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails.
@@ -232,8 +230,8 @@ class Session(EventLog):
     # -- ending the pass ------------------------------------------------------------------------
 
     def finish(self, output, settled: Settled) -> Recording:
-        """The recording of the forward that returned `output`, its modules left, with what its
-        pipeline `settled` (the footer's words included)."""
+        """The recording of the forward that returned `output` (its modules left: `move_to` the root),
+        with what its pipeline `settled` (the footer's words included)."""
         if self.narrator is not None:
             self.narrator.end_pass(self.footer_extra)
         cls = Trace if self.values is not None else Recording

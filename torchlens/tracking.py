@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Counter, Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -56,10 +56,6 @@ def can_hold_nonfinite(metas) -> bool:
     return False
 
 
-def _float_outputs(event: Event) -> bool:
-    return can_hold_nonfinite(event.outputs)
-
-
 def measured_finite(stats) -> bool:
     """Whether `stats` (a `Stats` or `StatsGroup`) measured every output and found only finite
     values: the common case, which the trackers judge without looking further."""
@@ -73,7 +69,7 @@ def measured_finite(stats) -> bool:
 def settled(event: Event) -> bool:
     """Whether `event`'s statistics say all they will (not still waiting on the device)."""
     stats = event.stats
-    if stats is None or not _float_outputs(event):
+    if stats is None or not can_hold_nonfinite(event.outputs):
         return True
     parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
     return all(part.kind == "na" or part.nan is not None for part in parts)
@@ -81,7 +77,7 @@ def settled(event: Event) -> bool:
 
 def held(event: Event) -> Optional[int]:
     """The kinds of non-finite value `event`'s outputs held (bits), or None if not measured."""
-    if not _float_outputs(event):
+    if not can_hold_nonfinite(event.outputs):
         return 0  # integers and bools cannot hold them
     stats = event.stats
     if stats is None:
@@ -135,7 +131,7 @@ class Verdicts:
     def __init__(self):
         self._queue: Deque[Tuple[Event, tuple]] = collections.deque()  # (event, context), judged in order
         self.findings: List[Finding] = []
-        self.unmeasured: Dict[str, int] = {}  # why -> how many values were not measured
+        self.unmeasured: Counter[str] = collections.Counter()  # why -> how many values were not measured
         self.measured = 0
 
     def judge(self, event: Event, *context) -> List[Finding]:
@@ -167,9 +163,6 @@ class Verdicts:
 
     def _finite(self, event: Event) -> None:
         self.measured += 1
-
-    def _unmeasured(self, reason: str) -> None:
-        self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
 
     def _note(self, *findings: Finding) -> List[Finding]:
         self.findings.extend(findings)
@@ -218,7 +211,7 @@ class Tracker(Verdicts):
         self.provenance = Provenance(names)  # what produced and wrote each tensor (`provenance`)
         provenance = self.provenance
         # (bound once: `produced` runs for every op a tracked forward records)
-        self.origin_of, self.source, self.produced = provenance.origin_of, provenance.source, provenance.produced
+        self.origin_of, self.produced = provenance.origin_of, provenance.produced
         self._kinds: Dict[int, Optional[int]] = {}  # id(event) -> what it held
         self._origin: Dict[Tuple[int, int], object] = {}  # (id(event), kind) -> Event or Source
         self._seen_first = 0  # kinds already reported as "first seen" (not a birth)
@@ -249,7 +242,7 @@ class Tracker(Verdicts):
 
     def never_landed(self) -> None:
         """The forward ended before anything read what an asynchronous collective brought."""
-        self._unmeasured("in flight at the end of the forward")
+        self.unmeasured["in flight at the end of the forward"] += 1
 
     def waiting(self, event: Event) -> bool:
         """Whether `event` still waits for its verdict (its statistics, or an earlier op's, are read later)."""
@@ -283,7 +276,7 @@ class Tracker(Verdicts):
         if kinds != 0:
             self.clean = False
         if kinds is None:
-            self._unmeasured(unmeasured_reason(event))
+            self.unmeasured[unmeasured_reason(event)] += 1
             return []
         self.measured += 1
         if not kinds or event.kind is INPUT:
@@ -291,7 +284,7 @@ class Tracker(Verdicts):
                 if kinds & bit:
                     self._origin[(id(event), bit)] = event
             if kinds & NAN:  # an infinity in an input may be a mask (`attn_mask`): judged by its fate
-                return self._note(Finding(f"NaN in the input {event.label} ({_counts(event)})", event,
+                return self._note(Finding(f"NaN in the input {event.label} ({counts_text(event.stats)})", event,
                                           FindingKind.NONFINITE_INPUT, source=event.label))
             if kinds and self.absorbed is None:
                 self.absorbed = event
@@ -462,9 +455,8 @@ class Tracker(Verdicts):
 
     def _headline(self) -> List[Finding]:
         """The first finding, then the first NaN born when it came later."""
-        first = self.findings[0]
         nan = next((f for f in self.findings if f.kind is FindingKind.NAN_BORN), None)
-        return [first] if nan is None or nan is first else [first, nan]
+        return self.findings[:1] + ([nan] if nan is not None and nan is not self.findings[0] else [])
 
     def _claim(self) -> str:
         if self.absorbed is None:
@@ -530,14 +522,6 @@ def _position(finding: Finding) -> float:
 
 def count_text(event: Event, kinds: int) -> str:
     """`nan=3 +inf=1`: how many values of each of these kinds (bits) the event's outputs held."""
-    stats = event.stats
-    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
-    return " ".join(f"{label}={sum(getattr(part, field) or 0 for part in parts)}"
-                    for bit, field, label in _COUNTED if kinds & bit)
-
-
-_COUNTED = ((NAN, "nan", "nan"), (POSINF, "posinf", "+inf"), (NEGINF, "neginf", "-inf"))  # (bit, field, shown)
-
-
-def _counts(event: Event) -> str:
-    return counts_text(event.stats)
+    parts = event.stats.parts if isinstance(event.stats, StatsGroup) else (event.stats,)
+    return " ".join(f"{label}={sum(getattr(part, field) or 0 for part in parts)}" for bit, field, label in
+                    ((NAN, "nan", "nan"), (POSINF, "posinf", "+inf"), (NEGINF, "neginf", "-inf")) if kinds & bit)

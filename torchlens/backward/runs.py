@@ -37,8 +37,7 @@ def _queue_callback(fn) -> None:
 
 
 class _Running(NamedTuple):
-    """The node running now, as its pre-hook saw it: metadata and versions (holding the gradients
-    it received would keep them)."""
+    """The node running now, as its pre-hook saw it (holding its gradients would keep them)."""
 
     record: NodeRecord
     inputs: tuple  # metadata of the gradients it received
@@ -69,12 +68,9 @@ class BackwardRun(EventLog):
         self.in_flight: Optional[_Running] = None
         self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
         self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
-        self.incomplete: Optional[str] = None
         self._waited = False  # (see `waits_for_final_callbacks`)
         narrator, self._owned, self._held_back = self._narrator(narration, settings)
-        super().__init__(self.result.events, narrator)
-        if narrator is not None:
-            narrator.begin_pass(self.result.header)
+        super().__init__(self.result.events, narrator, self.result.header)
 
     def _narrator(self, narration: "BackwardNarration", settings):
         """(the narrator it writes to, the one it opened itself, whether its lines go to the shared
@@ -101,9 +97,9 @@ class BackwardRun(EventLog):
         meter = self.meter
         if self.tracker is not None and meter is not None and tensors:  # (tracking measures: it has a meter)
             if meter.on_host(tensors):
-                versions = tuple(_version(g) for g in tensors)  # to tell, after, that they are unchanged
+                versions = _versions(tensors)  # to tell, after, that they are unchanged
             else:  # read at once under `raise`, which must decide at this node; else with the rest
-                self._received[record.key] = meter.observe(tensors)  # (read now only under `raise`)
+                self._received[record.key] = meter.observe(tensors)
         self.in_flight = _Running(record, TensorMeta.all_of(tensors), versions)
 
     def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
@@ -127,6 +123,8 @@ class BackwardRun(EventLog):
 
     def output_grad(self, watch: BackwardWatch, label: str, node: Optional[NodeRecord], grad) -> None:
         """The gradient `grad` reached the forward output `label` (which feeds `node`'s node)."""
+        if not isinstance(grad, _Tensor):
+            return
         if watch is not self.watch:
             label += f" of {watch.pass_name}"
         event = BackwardEvent(GRAD, self.ordinal, "grad", watch.root, TensorMeta.single(grad), None, None, label)
@@ -216,10 +214,6 @@ class BackwardRun(EventLog):
         if self._held_back:
             self.narration.deliver(owned.sink.lines)
         owned.close()
-
-    def mark_incomplete(self, why: str) -> None:
-        """Some of the backward went unnarrated (`why`): the footer says so. The first reason is kept."""
-        self.incomplete = self.incomplete or why
 
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
@@ -358,30 +352,22 @@ class BackwardNarration:
     # -- hooks (autograd's engine calls them, possibly on a device's thread) -----------------------
 
     def node_starting(self, watch: BackwardWatch, record: NodeRecord, grad_outputs) -> None:
-        try:
-            with self._lock:
-                run = self._run_for(watch, record)
-                if run is not None:
-                    run.starting(record, grad_outputs)
-        except Exception as exc:
-            self._hook_failed(exc)
+        self._in_run(watch, record, BackwardRun.starting, record, grad_outputs)
 
     def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
+        self._in_run(watch, record, BackwardRun.node_done, watch, record, grad_inputs, grad_outputs)
+
+    def output_grad(self, watch: BackwardWatch, label: str, node, grad) -> None:
+        self._in_run(watch, None, BackwardRun.output_grad, watch, label, node, grad)
+
+    def _in_run(self, watch: BackwardWatch, record: Optional[NodeRecord], step, *args) -> None:
+        """Hand a hook's report to the run it belongs to (`step` of that run, with `args`), begun
+        now if need be; a failure goes to `_hook_failed`."""
         try:
             with self._lock:
                 run = self._run_for(watch, record)
                 if run is not None:
-                    run.node_done(watch, record, grad_inputs, grad_outputs)
-        except Exception as exc:
-            self._hook_failed(exc)
-
-    def output_grad(self, watch: BackwardWatch, label: str, node, grad) -> None:
-        try:
-            with self._lock:
-                run = self._run_for(watch)
-                assert run is not None  # (without a leaf's record a run is always found or begun)
-                if isinstance(grad, _Tensor):
-                    run.output_grad(watch, label, node, grad)
+                    step(run, *args)
         except Exception as exc:
             self._hook_failed(exc)
 

@@ -18,6 +18,7 @@ from .graph import NodeRecord
 __all__ = ["UNREAD", "GradTracker"]
 
 UNREAD = -1  # what a node received could not be read (it overwrote it in place as it ran)
+_NOT_ALL_MEASURED = "not everything it received was measured, so it may have come from earlier"
 
 
 class _Added(NamedTuple):
@@ -54,13 +55,8 @@ class GradTracker(Verdicts):
         self._accumulated: List[_Added] = []
         self._nonfinite_before: set = set()  # ids of the parameters whose `.grad` was so as the backward began
 
-    # `judge(event, record, positions, direct)`: `record` is the node's (or, for a gradient
-    # reaching an output, the node it feeds); `positions`: which of the node's gradient slots the
-    # measured tensors came from; `direct`: the statistics of what the node received (perhaps still
-    # to be read), None when not measured, or `UNREAD`
-
     def _settled(self, event, record, positions, direct) -> bool:
-        return settled(event) and _direct_settled(direct)
+        return settled(event) and _kinds_of(direct) is not None
 
     def accumulated(self, event, record: Optional[NodeRecord]) -> None:
         """A leaf's gradient was added to its `.grad`: if it was finite, `written_after` looks again.
@@ -124,11 +120,15 @@ class GradTracker(Verdicts):
             f"({who})", first, FindingKind.CARRIED_IN))
 
     def _judge_one(self, event, record, positions, direct) -> List[Finding]:
+        """`judge(event, record, positions, direct)`: `record` is the node's (for a gradient reaching
+        an output, the node it feeds); `positions`: the node's gradient slots the measured tensors
+        came from; `direct`: statistics of what it received (perhaps still to be read), None when
+        not measured, or `UNREAD`."""
         leaf = record is not None and event.kind is NODE and record.label is not None
         kinds = None if leaf and not event.outputs else held(event)
         if kinds is None:
-            self._unmeasured("leaves that received no gradient" if leaf and not event.outputs
-                             else unmeasured_reason(event))
+            self.unmeasured["leaves that received no gradient" if leaf and not event.outputs
+                            else unmeasured_reason(event)] += 1
             if record is not None and not leaf and event.kind is NODE:
                 self.unknown.update(target.key for target in record.edges if target is not None)
             return []
@@ -142,13 +142,10 @@ class GradTracker(Verdicts):
             self.leaves.append(record.label)
             if received:
                 return []
-            if record.key in self.unknown:
-                return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
-                                                       f"AccumulateGrad", "not everything it received was measured, "
-                                                       "so it may have come from earlier")
+            why = _NOT_ALL_MEASURED if record.key in self.unknown else (
+                "a loss term computed outside the narrated forward, or a sum of finite gradients that overflowed")
             return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
-                                                   f"AccumulateGrad", "a loss term computed outside the narrated "
-                                                   "forward, or a sum of finite gradients that overflowed")
+                                                   f"AccumulateGrad", why)
         self._send(record, event, positions)
         if received:
             return []  # it received a non-finite gradient: it passes it on
@@ -161,8 +158,7 @@ class GradTracker(Verdicts):
                                      "a gradient hook, a node outside the narrated forward, or a sum of finite "
                                      "gradients that overflowed")
         if record.key in self.unknown:
-            return self._unexplained(event, kinds, where, "not everything it received was measured, so it may have "
-                                                          "come from earlier")
+            return self._unexplained(event, kinds, where, _NOT_ALL_MEASURED)
         cause = record.forward_cause()
         if cause is not None:
             return self._from_forward(event, kinds, where, cause)
@@ -228,10 +224,6 @@ class GradTracker(Verdicts):
         shown = ", ".join(self.leaves[:3]) + (f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else "")
         count = len(self.leaves)
         return f"; non-finite gradients reached {count} lea{'f' if count == 1 else 'ves'} ({shown})"
-
-
-def _direct_settled(direct) -> bool:
-    return direct is None or isinstance(direct, int) or _kinds_of(direct) is not None
 
 
 def _kinds_of(direct) -> Optional[int]:
