@@ -120,9 +120,8 @@ class Pipeline:
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
         it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
         is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`).
-        A compiled graph's functional collective comes with its `group` (the `Collective` its node is,
-        without tensors), and the graph's `wait_tensor` for it with the collective's event, which it
-        `lands`."""
+        A compiled graph's functional collective comes with its `group` (its `Collective`, no tensors), and
+        the graph's `wait_tensor` for it with the collective's event, which it `lands`."""
         event = self.session.op_event(name, metas, site, stats)
         event.engine = engine
         if group is not None:

@@ -56,6 +56,7 @@ class GradTracker(Verdicts):
         self._nonfinite_before: set = set()  # ids of the parameters whose `.grad` was so as the backward began
 
     def _settled(self, event, record, positions, direct) -> bool:
+        """(what a node received, read on an accelerator, may be read later than what it produced)"""
         return settled(event) and _kinds_of(direct) is not None
 
     def accumulated(self, event, record: Optional[NodeRecord]) -> None:
@@ -96,20 +97,16 @@ class GradTracker(Verdicts):
             candidates += [(name, None, ref()) for name, ref in parameters if id(ref()) not in seen]
         before = self._nonfinite_before  # (non-finite already: this backward added to it, nobody else wrote it)
         candidates = [candidate for candidate in candidates if id(candidate[2]) not in before]
-        changed = []
+        changed, kinds = [], 0  # (name, the node that added it finite) of each gradient now non-finite; their kinds
         for name, event, grad in _not_all_finite(_gradients(candidates)):
-            kinds = _bits(bool(torch.isnan(grad).any()), bool(torch.isposinf(grad).any()),
-                          bool(torch.isneginf(grad).any()))
-            changed.append((name, event, kinds))
+            kinds |= _bits(*(bool(test(grad).any()) for test in (torch.isnan, torch.isposinf, torch.isneginf)))
+            changed.append((name, event))
         if not changed:
             return []
-        kinds = 0
-        for _, _, each in changed:
-            kinds |= each
-        names = ", ".join(name for name, _, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
+        names = ", ".join(name for name, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
         what = (f"the gradient of {changed[0][0]}" if len(changed) == 1
                 else f"the gradients of {len(changed)} parameters ({names})")
-        first = next((event for _, event, _ in changed if event is not None), None)
+        first = next((event for _, event in changed if event is not None), None)
         how = (f"~{first.ordinal} added it finite" if first is not None and changed[0][1] is not None
                else "this backward's own gradients were finite")
         who = ("under a process group, a collective such as DDP's all-reduce or FSDP2's reduce-scatter brought "
@@ -120,10 +117,10 @@ class GradTracker(Verdicts):
             f"({who})", first, FindingKind.CARRIED_IN))
 
     def _judge_one(self, event, record, positions, direct) -> List[Finding]:
-        """`judge(event, record, positions, direct)`: `record` is the node's (for a gradient reaching
-        an output, the node it feeds); `positions`: the node's gradient slots the measured tensors
-        came from; `direct`: statistics of what it received (perhaps still to be read), None when
-        not measured, or `UNREAD`."""
+        """A node, or a gradient reaching an output, as `judge` was given it: `record` is the node's
+        (the gradient's: the node it feeds); `positions`: its gradient slots the measured tensors
+        came from; `direct`: the statistics of what it received (perhaps still to be read), None
+        when not measured, or `UNREAD`."""
         leaf = record is not None and event.kind is NODE and record.label is not None
         kinds = None if leaf and not event.outputs else held(event)
         if kinds is None:
