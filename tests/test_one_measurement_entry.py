@@ -1,6 +1,8 @@
 """A value measured in the backward goes through the same entry as one measured in the forward:
 `Meter.observe`, which decides when a value is read and measures it. A backward that measured on
-its own again (the meter's kernels called directly, its own rule for when to read) fails here."""
+its own again (the meter's kernels called directly, its own rule for when to read) fails here, as
+one whose events entered their log past `EventLog.append`, or whose verdicts kept their own queue,
+counts and footer beside the forward's (`tracking.Verdicts`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.backward.verdicts import GradTracker
 from torchlens.meter import Meter
+from torchlens.session import EventLog
+from torchlens.tracking import Tracker, Verdicts
 
 BACKWARD = pathlib.Path(tl.__file__).resolve().parent / "backward"
 
@@ -70,3 +75,28 @@ def test_the_backward_reaches_the_meter_only_through_its_entry():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):
                 assert node.attr not in ("measure_output", "measure", "READ_NOW", "reads_now"), (path.name, node.attr)
+
+
+def test_every_backward_event_enters_its_log_the_way_a_forward_event_does(monkeypatch):
+    appended: list = []
+    append = EventLog.append
+
+    def spied(self, event):
+        appended.append(event)
+        return append(self, event)
+
+    monkeypatch.setattr(EventLog, "append", spied)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+    with tl.recording.Recorder(model, backward=True, on_nonfinite="track") as rec:
+        model(torch.randn(2, 4)).sum().backward()
+    [recording] = rec.recordings
+    [backward] = recording.backward
+    assert backward.events and all(any(e is a for a in appended) for e in backward.events)
+    assert all(any(e is a for a in appended) for e in recording.events)
+
+
+def test_the_forward_and_backward_verdicts_share_their_queue_counts_and_footer():
+    assert issubclass(Tracker, Verdicts) and issubclass(GradTracker, Verdicts)
+    for shared in ("judge", "summary", "_note", "_judged"):  # (the forward's `judge_rest` also sorts its findings)
+        assert shared not in vars(Tracker) and shared not in vars(GradTracker), shared
+    assert "judge_rest" not in vars(GradTracker)
