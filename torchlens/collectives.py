@@ -74,10 +74,14 @@ class Collective(NamedTuple):
     functional: bool = False  # `torch.ops._c10d_functional.*`: its values arrive at `wait_tensor`
 
     @property
+    def group(self) -> str:
+        """`group of 2`: the group it ran in, as a finding names it."""
+        return f"group of {self.group_size}" if self.group_size is not None else "group"
+
+    @property
     def label(self) -> str:
         """`group of 2, async`: what the op's line says after its module."""
-        group = f"group of {self.group_size}" if self.group_size is not None else "group"
-        return group + (", async" if self.in_flight else "")
+        return self.group + (", async" if self.in_flight else "")
 
     @property
     def value(self):
@@ -225,16 +229,17 @@ def _functional(func, args, kwargs, out) -> Optional[Collective]:
     return Collective(name, tensors, False, _functional_group_size(func, args, kwargs), True, functional=True)
 
 
-def graph_label(target, args, kwargs) -> Optional[str]:
-    """What the line of a compiled graph's functional collective says after its module
-    (`group of 2, async`: its values arrive at the graph's `wait_tensor`), None for other nodes."""
+def graph_label(target, args, kwargs) -> Optional[Collective]:
+    """The functional collective a compiled graph's node is, without tensors (its line says its
+    `label` after its module, `group of 2, async`: its values arrive at the graph's `wait_tensor`),
+    None for other nodes."""
     if not is_functional_collective(target):
         return None
     try:
         size = _functional_group_size(target, args, kwargs)
     except Exception:
         size = None
-    return Collective("", (), False, size, True, functional=True).label
+    return Collective("", (), False, size, True, functional=True)
 
 
 def _functional_group_size(func, args, kwargs) -> Optional[int]:

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple
 import torch
 
 from .backward import BackwardNarration, GradientRoots, settle_open_runs
+from .errors import NonFiniteError
 from .events import Scope, TensorMeta
 from .guard import guarded, internal_error
 from .meter import Meter
@@ -72,7 +73,8 @@ class ForwardPass:
             values = self.session.values  # (a dict exactly when `settings.keep_values`)
             self.keeper = (ValueKeeper(values, settings.keep_on_cpu, settings.max_bytes)
                            if values is not None else None)
-            meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
+            # (tracking while narrating reads a CPU op's statistics at once: its `!!` line follows it)
+            meter = Meter.of(settings, judging=narrator is not None)
             self.pipeline = Pipeline(self.session, meter, self.tensor_names, self.keeper, self.roots,
                                      held=lambda: model_tensors(model))
         except BaseException:
@@ -107,7 +109,8 @@ class ForwardPass:
                 for label, tensor in outputs:
                     self.pipeline.output(label, TensorMeta.single(tensor), tensor)
                 session.footer_extra.extend(notes())
-                recording = session.finish(output, self.pipeline)
+                session.move_to(session.root)
+                recording = session.finish(output, self.pipeline.settle())
             except Exception as exc:
                 internal_error("finishing the recording", exc)
                 return Recording(session.events, output, self.settings)
@@ -125,9 +128,17 @@ class ForwardPass:
                                 self._parameters() if world_size() > 1 else (), self.pipeline.forward_values)
 
     def fail(self, exc: BaseException) -> Optional[PartialTrace]:
-        """The partial trace of a forward that raised `exc`, attached to it. Never raises."""
+        """The partial trace of a forward that raised `exc`, attached to it. Never raises: a problem
+        here is a warning, and the user's exception goes on."""
+        session = self.session
         with self.own_work():
-            return self.session.fail(exc, self.pipeline)
+            try:
+                # (before `settle`, which forgets the collectives still in flight: their memory is not read)
+                attempt = None if isinstance(exc, NonFiniteError) else session.attempt_for(exc, self.pipeline.unread)
+                return session.fail(exc, attempt, self.pipeline.settle())
+            except Exception as inner:
+                internal_error("building the partial trace", inner)
+                return None
 
     def close(self) -> None:
         """Close the sink this pass opened (not a shared one). Safe to call twice."""

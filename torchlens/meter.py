@@ -51,27 +51,11 @@ from .stats import (
     vector_dtype,
 )
 
-__all__ = ["READ_NOW", "Meter", "Pending", "reads_now"]
+__all__ = ["READ_NOW", "Meter", "Pending"]
 
 # Devices whose values are read as each op completes (no device to wait for). Everything else is
 # read once per forward. Tests empty it to check the deferred discipline without an accelerator.
 READ_NOW = {"cpu"}
-
-
-def reads_now(raising: bool, printed: bool, tracking: bool, value) -> bool:
-    """The one rule, for the forward and the backward, for when an output's statistics are read as
-    it is recorded: when `on_nonfinite="raise"` must decide at this op, when its line is printed
-    now, or when tracking can judge it now because its device is read at once (`READ_NOW`: the
-    CPU, with no device to wait for). Otherwise they are read with the rest of the pass, in one
-    read (an accelerator's way). `value`: the output, or a tuple of them (its first tensor's device
-    decides), looked at only when tracking asks."""
-    if raising or printed:
-        return True
-    if not tracking:
-        return False
-    if value.__class__ is not torch.Tensor and isinstance(value, (tuple, list)):
-        value = next((t for t in value if isinstance(t, torch.Tensor)), None)
-    return isinstance(value, torch.Tensor) and value.device.type in READ_NOW
 
 
 class Pending:
@@ -94,16 +78,18 @@ class _Known(NamedTuple):
 
 
 class Meter:
-    """Measures op outputs for one forward, following the rung and the tracking mode.
+    """Measures the values of one forward or backward run, following the rung and the tracking mode.
 
-    `measure(tensor, live)` returns a `Stats` that is complete when it is read now (`live`: its
-    line is being printed, or `on_nonfinite="raise"` must stop at this op; or the tensor is on the
-    CPU) and otherwise filled in by `flush()` at the end of the forward, one transfer per device.
+    `observe` is the one entry for a value (an op's output, a backward node's gradients): a `Stats`
+    complete when read now, otherwise filled in by `flush()` at the end, one transfer per device.
     """
 
-    def __init__(self, rung: str, tracking: bool, dtensors: str = "local"):
+    def __init__(self, rung: str, tracking: bool, dtensors: str = "local", raising: bool = False,
+                 judging: bool = False):
         self.rung = rung
         self.tracking = tracking
+        self.raising = raising  # `on_nonfinite="raise"`: it decides at each value
+        self.judging = judging  # tracking judges each value as it is recorded
         self._whole_dtensors = dtensors == "global"  # (`dtensor_stats=`: see `_measure_whole`)
         self.pending: List[Pending] = []
         self.reads = 0  # host transfers made, for the footer and the tests
@@ -116,12 +102,35 @@ class Meter:
         # few calls (see `measure`).
         self._plain = "screen" if tracking and rung in ("off", "reuse") else "sums" if rung == "exact" else None
 
+    @classmethod
+    def of(cls, settings, judging: bool) -> Optional["Meter"]:
+        """The meter `settings` ask for (None when they measure nothing)."""
+        tracking = settings.on_nonfinite is not None
+        meter = cls(settings.value_stats, tracking, settings.dtensor_stats, settings.on_nonfinite == "raise",
+                    tracking and judging)
+        return meter if meter.active else None
+
     @property
     def active(self) -> bool:
         return measures(self.rung, self.tracking)
 
+    def observe(self, value, printed: bool = False):
+        """The statistics of `value` (a tensor; a sequence: a `StatsGroup`), read now when `raise` must
+        decide at it, when `printed` (its line prints now; or it will not stay as it is), or when
+        tracking judges it now as its device is read at once (`on_host`); else with the rest, in one
+        read (an accelerator's way). Never raises: "n/a" when it cannot measure."""
+        return self.measure_output(value, self.raising or printed or (self.judging and self.on_host(value)))
+
+    @staticmethod
+    def on_host(value) -> bool:
+        """Whether `value` (a tensor; a sequence: its first) has no device to wait for (`READ_NOW`)."""
+        if value.__class__ is not torch.Tensor and isinstance(value, (tuple, list)):
+            value = next((t for t in value if isinstance(t, torch.Tensor)), None)
+        return isinstance(value, torch.Tensor) and value.device.type in READ_NOW
+
     def measure_output(self, out, live: bool):
-        """Stats of an op's output (a tensor, or a StatsGroup for several)."""
+        """Stats of an output (a tensor, or a StatsGroup for several), read now if `live`: what
+        `observe` measures with, and the compiled path's outputs returned by a graph."""
         if isinstance(out, torch.Tensor):
             return self.measure(out, live)
         return StatsGroup([self.measure(t, live) for t in out if isinstance(t, torch.Tensor)])

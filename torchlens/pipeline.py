@@ -3,9 +3,9 @@
 Eager capture, the compiled plans and the code between compiled graphs each see values in their
 own way; what happens to a value once seen is the same for all of them and lives here:
 
-    decide when it is read      `meter.reads_now`: now (tracking narrated live, `raise`, a line
-                                that prints), or with the rest at the end of the pass
-    measure                     `Meter.measure_output` (never raises: "n/a" when it cannot)
+    measure                     `Meter.observe`, the backward's entry too: read now (tracking
+                                narrated live, `raise`, a line that prints) or with the rest at
+                                the end of the pass; never raises ("n/a" when it cannot)
     judge                       `Tracker.judge`, with what the op read (`reads`)
     log and narrate             `Session.append`: the event log and the live narrator
     keep                        `tl.trace`'s `ValueKeeper`, and the inputs of the first op to
@@ -25,13 +25,13 @@ from typing import List, NamedTuple, Optional, Tuple
 from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
 from .errors import NonFiniteError
-from .events import INPUT, OUTPUT, Event, Stats
+from .events import Event, Stats
 from .grammar import measurement_notes
 from .guard import internal_error
-from .meter import Meter, reads_now
+from .meter import Meter
 from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
-from .session import Session, attach_finding, nonfinite_message
+from .session import Session, Settled, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
 from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
 from .writes import call_writes, may_return_an_alias
@@ -70,7 +70,7 @@ class Pipeline:
     def __init__(self, session: Session, meter: Optional[Meter], tensor_names, keeper=None, roots=None, held=tuple):
         settings = session.settings
         self.session = session
-        self.meter = meter if meter is not None and meter.active else None
+        self.meter = meter  # (`Meter.of`: None when nothing is measured)
         # `tensor_names()`: id -> name of the model's parameters and buffers, read when a finding needs it
         self.tracker = Tracker(tensor_names) if settings.on_nonfinite is not None else None
         # With tracking: the inputs of the first op to introduce each kind of non-finite value, for `.repro()`
@@ -84,13 +84,9 @@ class Pipeline:
         self.keeper = keeper
         self.roots = roots
         self.raising = settings.on_nonfinite == "raise"
-        # Tracking while narrating: CPU statistics are read as each op completes (there is no
-        # device to wait for), so a finding's `!!` line follows its op whatever the selection.
-        self._judge_live = self.tracker is not None and session.narrator is not None
         self._outputs: List[tuple] = []  # (label, tensor) of the forward's outputs, for the tracker
         # (event, collective, written) of asynchronous collectives whose values no op has read yet
         self._in_flight: List[Tuple[Event, Collective, _Written]] = []
-        self.verdict: Optional[str] = None  # non-finite tracking's, once settled (the footer's words)
         # with tracking and a backward to narrate: the forward's non-finite values by op, for its verdicts
         self.forward_values: Optional[ForwardValues] = None
         # metadata only, where nothing lands them: the memory of every asynchronous collective's
@@ -105,11 +101,9 @@ class Pipeline:
     # -- what substrates report -----------------------------------------------------------------
 
     def input(self, label: str, metas, value) -> Event:
-        session = self.session
-        session.ordinal += 1
         if self.seen is not None:
             self.seen.saw(value)
-        event = self._observe(Event(INPUT, session.ordinal, "input", session.root, metas, None, None, label), value)
+        event = self._observe(self.session.input_event(label, metas), value)
         if self.tracker is not None:
             self.tracker.produced(event, value)
         self._keep(event, value)
@@ -119,21 +113,21 @@ class Pipeline:
 
     def op(self, name: str, metas, site=None, value=None, stats=None, reads=None, call: Optional[Call] = None,
            kept=None, collective: Optional[Collective] = None, engine: Optional[str] = None,
-           group: Optional[str] = None, lands: Optional[Event] = None) -> Event:
+           group: Optional[Collective] = None, lands: Optional[Event] = None) -> Event:
         """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
         for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
         derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
         it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
         is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`).
-        A compiled graph's functional collective comes with its `group` (`group of 2, async`), and the
-        graph's `wait_tensor` for it with the collective's event, which it `lands`."""
+        A compiled graph's functional collective comes with its `group` (its `Collective`, no tensors), and
+        the graph's `wait_tensor` for it with the collective's event, which it `lands`."""
         event = self.session.op_event(name, metas, site, stats)
         event.engine = engine
         if group is not None:
-            event.label = group
+            event.label = group.label
             if self.tracker is not None:
-                self.tracker.collective(event, group.split(", ")[0])
+                self.tracker.collective(event, group.group)
         if lands is not None:
             self._land_in_graph(lands, event, value)
         if self._in_flight and call is not None:
@@ -195,7 +189,7 @@ class Pipeline:
             if collective.in_flight:
                 unwritten.in_flight(collective.tensors)
         if tracker is not None:
-            tracker.collective(event, collective.label.split(", ")[0])
+            tracker.collective(event, collective.group)
             if can_hold_nonfinite(metas):
                 event.reads = lazy = LazyReads(tracker, call.args, call.kwargs or {})
                 if written[0] or written[1]:
@@ -243,7 +237,7 @@ class Pipeline:
             self.meter.forget(collective.tensors)
             collective_event.stats = (Stats("na", 0, self.meter.rung != "off",
                                             note=f"overwritten by #{reader.ordinal} before it was read")
-                                      if overwritten else self.meter.measure_output(value, True))
+                                      if overwritten else self.meter.observe(value, True))
         if self.unwritten is not None:
             self.unwritten.landed(collective.tensors)
         if self.tracker is not None:
@@ -258,7 +252,7 @@ class Pipeline:
         an eager one's, before the wait is."""
         stats = wait.stats
         if stats is None and value is not None and self.meter is not None:  # (live: measured here)
-            stats = self.meter.measure_output(value, True)
+            stats = self.meter.observe(value, True)
         if stats is None:
             return
         collective_event.stats = stats
@@ -269,12 +263,10 @@ class Pipeline:
     def output(self, label: str, metas, value=None) -> Event:
         if self.tracker is not None and value is not None:
             self._outputs.append((label, value))
-        session = self.session
-        session.move_to(session.root)
-        event = Event(OUTPUT, session.ordinal, "output", session.root, metas, None, None, label)
+        event = self.session.output_event(label, metas)
         if value is not None:
             event.stats = self._held_by(value)
-        return session.append(event)
+        return self.session.append(event)
 
     def _held_by(self, value) -> Optional[Stats]:
         """What an output holds, for the page and tools (the `=>` line shows no statistics): the
@@ -341,16 +333,15 @@ class Pipeline:
             unwritten.wrote(tensor for tensor in tensors_of(value) if passed_in(tensor, args, kwargs))
 
     def _measure(self, meter: Meter, event: Event, value) -> Stats:
-        """The statistics of an op's output, read now or at the end of the pass by `meter.reads_now`
-        (the rule the backward uses too; tracking judges live here only while it narrates). Memory
-        no op has written yet (`empty`'s, and views of it) is never read: torch has not read it."""
+        """The statistics of an op's output, through `Meter.observe` (the backward's entry too).
+        Memory no op has written yet (`empty`'s, and views of it) is never read: torch has not
+        read it."""
         note = UNINITIALIZED_NOTE if event.op.startswith(UNINITIALIZED) else (
             self.unwritten.unwritten(value) if self.unwritten else None)
         if note is not None:
             return Stats("na", 0, meter.rung != "off", note=note)
         narrator = self.session.narrator
-        live = reads_now(self.raising, narrator is not None and narrator.prints(event), self._judge_live, value)
-        return meter.measure_output(value, live)  # never raises: "n/a" when it cannot
+        return meter.observe(value, narrator is not None and narrator.prints(event))
 
     def _judge(self, tracker: Tracker, event: Event) -> list:
         """The tracker's findings made now; those about this very op get their `!!` line after it."""
@@ -377,9 +368,9 @@ class Pipeline:
 
     # -- ending the pass ------------------------------------------------------------------------
 
-    def settle(self) -> None:
+    def settle(self) -> Settled:
         """Read what statistics are still on the device, judge what waited for them, and say in the
-        session's footer what was measured and found. Never raises."""
+        session's footer what was measured and found: what the pass's recording takes. Never raises."""
         session = self.session
         try:
             if self.meter is not None:
@@ -387,11 +378,13 @@ class Pipeline:
         except Exception as exc:
             internal_error("reading value statistics", exc)
         if self.tracker is not None:
-            for collective_event, _, _ in self._in_flight:
-                self.tracker.never_landed(collective_event)
+            for _ in self._in_flight:
+                self.tracker.never_landed()
         self._in_flight = []
-        verdict = self.verdict = self._verdict(self.tracker) if self.tracker is not None else None
+        verdict = self._verdict(self.tracker) if self.tracker is not None else None
         session.footer_extra.extend(measurement_notes(session.settings.value_stats, verdict, session.incomplete))
+        return Settled(tuple(self.tracker.findings) if self.tracker is not None else (), verdict,
+                       self.kept_inputs.calls if self.kept_inputs is not None else {})
 
     def _verdict(self, tracker: Tracker) -> str:
         session = self.session
@@ -410,12 +403,3 @@ class Pipeline:
         except Exception as exc:
             internal_error("judging non-finite values", exc)
             return "non-finite tracking failed: no verdict"
-
-    @property
-    def findings(self) -> tuple:
-        """What non-finite tracking found (`torchlens.findings.Finding`), in order."""
-        return tuple(self.tracker.findings) if self.tracker is not None else ()
-
-    @property
-    def kept_calls(self) -> dict:
-        return self.kept_inputs.calls if self.kept_inputs is not None else {}

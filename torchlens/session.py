@@ -3,9 +3,9 @@
 A substrate (eager hooks, or a compiled graph's plan) reports module enters and exits and failed
 calls here directly, and the values it sees through the pass's `pipeline.Pipeline` (which
 measures and judges them before they are appended). Every event enters the log through `append`
-(a compiled graph's replayed run of events through `append_segment`); the metadata-only capture's
-`add_op` is `append`'s body inlined, the hot path. At the end the session produces a `Recording`
-(or, on failure, a `PartialTrace` attached to the user's exception).
+(`EventLog`'s, a backward run's too; a compiled graph's replayed run of events: `append_segment`);
+the metadata-only capture's `add_op` is `append`'s body inlined, the hot path. At the end the
+session produces a `Recording` (on failure, a `PartialTrace` attached to the user's exception).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import traceback
 from typing import Dict, List, NamedTuple, Optional
 
-from .errors import NonFiniteError
-from .events import ENTER, EXIT, OP, Attempt, Event, Scope
-from .guard import internal_error
+from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
 from .integer_values import call_stream, read_values
 from .narrator import Narrator
 from .options import Settings
@@ -23,7 +21,16 @@ from .repro.kept import KeptCall
 from .results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 
-__all__ = ["Session", "attach", "attach_finding", "error_summary", "in_chain", "nonfinite_message"]
+__all__ = ["EventLog", "Session", "Settled", "attach", "attach_finding", "error_summary", "in_chain",
+           "nonfinite_message"]
+
+
+class Settled(NamedTuple):
+    """What a pass's pipeline settled at its end for its recording (`Pipeline.settle`)."""
+
+    findings: tuple
+    verdict: Optional[str]
+    kept_calls: dict
 
 
 class FailedCall(NamedTuple):
@@ -41,7 +48,33 @@ class FailedCall(NamedTuple):
     values: Optional[tuple] = None  # those values, when already read (by an eager re-run of the forward)
 
 
-class Session:
+class EventLog:
+    """Events in order, each handed to the live narrator as it is added: `append` is the one way
+    into a forward's log (`Session`) and a backward run's (`backward.runs.BackwardRun`)."""
+
+    def __init__(self, events: List[Event], narrator: Optional[Narrator], header: Optional[str]):
+        self.events = events
+        self.narrator = narrator
+        self.header = header
+        self.ordinal = 0  # the number of the last op (`#N`) or backward node (`~N`)
+        self.incomplete: Optional[str] = None  # why some of the run went unrecorded, if it did
+        if narrator is not None:
+            narrator.begin_pass(header)
+
+    def append(self, event: Event) -> Event:
+        self.events.append(event)
+        if self.narrator is not None:
+            self.narrator.feed(event)
+        return event
+
+    def mark_incomplete(self, why: str) -> None:
+        """Some of the run went unrecorded (`why`): the footer and the verdict say so. The first
+        reason is kept."""
+        if self.incomplete is None:
+            self.incomplete = why
+
+
+class Session(EventLog):
     """Collects one forward's events and narrates them live.
 
     `narrator` may be shared by several sessions (a `Recorder` narrates every pass to one sink).
@@ -49,38 +82,39 @@ class Session:
 
     def __init__(self, settings: Settings, root: Scope, narrator: Optional[Narrator] = None,
                  header: Optional[str] = None):
+        super().__init__([], narrator, header)
         self.settings = settings
         self.root = root
-        self.narrator = narrator
-        self.header = header
-        self.events: List[Event] = []
         self.values: Optional[Dict[int, tuple]] = {} if settings.keep_values else None  # ordinal -> kept value
-        self.ordinal = 0
         self.scope = root
         self.failed_call: Optional[FailedCall] = None  # the last torch call that raised
         self._unwound: List[Scope] = []  # exits seen while an exception propagated, not yet recorded
         self.footer_extra: List[str] = []
-        self.incomplete: Optional[str] = None  # why some of the forward went unrecorded, if it did
-        if narrator is not None:
-            narrator.begin_pass(header)
 
     # -- what substrates report -----------------------------------------------------------------
 
     def append(self, event: Event) -> Event:
-        """Add an event to the pass's log (after the exits of modules an exception caught inside the
-        forward unwound through), and hand it to the live narrator: the one way into the log."""
+        """`EventLog.append`, after the exits of modules an exception caught inside the forward
+        unwound through."""
         if self._unwound:
             self._recover()
-        self.events.append(event)
-        if self.narrator is not None:
-            self.narrator.feed(event)
-        return event
+        return super().append(event)
+
+    def input_event(self, label: str, metas) -> Event:
+        """The next input's event, numbered, at the root (not yet in the log)."""
+        self.ordinal += 1
+        return Event(INPUT, self.ordinal, "input", self.root, metas, None, None, label)
 
     def op_event(self, op: str, metas, site=None, stats=None) -> Event:
         """The next op's event, numbered and placed in the open module (not yet in the log)."""
         self.ordinal += 1
         self.failed_call = None
         return Event(OP, self.ordinal, op, self.scope, metas, site, stats, None)
+
+    def output_event(self, label: str, metas) -> Event:
+        """An output's event, at the root once the modules still open are left (not yet in the log)."""
+        self.move_to(self.root)
+        return Event(OUTPUT, self.ordinal, "output", self.root, metas, None, None, label)
 
     def add_op(self, op: str, metas) -> Event:
         """Record an op that needs no measuring, judging or keeping (the metadata-only capture).
@@ -184,12 +218,6 @@ class Session:
         self.events[:] = events
         self.ordinal, self.scope = attempt.ordinal - 1, attempt.scope
 
-    def mark_incomplete(self, why: str) -> None:
-        """Some of the forward went unrecorded (`why`): the footer and the verdict say so. The
-        first reason is kept."""
-        if self.incomplete is None:
-            self.incomplete = why
-
     def op_failed(self, op: str, metas, site, exc: BaseException, scope: Optional[Scope] = None,
                   notes=(), call: Optional[KeptCall] = None, tensors=(), values: Optional[tuple] = None) -> None:
         """A torch call raised: remember it as the attempted op in case the forward fails.
@@ -201,57 +229,29 @@ class Session:
 
     # -- ending the pass ------------------------------------------------------------------------
 
-    def finish(self, output, pipeline) -> Recording:
-        """The recording of the forward that returned `output`; `pipeline` (`pipeline.Pipeline`)
-        measured and judged its values, and settles them into the footer first."""
-        self.move_to(self.root)
-        pipeline.settle()
+    def finish(self, output, settled: Settled) -> Recording:
+        """The recording of the forward that returned `output` (its modules left: `move_to` the root),
+        with what its pipeline `settled` (the footer's words included)."""
         if self.narrator is not None:
             self.narrator.end_pass(self.footer_extra)
         cls = Trace if self.values is not None else Recording
-        made = cls(
-            events=self.events,
-            output=output,
-            settings=self.settings,
-            header=self.header,
-            footer_extra=list(self.footer_extra),
-            values=self.values,
-            findings=pipeline.findings,
-            verdict=pipeline.verdict,
-        )
-        made.kept_calls = pipeline.kept_calls
+        return self._recording(cls, output, settled, footer_extra=list(self.footer_extra))
+
+    def fail(self, exc: BaseException, attempt: Optional[Attempt], settled: Settled) -> PartialTrace:
+        """The partial trace for `exc` (`attempt`: the op it ended, `attempt_for`), the tail narrated,
+        both attached to the exception."""
+        error = error_summary(exc)
+        partial = self._recording(PartialTrace, None, settled, footer_extra=[], attempt=attempt, error=error)
+        if self.narrator is not None:
+            self.narrator.fail(self.events, attempt, error)
+        attach(exc, partial)
+        return partial
+
+    def _recording(self, cls, output, settled: Settled, **more):
+        made = cls(events=self.events, output=output, settings=self.settings, header=self.header, values=self.values,
+                   findings=settled.findings, verdict=settled.verdict, **more)
+        made.kept_calls = settled.kept_calls
         return made
-
-    def fail(self, exc: BaseException, pipeline) -> Optional[PartialTrace]:
-        """Build the partial trace for `exc`, narrate the tail, and attach both to the exception.
-
-        Never raises: a problem here is reported as a warning and the user's exception goes on.
-        """
-        try:
-            # (before `settle`, which forgets the collectives still in flight: their memory is not read)
-            attempt = None if isinstance(exc, NonFiniteError) else self.attempt_for(exc, pipeline.unread)
-            pipeline.settle()
-            error = error_summary(exc)
-            partial = PartialTrace(
-                events=self.events,
-                output=None,
-                settings=self.settings,
-                header=self.header,
-                footer_extra=[],
-                values=self.values,
-                findings=pipeline.findings,
-                verdict=pipeline.verdict,
-                attempt=attempt,
-                error=error,
-            )
-            partial.kept_calls = pipeline.kept_calls
-            if self.narrator is not None:
-                self.narrator.fail(self.events, attempt, error)
-            attach(exc, partial)
-            return partial
-        except Exception as inner:
-            internal_error("building the partial trace", inner)
-            return None
 
     def attempt_for(self, exc: BaseException, unread=None) -> Attempt:
         """The attempted op of a forward that `exc` ends. `unread(tensor)`: why a tensor's memory

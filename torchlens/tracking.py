@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Counter, Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -42,8 +42,8 @@ from .provenance import tensor_arguments as _tensor_arguments
 from .stats_text import counts_text
 from .unwritten import IN_FLIGHT, NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 
-__all__ = ["UNINITIALIZED", "ForwardCause", "ForwardValues", "Tracker", "can_hold_nonfinite", "held", "measured_finite",
-           "settled", "unmeasured_reason"]
+__all__ = ["UNINITIALIZED", "ForwardCause", "ForwardValues", "Tracker", "Verdicts", "can_hold_nonfinite", "count_text",
+           "held", "measured_finite", "settled", "unmeasured_reason"]
 
 UNINITIALIZED = ("empty", "new_empty")  # op names whose outputs hold no values yet (`empty_like`, ...)
 
@@ -54,10 +54,6 @@ def can_hold_nonfinite(metas) -> bool:
         if meta.dtype.is_floating_point or meta.dtype.is_complex:
             return True
     return False
-
-
-def _float_outputs(event: Event) -> bool:
-    return can_hold_nonfinite(event.outputs)
 
 
 def measured_finite(stats) -> bool:
@@ -73,7 +69,7 @@ def measured_finite(stats) -> bool:
 def settled(event: Event) -> bool:
     """Whether `event`'s statistics say all they will (not still waiting on the device)."""
     stats = event.stats
-    if stats is None or not _float_outputs(event):
+    if stats is None or not can_hold_nonfinite(event.outputs):
         return True
     parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
     return all(part.kind == "na" or part.nan is not None for part in parts)
@@ -81,7 +77,7 @@ def settled(event: Event) -> bool:
 
 def held(event: Event) -> Optional[int]:
     """The kinds of non-finite value `event`'s outputs held (bits), or None if not measured."""
-    if not _float_outputs(event):
+    if not can_hold_nonfinite(event.outputs):
         return 0  # integers and bools cannot hold them
     stats = event.stats
     if stats is None:
@@ -123,7 +119,83 @@ def _ref(event: Event) -> str:
     return op_ref(event.ordinal, event.op, event.scope.path)
 
 
-class Tracker:
+class Verdicts:
+    """What judging a pass's values takes, whichever way their provenance is followed (the forward's
+    `Tracker`, a backward's `GradTracker`): the values waiting, in order, until their statistics are
+    read; the findings; the counts of what was and was not measured; the footer's words on them."""
+
+    HEADLINE = "first non-finite"  # the footer's words before the first finding
+    INCOMPLETE = "; {}, so nothing is claimed of them"  # why part of the pass was not recorded
+    _judge_one: Callable[..., List[Finding]]  # one value, with the `context` `judge` was given
+
+    def __init__(self):
+        self._queue: Deque[Tuple[Event, tuple]] = collections.deque()  # (event, context), judged in order
+        self.findings: List[Finding] = []
+        self.unmeasured: Counter[str] = collections.Counter()  # why -> how many values were not measured
+        self.measured = 0
+
+    def judge(self, event: Event, *context) -> List[Finding]:
+        """Take `event` into account (and any events before it still waiting for statistics);
+        return the findings made now."""
+        if not self._queue and measured_finite(event.stats):
+            self._finite(event)  # nothing waiting before it: `_judge_one` in short
+            return []
+        self._queue.append((event, context))
+        made = []
+        while self._queue and self._settled(self._queue[0][0], *self._queue[0][1]):
+            made.extend(self._judged(*self._queue.popleft()))
+        return made
+
+    def judge_rest(self) -> List[Finding]:
+        """At the end of the pass, once every statistic is read."""
+        queue, self._queue = self._queue, collections.deque()
+        return [finding for item in queue for finding in self._judged(*item)]
+
+    def _judged(self, event: Event, context: tuple = ()) -> List[Finding]:
+        """`_judge_one`'s findings, live when made at their own value (not a birth held back)."""
+        findings = self._judge_one(event, *context)
+        for finding in findings:
+            finding.live = finding.event is event
+        return findings
+
+    def _settled(self, event: Event, *context) -> bool:
+        return settled(event)
+
+    def _finite(self, event: Event) -> None:
+        self.measured += 1
+
+    def _note(self, *findings: Finding) -> List[Finding]:
+        self.findings.extend(findings)
+        return list(findings)
+
+    def summary(self, incomplete: Optional[str] = None) -> str:
+        """The footer's words: the first finding (and those `_headline` adds), or a claim limited to
+        what was measured; `incomplete`: why part of the pass was not recorded (nothing is claimed
+        of the rest). `_after` adds its words before what was not measured."""
+        missing = sum(self.unmeasured.values())
+        why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
+        gap = (f"; {missing} not measured ({why})" if missing else "") + (
+            self.INCOMPLETE.format(incomplete) if incomplete else "")
+        if self.findings:
+            shown = self._headline()
+            more = len(self.findings) - len(shown)
+            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
+            return f"{self.HEADLINE}: {'; then '.join(f.text for f in shown)}{extra}{self._after()}{gap}"
+        if gap:
+            return f"{self._claim()} in the {self.measured} measured{self._after()}{gap}"
+        return self._claim() + self._after()
+
+    def _headline(self) -> List[Finding]:
+        return self.findings[:1]
+
+    def _claim(self) -> str:
+        return "no non-finite values"
+
+    def _after(self) -> str:
+        return ""
+
+
+class Tracker(Verdicts):
     """The verdicts of one forward, drawn from its ops' statistics and their provenance.
 
     Substrates tell its `provenance` (`provenance.Provenance`) what each op read (`reads_of`, or a
@@ -132,18 +204,17 @@ class Tracker:
     rules are `findings.FindingKind`'s table.
     """
 
+    INCOMPLETE = "; not everything after {} was recorded, so nothing is claimed of what followed"
+
     def __init__(self, names: Callable[[], Dict[int, str]]):
+        super().__init__()
         self.provenance = Provenance(names)  # what produced and wrote each tensor (`provenance`)
         provenance = self.provenance
         # (bound once: `produced` runs for every op a tracked forward records)
-        self.origin_of, self.source, self.produced = provenance.origin_of, provenance.source, provenance.produced
+        self.origin_of, self.produced = provenance.origin_of, provenance.produced
         self._kinds: Dict[int, Optional[int]] = {}  # id(event) -> what it held
         self._origin: Dict[Tuple[int, int], object] = {}  # (id(event), kind) -> Event or Source
-        self._queue: Deque[Event] = collections.deque()  # judged in order, once their statistics are read
         self._seen_first = 0  # kinds already reported as "first seen" (not a birth)
-        self.findings: List[Finding] = []
-        self.unmeasured: Dict[str, int] = {}
-        self.measured = 0
         self.absorbed: Optional[Event] = None  # first op holding an infinity that was no finding
         # Infinity births whose verdict waits for their fate: a finding if they turn into a NaN or
         # reach the output, else absorbed (T5's `log(0)` under a `where`, a softmax-ed mask).
@@ -167,17 +238,15 @@ class Tracker:
         if value is not None:  # (a compiled graph's: its plan says where its values went)
             self.provenance.produced(event, value, args, kwargs, position)
         self._kinds.pop(id(event), None)
-        return self._judge_one(event)
+        return self._judged(event)
 
-    def never_landed(self, event: Event) -> None:
+    def never_landed(self) -> None:
         """The forward ended before anything read what an asynchronous collective brought."""
-        reason = "in flight at the end of the forward"
-        self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
+        self.unmeasured["in flight at the end of the forward"] += 1
 
     def waiting(self, event: Event) -> bool:
         """Whether `event` still waits for its verdict (its statistics, or an earlier op's, are read later)."""
-        return bool(self._queue) and self._queue[-1] is event
-
+        return bool(self._queue) and self._queue[-1][0] is event
 
     def reads_of(self, args, kwargs):
         """(what each tensor argument came from, scalar kinds carried in) for an op's arguments."""
@@ -186,35 +255,16 @@ class Tracker:
 
     # -- verdicts -------------------------------------------------------------------------------
 
-    def judge(self, event: Event) -> List[Finding]:
-        """Take `event` (and any events before it still waiting for statistics) into account;
-        return the findings made now."""
-        if not self._queue and measured_finite(event.stats):
-            self._kinds[id(event)] = 0  # nothing waiting before it: `_verdicts` in short
-            self.measured += 1
-            return []
-        self._queue.append(event)
-        made = []
-        while self._queue and settled(self._queue[0]):
-            made.extend(self._judge_one(self._queue.popleft()))
-        return made
+    def _finite(self, event: Event) -> None:
+        self._kinds[id(event)] = 0
+        self.measured += 1
 
     def judge_rest(self) -> List[Finding]:
-        """At the end of the forward, once every statistic is read."""
-        queue, self._queue = self._queue, collections.deque()
-        made = []
-        for event in queue:
-            made.extend(self._judge_one(event))
+        made = super().judge_rest()
         self.findings.sort(key=_position)  # by where they happened, not when they were known
         return made
 
     def _judge_one(self, event: Event) -> List[Finding]:
-        findings = self._verdicts(event)
-        for finding in findings:
-            finding.live = finding.event is event  # made at its own op (not a birth held back)
-        return findings
-
-    def _verdicts(self, event: Event) -> List[Finding]:
         kinds = held(event)
         if kinds == 0 and _unread(event):
             # memory that held no values yet (`torchlens.unwritten`): nothing to find in the op
@@ -226,8 +276,7 @@ class Tracker:
         if kinds != 0:
             self.clean = False
         if kinds is None:
-            reason = unmeasured_reason(event)
-            self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
+            self.unmeasured[unmeasured_reason(event)] += 1
             return []
         self.measured += 1
         if not kinds or event.kind is INPUT:
@@ -235,8 +284,8 @@ class Tracker:
                 if kinds & bit:
                     self._origin[(id(event), bit)] = event
             if kinds & NAN:  # an infinity in an input may be a mask (`attn_mask`): judged by its fate
-                return self._note([Finding(f"NaN in the input {event.label} ({_counts(event)})", event,
-                                             FindingKind.NONFINITE_INPUT, source=event.label)])
+                return self._note(Finding(f"NaN in the input {event.label} ({counts_text(event.stats)})", event,
+                                          FindingKind.NONFINITE_INPUT, source=event.label))
             if kinds and self.absorbed is None:
                 self.absorbed = event
             return []
@@ -247,7 +296,7 @@ class Tracker:
                 findings.extend(self._trace_kind(event, bit, name, refs, carried))
         if not findings and kinds & (POSINF | NEGINF) and self.absorbed is None:
             self.absorbed = event
-        return self._note(findings)
+        return self._note(*findings)
 
     def _trace_kind(self, event: Event, bit: int, name: str, refs, carried) -> List[Finding]:
         """Where `event`'s value of kind `bit` came from; the findings that makes (an infinity
@@ -274,7 +323,7 @@ class Tracker:
                     return self._source_finding(ref, event) if bit == NAN else []
                 unknown = unknown or kinds is None
         self._origin[key] = event
-        count = _count_of(event, bit)
+        count = count_text(event, bit)
         if unknown or event.reads is None:
             if self._seen_first & bit:
                 return []  # reported once: later sightings of an unmeasured origin say nothing new
@@ -323,10 +372,6 @@ class Tracker:
                     return f" (out of {name} {self._where(origin, bit)})", origin
         return "", None
 
-    def _note(self, findings: List[Finding]) -> List[Finding]:
-        self.findings.extend(findings)
-        return findings
-
     def output_reached(self, label: str, tensor: torch.Tensor) -> None:
         """An infinity in the forward's output is a finding, wherever it came from (an op, or a
         tensor no narrated op produced, such as a buffer returned as it is)."""
@@ -338,14 +383,18 @@ class Tracker:
                     shown = ref if isinstance(ref, Event) else None
                     reach = Finding(f"{name} reaches the output {label} ({self._where(origin, bit)})", shown,
                                     FindingKind.REACHES_OUTPUT)
-                    self._note(self._held_back(origin) + [reach])
+                    self._note(*self._held_back(origin), reach)
                     return
 
     def _where(self, origin, bit: int) -> str:
         """`born at #4 exp @m` or `from #6 masked_fill` or `from blocks.0.mask`."""
-        if isinstance(origin, Event) and any((id(origin), b) in self._born for b in (POSINF, NEGINF) if b & bit):
+        if isinstance(origin, Source):
+            return f"from {origin.label}"
+        if not isinstance(origin, Event):
+            return "of unknown origin"
+        if any((id(origin), b) in self._born for b in (POSINF, NEGINF) if b & bit):
             return f"born at {_ref(origin)}"
-        return _where(origin, bit)
+        return f"from the input {origin.label}" if origin.kind is INPUT else f"from {_ref(origin)}"
 
     # -- for the backward -----------------------------------------------------------------------
 
@@ -404,31 +453,16 @@ class Tracker:
 
     # -- the footer -----------------------------------------------------------------------------
 
-    def summary(self, incomplete: Optional[str] = None) -> str:
-        """The footer's tracking part: the first finding, or a claim limited to what was measured.
-        `incomplete` says why part of the forward was not recorded at all (then nothing is claimed
-        of the rest)."""
-        missing = sum(self.unmeasured.values())
-        why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
-        # (counted as the `#` lines are, the forward's inputs with its ops: inputs are measured too)
-        gap = f"; {missing} not measured ({why})" if missing else ""
-        if incomplete:
-            gap += f"; not everything after {incomplete} was recorded, so nothing is claimed of what followed"
-        if self.findings:
-            first = self.findings[0]
-            nan = next((f for f in self.findings if f.kind is FindingKind.NAN_BORN), None)
-            then = f"; then {nan.text}" if nan is not None and nan is not first else ""
-            more = len(self.findings) - (2 if then else 1)
-            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
-            return f"first non-finite: {first.text}{then}{extra}{gap}"
-        if self.absorbed is not None:
-            claim = (f"no non-finite findings ({kind_names((held(self.absorbed) or 0) & (POSINF | NEGINF))} "
-                     f"{self._where(self._absorbed_origin(), POSINF | NEGINF)} absorbed by later ops)")
-        else:
-            claim = "no non-finite values"
-        if missing or incomplete:
-            return f"{claim} in the {self.measured} measured{gap}"
-        return claim
+    def _headline(self) -> List[Finding]:
+        """The first finding, then the first NaN born when it came later."""
+        nan = next((f for f in self.findings if f.kind is FindingKind.NAN_BORN), None)
+        return self.findings[:1] + ([nan] if nan is not None and nan is not self.findings[0] else [])
+
+    def _claim(self) -> str:
+        if self.absorbed is None:
+            return "no non-finite values"
+        return (f"no non-finite findings ({kind_names((held(self.absorbed) or 0) & (POSINF | NEGINF))} "
+                f"{self._where(self._absorbed_origin(), POSINF | NEGINF)} absorbed by later ops)")
 
     def _absorbed_origin(self):
         for bit in (NEGINF, POSINF):
@@ -486,23 +520,8 @@ def _position(finding: Finding) -> float:
 
 
 
-def _where(origin, bit: int) -> str:
-    if isinstance(origin, Source):
-        return f"from {origin.label}"
-    if isinstance(origin, Event):
-        if origin.kind is INPUT:
-            return f"from the input {origin.label}"
-        return f"from {_ref(origin)}"
-    return "of unknown origin"
-
-
-def _count_of(event: Event, bit: int) -> str:
-    """`nan=3`: how many values of one kind the op's outputs held."""
-    field, label = {NAN: ("nan", "nan"), POSINF: ("posinf", "+inf"), NEGINF: ("neginf", "-inf")}[bit]
-    stats = event.stats
-    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
-    return f"{label}={sum(getattr(part, field) or 0 for part in parts)}"
-
-
-def _counts(event: Event) -> str:
-    return counts_text(event.stats)
+def count_text(event: Event, kinds: int) -> str:
+    """`nan=3 +inf=1`: how many values of each of these kinds (bits) the event's outputs held."""
+    parts = event.stats.parts if isinstance(event.stats, StatsGroup) else (event.stats,)
+    return " ".join(f"{label}={sum(getattr(part, field) or 0 for part in parts)}" for bit, field, label in
+                    ((NAN, "nan", "nan"), (POSINF, "posinf", "+inf"), (NEGINF, "neginf", "-inf")) if kinds & bit)

@@ -11,7 +11,8 @@ loss). Nothing is hooked for a forward that built no graph (`no_grad`, `inferenc
 The hooks report to the entry point's `BackwardNarration` (one per `Recorder` or compiled model).
 One *run* is one execution of autograd's engine (`loss.backward()`, `torch.autograd.grad`): its
 nodes are numbered `~1, ~2, ...` in the order they ran, narrated under `-- backward of pass N`,
-measured and judged like forward ops, and closed by the engine's final callback with a footer.
+measured, judged and logged as forward ops are (`Meter.observe`, `tracking.Verdicts`,
+`EventLog.append`), and closed by the engine's final callback with a footer.
 Runs are kept by autograd's graph task (a backward may run inside another, or on another thread).
 A run whose final callback never comes failed: the next pass this thread begins outside a
 backward, or the end of the `Recorder` block, ends it with the partial trace, the attempted node

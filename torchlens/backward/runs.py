@@ -6,11 +6,10 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import meter as meter_module
 from ..errors import NonFiniteError
 from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
 from ..findings import Finding
@@ -20,7 +19,7 @@ from ..meter import Meter
 from ..narrator import Narrator
 from ..ranks import world_size
 from ..results import Backward, PartialTrace, Recording
-from ..session import attach, attach_finding, error_summary, nonfinite_message
+from ..session import EventLog, attach, attach_finding, error_summary, nonfinite_message
 from ..sinks import ListSink
 from ..tracking import held, settled
 from ..values import ValueKeeper
@@ -37,8 +36,17 @@ def _queue_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
-class BackwardRun:
-    """One execution of autograd's engine through watched graphs, narrated as one section."""
+class _Running(NamedTuple):
+    """The node running now, as its pre-hook saw it (holding its gradients would keep them)."""
+
+    record: NodeRecord
+    inputs: tuple  # metadata of the gradients it received
+    versions: Tuple[Optional[int], ...]  # theirs, to tell after it ran that they are unchanged (on the CPU)
+
+
+class BackwardRun(EventLog):
+    """One execution of autograd's engine through watched graphs, narrated as one section: its log
+    holds the `Backward`'s events."""
 
     def __init__(self, narration: "BackwardNarration", watch: BackwardWatch, task: int):
         watch.runs += 1
@@ -49,9 +57,7 @@ class BackwardRun:
         self.task = task
         self.result = Backward(f"backward{number} of {watch.pass_name}", settings)
         watch.add_backward(self.result)
-        self.ordinal = 0
-        meter = Meter(settings.value_stats, settings.on_nonfinite is not None, settings.dtensor_stats)
-        self.meter = meter if meter.active else None
+        self.meter = Meter.of(settings, judging=True)
         # `tl.trace(..., backward=True)`: each node's gradients kept, within a budget of their own
         self.keeper = (ValueKeeper(self.result.values, settings.keep_on_cpu, settings.max_bytes)
                        if self.result.values is not None else None)
@@ -59,15 +65,12 @@ class BackwardRun:
         if self.tracker is not None and watch.parameters:  # (given under a process group only)
             self.tracker.note_gradients_before(watch.parameters)
         self.thread = threading.get_ident()
-        # (record, metadata of what it received, their versions) of the node running now
-        self.in_flight: Optional[tuple] = None
+        self.in_flight: Optional[_Running] = None
         self._received: Dict[object, object] = {}  # record key -> statistics of what it received, still on the device
         self.seen: set = set()  # keys of the nodes narrated (graphs of two passes share leaves' nodes)
-        self.incomplete: Optional[str] = None
         self._waited = False  # (see `waits_for_final_callbacks`)
-        self.narrator, self._owned, self._held_back = self._narrator(narration, settings)
-        if self.narrator is not None:
-            self.narrator.begin_pass(self.result.header)
+        narrator, self._owned, self._held_back = self._narrator(narration, settings)
+        super().__init__(self.result.events, narrator, self.result.header)
 
     def _narrator(self, narration: "BackwardNarration", settings):
         """(the narrator it writes to, the one it opened itself, whether its lines go to the shared
@@ -93,49 +96,76 @@ class BackwardRun:
         versions: Tuple[Optional[int], ...] = ()
         meter = self.meter
         if self.tracker is not None and meter is not None and tensors:  # (tracking measures: it has a meter)
-            if tensors[0].device.type in meter_module.READ_NOW:
-                versions = tuple(_version(g) for g in tensors)  # to tell, after, that they are unchanged
+            if meter.on_host(tensors):
+                versions = _versions(tensors)  # to tell, after, that they are unchanged
             else:  # read at once under `raise`, which must decide at this node; else with the rest
-                self._received[record.key] = meter.measure_output(tensors, self.narration.raising)
-        self.in_flight = (record, TensorMeta.all_of(tensors), versions)
+                self._received[record.key] = meter.observe(tensors)
+        self.in_flight = _Running(record, TensorMeta.all_of(tensors), versions)
+
+    def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
+        """A node of `watch`'s graph ran: narrated once (graphs of two passes share a leaf's node),
+        with the gradients it produced (a leaf's accumulator: those it received)."""
+        if record.key in self.seen:
+            return
+        self.seen.add(record.key)
+        running, self.in_flight = self.in_flight, None
+        versions = running.versions if running is not None and running.record is record else None
+        grads = grad_outputs if record.label is not None else grad_inputs
+        positions = [i for i, g in enumerate(grads) if isinstance(g, _Tensor)]
+        measured = tuple(grads[i] for i in positions)
+        self.ordinal += 1
+        forward = record.forward
+        if forward is not None and watch is not self.watch:
+            forward += f" of {watch.pass_name}"
+        event = BackwardEvent(NODE, self.ordinal, record.name, record.scope, TensorMeta.all_of(measured), record.site,
+                              None, record.label, forward)
+        self.add(event, record, measured, positions, None if record.label is not None else grad_outputs, versions)
+
+    def output_grad(self, watch: BackwardWatch, label: str, node: Optional[NodeRecord], grad) -> None:
+        """The gradient `grad` reached the forward output `label` (which feeds `node`'s node)."""
+        if not isinstance(grad, _Tensor):
+            return
+        if watch is not self.watch:
+            label += f" of {watch.pass_name}"
+        event = BackwardEvent(GRAD, self.ordinal, "grad", watch.root, TensorMeta.single(grad), None, None, label)
+        self.add(event, node, (grad,), (0,), None)
 
     def add(self, event, record: Optional[NodeRecord], measured, positions, received, versions=()) -> None:
-        """Measure, record, narrate and judge one node (or received gradient); `versions` are those
-        of the gradients it received, when it was about to run."""
-        narration = self.narration
-        narrator = self.narrator
-        tracker = self.tracker
+        """Measure, judge, log (narrating it) and keep one node (or received gradient), as the
+        forward's pipeline does an op; `versions` are those of the gradients it received, when it
+        was about to run."""
         if self.meter is not None and measured:
-            live = meter_module.reads_now(narration.raising, narrator is not None and narrator.prints(event),
-                                          tracker is not None, measured[0])
-            event.stats = self.meter.measure_output(measured[0] if len(measured) == 1 else measured, live)
-        self.result.events.append(event)
+            event.stats = self.meter.observe(measured[0] if len(measured) == 1 else measured,
+                                             self.narrator is not None and self.narrator.prints(event))
+        findings = self._judge(event, record, positions, received, versions) if self.tracker is not None else ()
+        self.append(event)
         if self.keeper is not None and measured and event.kind is NODE:
             self.keeper(event, measured)
-        findings: Sequence[Finding] = ()
-        if tracker is not None:
-            direct = self._received.pop(record.key, None) if event.kind is NODE and record is not None else None
-            if direct is None and received is not None and event.stats is not None and settled(event):
-                # at hand: measured only when it produced one, and only if the node left it as it was
-                # received (a backward may reuse its incoming gradient's memory); the meter shares
-                # the statistics of a gradient measured as an earlier node's output. A DTensor
-                # measured whole is a collective: then every rank measures it, whatever it holds.
-                nonfinite = held(event)
-                meter = self.meter
-                assert meter is not None  # (tracking measures: it has a meter)
-                if nonfinite or meter.measures_collectively(received):
-                    tensors = tuple(g for g in received if isinstance(g, _Tensor))
-                    measured = meter.measure_output(tensors, True) if versions == _versions(tensors) else UNREAD
-                    direct = measured if nonfinite else None
-            findings = tracker.judge(event, record, positions, direct)
-            if event.kind is NODE and record is not None and record.leaf is not None:
-                tracker.accumulated(event, record)
-            for finding in findings:
-                attach_finding(finding, finding.event is event)
-        if narrator is not None:
-            narrator.feed(event)
-        if findings and narration.raising:
-            narration.stop(self, findings[0])
+        if findings and self.narration.raising:
+            self.narration.stop(self, findings[0])
+
+    def _judge(self, event, record: Optional[NodeRecord], positions, received, versions) -> Sequence[Finding]:
+        """The tracker's findings made now, each on its event (those about this one: a `!!` line
+        after its line)."""
+        tracker, meter = self.tracker, self.meter
+        assert tracker is not None and meter is not None  # (tracking measures: it has a meter)
+        direct = self._received.pop(record.key, None) if event.kind is NODE and record is not None else None
+        if direct is None and received is not None and event.stats is not None and settled(event):
+            # at hand: measured only when it produced one, and only if the node left it as it was
+            # received (a backward may reuse its incoming gradient's memory); the meter shares
+            # the statistics of a gradient measured as an earlier node's output. A DTensor
+            # measured whole is a collective: then every rank measures it, whatever it holds.
+            nonfinite = held(event)
+            if nonfinite or meter.measures_collectively(received):
+                tensors = tuple(g for g in received if isinstance(g, _Tensor))
+                measured = meter.observe(tensors, True) if versions == _versions(tensors) else UNREAD
+                direct = measured if nonfinite else None
+        findings = tracker.judge(event, record, positions, direct)
+        if event.kind is NODE and record is not None and record.leaf is not None:
+            tracker.accumulated(event, record)
+        for finding in findings:
+            attach_finding(finding, finding.event is event)
+        return findings
 
     def finish(self) -> None:
         """The engine finished: read what is still on the device, judge, print the footer."""
@@ -185,10 +215,6 @@ class BackwardRun:
             self.narration.deliver(owned.sink.lines)
         owned.close()
 
-    def mark_incomplete(self, why: str) -> None:
-        """Some of the backward went unnarrated (`why`): the footer says so. The first reason is kept."""
-        self.incomplete = self.incomplete or why
-
     def fail(self, exc: BaseException, noticed_late: bool) -> PartialTrace:
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
         result = self.result
@@ -207,9 +233,10 @@ class BackwardRun:
     def _attempt(self, noticed_late: bool) -> Optional[BackwardAttempt]:
         if self.in_flight is None:
             return None
-        record, inputs, _ = self.in_flight
+        record = self.in_flight.record
         notes = ("seen after the backward had already stopped: the node whose hook never ran",) if noticed_late else ()
-        return BackwardAttempt(record.name, self.ordinal + 1, record.scope, record.site, inputs, record.forward, notes)
+        return BackwardAttempt(record.name, self.ordinal + 1, record.scope, record.site, self.in_flight.inputs,
+                               record.forward, notes)
 
 
 class BackwardNarration:
@@ -300,7 +327,7 @@ class BackwardNarration:
                 if run.thread == thread:
                     self._end_failed(run, None)
 
-    def _ended(self, run: BackwardRun) -> None:
+    def _ended(self) -> None:
         """After a run ended: a one-forward narration lets go of its graph."""
         if self.once:
             for watch in self.watches:
@@ -325,49 +352,22 @@ class BackwardNarration:
     # -- hooks (autograd's engine calls them, possibly on a device's thread) -----------------------
 
     def node_starting(self, watch: BackwardWatch, record: NodeRecord, grad_outputs) -> None:
+        self._in_run(watch, record, BackwardRun.starting, record, grad_outputs)
+
+    def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
+        self._in_run(watch, record, BackwardRun.node_done, watch, record, grad_inputs, grad_outputs)
+
+    def output_grad(self, watch: BackwardWatch, label: str, node, grad) -> None:
+        self._in_run(watch, None, BackwardRun.output_grad, watch, label, node, grad)
+
+    def _in_run(self, watch: BackwardWatch, record: Optional[NodeRecord], step, *args) -> None:
+        """Hand a hook's report to the run it belongs to (`step` of that run, with `args`), begun
+        now if need be; a failure goes to `_hook_failed`."""
         try:
             with self._lock:
                 run = self._run_for(watch, record)
                 if run is not None:
-                    run.starting(record, grad_outputs)
-        except Exception as exc:
-            self._hook_failed(exc)
-
-    def node_done(self, watch: BackwardWatch, record: NodeRecord, grad_inputs, grad_outputs) -> None:
-        try:
-            with self._lock:
-                run = self._run_for(watch, record)
-                if run is None or record.key in run.seen:
-                    return
-                run.seen.add(record.key)
-                flight, run.in_flight = run.in_flight, None
-                versions = flight[2] if flight is not None and flight[0] is record else None
-                grads = grad_outputs if record.label is not None else grad_inputs
-                positions = [i for i, g in enumerate(grads) if isinstance(g, _Tensor)]
-                measured = tuple(grads[i] for i in positions)
-                run.ordinal += 1
-                forward = record.forward
-                if forward is not None and watch is not run.watch:
-                    forward += f" of {watch.pass_name}"
-                event = BackwardEvent(NODE, run.ordinal, record.name, record.scope,
-                                      TensorMeta.all_of(measured), record.site, None, record.label,
-                                      forward)
-                run.add(event, record, measured, positions, None if record.label is not None else grad_outputs,
-                        versions)
-        except Exception as exc:
-            self._hook_failed(exc)
-
-    def output_grad(self, watch: BackwardWatch, label: str, node, grad) -> None:
-        try:
-            with self._lock:
-                run = self._run_for(watch)
-                assert run is not None  # (without a leaf's record a run is always found or begun)
-                if not isinstance(grad, _Tensor):
-                    return
-                if watch is not run.watch:
-                    label += f" of {watch.pass_name}"
-                event = BackwardEvent(GRAD, run.ordinal, "grad", watch.root, TensorMeta.single(grad), None, None, label)
-                run.add(event, node, (grad,), (0,), None)
+                    step(run, *args)
         except Exception as exc:
             self._hook_failed(exc)
 
@@ -413,7 +413,7 @@ class BackwardNarration:
                                         f"{self.MAX_WATCHES} waited)")
                     self.released = 0
                 run.finish()
-                self._ended(run)
+                self._ended()
         except Exception as exc:
             internal_error("ending the backward's narration", exc)
 
@@ -427,7 +427,7 @@ class BackwardNarration:
                 attach(failure, partial)
         except Exception as inner:
             internal_error("ending a failed backward", inner)
-        self._ended(run)
+        self._ended()
 
     def stop(self, run: BackwardRun, finding: Finding) -> None:
         """`on_nonfinite="raise"`: stop the backward at this finding, with the partial trace."""

@@ -4,23 +4,34 @@ what the nodes before it sent it."""
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
 from ..events import GRAD, NODE, StatsGroup
-from ..findings import NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
+from ..findings import Finding, FindingKind, kind_names
 from ..findings import bits as _bits
 from ..stats import unwrapped
-from ..tracking import held, measured_finite, settled, unmeasured_reason
+from ..tracking import Verdicts, count_text, held, settled, unmeasured_reason
 from .graph import NodeRecord
 
 __all__ = ["UNREAD", "GradTracker"]
 
 UNREAD = -1  # what a node received could not be read (it overwrote it in place as it ran)
+_NOT_ALL_MEASURED = "not everything it received was measured, so it may have come from earlier"
 
 
-class GradTracker:
+class _Added(NamedTuple):
+    """A leaf's gradient the graph added finite to its `.grad`, as noted then (metadata, no read)."""
+
+    label: str  # the leaf's name
+    leaf: weakref.ref  # the leaf
+    event: object  # its `AccumulateGrad` node's
+    grad: weakref.ref  # the `.grad` the gradient was added to
+    version: int  # its version then
+
+
+class GradTracker(Verdicts):
     """Where the first non-finite gradient was born: the first node that produced one although
     nothing it received was non-finite.
 
@@ -34,40 +45,29 @@ class GradTracker:
     and once a run has a finding such gradients are taken as coming from it.
     """
 
+    HEADLINE = "first non-finite gradient"
+
     def __init__(self):
+        super().__init__()
         self.received: Dict[object, int] = {}  # record key -> non-finite kinds sent to its node
         self.unknown: set = set()  # keys of nodes sent something that was not measured
-        self.findings: List[Finding] = []
-        self.unmeasured: Dict[str, int] = {}
-        self.measured = 0
         self.leaves: List[str] = []  # leaves whose accumulated gradient was non-finite
-        self._queue: list = []
-        # (record, event, weak reference to `.grad`, its version) of the leaves whose gradient was added finite
-        self._accumulated: list = []
+        self._accumulated: List[_Added] = []
         self._nonfinite_before: set = set()  # ids of the parameters whose `.grad` was so as the backward began
 
-    def judge(self, event, record: Optional[NodeRecord], positions, direct) -> List[Finding]:
-        """Take `event` in (and any before it still waiting for statistics); the findings made now.
-        `positions`: which of the node's gradient slots the measured tensors came from; `direct`:
-        the statistics of what the node received (perhaps still to be read), None when not measured,
-        or `UNREAD`."""
-        if not self._queue and measured_finite(event.stats):
-            self.measured += 1  # finite, nothing waiting before it: `_judge_one` in short
-            return []
-        self._queue.append((event, record, positions, direct))
-        made = []
-        while self._queue and settled(self._queue[0][0]) and _direct_settled(self._queue[0][3]):
-            made.extend(self._judge_one(*self._queue.pop(0)))
-        return made
+    def _settled(self, event, record, positions, direct) -> bool:
+        """(what a node received, read on an accelerator, may be read later than what it produced)"""
+        return settled(event) and _kinds_of(direct) is not None
 
     def accumulated(self, event, record: Optional[NodeRecord]) -> None:
         """A leaf's gradient was added to its `.grad`: if it was finite, `written_after` looks again.
         The `.grad` and its version are noted (metadata, no read) to tell, at the end, whether
         anything wrote it since."""
         if record is not None and record.leaf is not None and held(event) == 0:
-            grad = getattr(record.leaf(), "grad", None)
+            leaf = record.leaf
+            grad = getattr(leaf(), "grad", None)
             if isinstance(grad, torch.Tensor):
-                self._accumulated.append((record, event, weakref.ref(grad), grad._version))
+                self._accumulated.append(_Added(record.label, leaf, event, weakref.ref(grad), grad._version))
 
     def note_gradients_before(self, parameters) -> None:
         """As the backward begins: which of the model's `parameters` ((name, weak reference))
@@ -89,28 +89,24 @@ class GradTracker:
         tensor, or a new version) are read: nothing is read when nothing wrote them, and a write
         that bypasses the version counter (through `.grad.data`) goes unseen. Under one, every
         added gradient is read: a collective writes DDP's bucket views without a new version."""
-        candidates = [(record.label, event, record.leaf()) for record, event, grad, version in self._accumulated
-                      if distributed or _rewritten(record.leaf(), grad, version)]
+        candidates = [(added.label, added.event, added.leaf()) for added in self._accumulated
+                      if distributed or _rewritten(added.leaf(), added.grad, added.version)]
         self._accumulated = []
         if not self.findings:
             seen = {id(leaf) for _, _, leaf in candidates}
             candidates += [(name, None, ref()) for name, ref in parameters if id(ref()) not in seen]
         before = self._nonfinite_before  # (non-finite already: this backward added to it, nobody else wrote it)
         candidates = [candidate for candidate in candidates if id(candidate[2]) not in before]
-        changed = []
+        changed, kinds = [], 0  # (name, the node that added it finite) of each gradient now non-finite; their kinds
         for name, event, grad in _not_all_finite(_gradients(candidates)):
-            kinds = _bits(bool(torch.isnan(grad).any()), bool(torch.isposinf(grad).any()),
-                          bool(torch.isneginf(grad).any()))
-            changed.append((name, event, kinds))
+            kinds |= _bits(*(bool(test(grad).any()) for test in (torch.isnan, torch.isposinf, torch.isneginf)))
+            changed.append((name, event))
         if not changed:
             return []
-        kinds = 0
-        for _, _, each in changed:
-            kinds |= each
-        names = ", ".join(name for name, _, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
+        names = ", ".join(name for name, _ in changed[:3]) + (", ..." if len(changed) > 3 else "")
         what = (f"the gradient of {changed[0][0]}" if len(changed) == 1
                 else f"the gradients of {len(changed)} parameters ({names})")
-        first = next((event for _, event, _ in changed if event is not None), None)
+        first = next((event for _, event in changed if event is not None), None)
         how = (f"~{first.ordinal} added it finite" if first is not None and changed[0][1] is not None
                else "this backward's own gradients were finite")
         who = ("under a process group, a collective such as DDP's all-reduce or FSDP2's reduce-scatter brought "
@@ -120,19 +116,16 @@ class GradTracker:
             f"{kind_names(kinds)} in {what} after the backward: {how}, then something outside the graph wrote it "
             f"({who})", first, FindingKind.CARRIED_IN))
 
-    def judge_rest(self) -> List[Finding]:
-        queue, self._queue = self._queue, []
-        made = []
-        for item in queue:
-            made.extend(self._judge_one(*item))
-        return made
-
     def _judge_one(self, event, record, positions, direct) -> List[Finding]:
+        """A node, or a gradient reaching an output, as `judge` was given it: `record` is the node's
+        (the gradient's: the node it feeds); `positions`: its gradient slots the measured tensors
+        came from; `direct`: the statistics of what it received (perhaps still to be read), None
+        when not measured, or `UNREAD`."""
         leaf = record is not None and event.kind is NODE and record.label is not None
         kinds = None if leaf and not event.outputs else held(event)
         if kinds is None:
-            reason = "leaves that received no gradient" if leaf and not event.outputs else unmeasured_reason(event)
-            self.unmeasured[reason] = self.unmeasured.get(reason, 0) + 1
+            self.unmeasured["leaves that received no gradient" if leaf and not event.outputs
+                            else unmeasured_reason(event)] += 1
             if record is not None and not leaf and event.kind is NODE:
                 self.unknown.update(target.key for target in record.edges if target is not None)
             return []
@@ -146,13 +139,10 @@ class GradTracker:
             self.leaves.append(record.label)
             if received:
                 return []
-            if record.key in self.unknown:
-                return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
-                                                       f"AccumulateGrad", "not everything it received was measured, "
-                                                       "so it may have come from earlier")
+            why = _NOT_ALL_MEASURED if record.key in self.unknown else (
+                "a loss term computed outside the narrated forward, or a sum of finite gradients that overflowed")
             return self._unexplained(event, kinds, f"in the gradient of {record.label} at ~{event.ordinal} "
-                                                   f"AccumulateGrad", "a loss term computed outside the narrated "
-                                                   "forward, or a sum of finite gradients that overflowed")
+                                                   f"AccumulateGrad", why)
         self._send(record, event, positions)
         if received:
             return []  # it received a non-finite gradient: it passes it on
@@ -165,12 +155,11 @@ class GradTracker:
                                      "a gradient hook, a node outside the narrated forward, or a sum of finite "
                                      "gradients that overflowed")
         if record.key in self.unknown:
-            return self._unexplained(event, kinds, where, "not everything it received was measured, so it may have "
-                                                          "come from earlier")
+            return self._unexplained(event, kinds, where, _NOT_ALL_MEASURED)
         cause = record.forward_cause()
         if cause is not None:
             return self._from_forward(event, kinds, where, cause)
-        return self._note(Finding(f"{kind_names(kinds)} gradient born {where} ({_counts(event, kinds)})", event,
+        return self._note(Finding(f"{kind_names(kinds)} gradient born {where} ({count_text(event, kinds)})", event,
                                   FindingKind.GRADIENT_BORN))
 
     def _from_forward(self, event, kinds: int, where: str, cause) -> List[Finding]:
@@ -183,14 +172,14 @@ class GradTracker:
                                                           f"{cause.text}")
         if self.findings:
             return []
-        return self._note(Finding(f"{kind_names(kinds)} gradient {where} ({_counts(event, kinds)}), out of the "
+        return self._note(Finding(f"{kind_names(kinds)} gradient {where} ({count_text(event, kinds)}), out of the "
                                   f"forward's {cause.kind}: {cause.text}", event, FindingKind.GRADIENT_FROM_FORWARD))
 
     def _unexplained(self, event, kinds: int, where: str, why: str) -> List[Finding]:
         """A non-finite gradient no watched node sent: a finding only when it is the run's first."""
         if self.findings:
             return []
-        return self._note(Finding(f"{kind_names(kinds)} gradient first seen {where} ({_counts(event, kinds)}); "
+        return self._note(Finding(f"{kind_names(kinds)} gradient first seen {where} ({count_text(event, kinds)}); "
                                   f"no watched node sent it: {why}", event, FindingKind.GRADIENT_FIRST_SEEN))
 
     def _arrived(self, event, node: Optional[NodeRecord], kinds) -> List[Finding]:
@@ -206,10 +195,10 @@ class GradTracker:
         held = node.forward_held() if node is not None else None
         if held is not None:  # what was computed from it outside (the loss) read the forward's value
             return self._note(Finding(f"{kind_names(kinds)} in the gradient reaching the output {event.label} "
-                                      f"({_counts(event, kinds)}), out of the forward's {held.kind}: the output "
+                                      f"({count_text(event, kinds)}), out of the forward's {held.kind}: the output "
                                       f"held {held.held}", event, FindingKind.GRADIENT_FROM_FORWARD))
         return self._note(Finding(f"{kind_names(kinds)} in the gradient reaching the output {event.label} "
-                                  f"({_counts(event, kinds)}): no node of the narrated forward sent it; it came "
+                                  f"({count_text(event, kinds)}): no node of the narrated forward sent it; it came "
                                   f"from outside, such as the loss", event, FindingKind.GRADIENT_FROM_OUTSIDE))
 
     def _send(self, record: NodeRecord, event, positions) -> None:
@@ -222,32 +211,16 @@ class GradTracker:
             if target is not None:
                 self.received[target.key] = self.received.get(target.key, 0) | sent
 
-    def _note(self, finding: Finding) -> List[Finding]:
-        self.findings.append(finding)
-        return [finding]
+    def _claim(self) -> str:
+        return "no non-finite gradients"
 
-    def summary(self, incomplete: Optional[str]) -> str:
-        missing = sum(self.unmeasured.values())
-        why = ", ".join(f"{count} {reason}" for reason, count in sorted(self.unmeasured.items()))
-        gap = f"; {missing} not measured ({why})" if missing else ""
-        if incomplete:
-            gap += f"; {incomplete}, so nothing is claimed of them"
-        leaves = ""
-        if self.leaves:
-            shown = ", ".join(self.leaves[:3]) + (f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else "")
-            count = len(self.leaves)
-            leaves = f"; non-finite gradients reached {count} lea{'f' if count == 1 else 'ves'} ({shown})"
-        if self.findings:
-            more = len(self.findings) - 1
-            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
-            return f"first non-finite gradient: {self.findings[0].text}{extra}{leaves}{gap}"
-        if missing or incomplete:
-            return f"no non-finite gradients in the {self.measured} measured{leaves}{gap}"
-        return "no non-finite gradients" + leaves
-
-
-def _direct_settled(direct) -> bool:
-    return direct is None or isinstance(direct, int) or _kinds_of(direct) is not None
+    def _after(self) -> str:
+        """The leaves non-finite gradients reached."""
+        if not self.leaves:
+            return ""
+        shown = ", ".join(self.leaves[:3]) + (f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else "")
+        count = len(self.leaves)
+        return f"; non-finite gradients reached {count} lea{'f' if count == 1 else 'ves'} ({shown})"
 
 
 def _kinds_of(direct) -> Optional[int]:
@@ -264,15 +237,6 @@ def _kinds_of(direct) -> Optional[int]:
             return None
         kinds |= _bits(part.nan, part.posinf, part.neginf)
     return kinds
-
-
-def _counts(event, kinds: int) -> str:
-    parts = event.stats.parts if isinstance(event.stats, StatsGroup) else (event.stats,)
-    shown = []
-    for bit, field, label in ((NAN, "nan", "nan"), (POSINF, "posinf", "+inf"), (NEGINF, "neginf", "-inf")):
-        if kinds & bit:
-            shown.append(f"{label}={sum(getattr(part, field) or 0 for part in parts)}")
-    return " ".join(shown)
 
 
 def _not_all_finite(items):

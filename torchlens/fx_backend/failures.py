@@ -22,11 +22,12 @@ import torch
 
 from ..eager.runner import run_eager
 from ..events import INPUT, Scope, TensorMeta
+from ..guard import internal_error
 from ..naming import USER_SPELLING, node_name
 from ..node_meta import example_value, module_stack, stack_trace
 from ..options import make_settings
 from ..repro.kept import KeptCall
-from ..session import error_summary, in_chain, internal_error
+from ..session import error_summary, in_chain
 from ..sites import site_from_stack_trace
 from ..structure import module_of
 from . import dynamo_seams
