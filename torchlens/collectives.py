@@ -21,10 +21,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .memory import call_writes, held_tensors, storage_keys, storage_ref, tensors_of
+from .memory import call_writes, held_tensors, may_return_an_alias, storage_keys, storage_ref, tensors_of
 from .provenance import tensor_arguments
 from .torch_seams import degraded
-from .writes import may_return_an_alias
 
 __all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "graph_label", "in_memory_of",
            "is_functional_collective", "is_wait", "memory_refs", "reads_memory", "shares_memory", "wait_for"]

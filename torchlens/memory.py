@@ -27,11 +27,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .stats import shareable, unwrapped
-from .writes import call_writes, node_writes
+from .writes import call_writes, may_return_an_alias, node_writes
 
 __all__ = ["Versions", "call_writes", "concrete", "covers", "element_key", "element_layout", "elements_identity",
-           "held_tensors", "memory_span", "node_writes", "same_elements", "storage_key", "storage_keys",
-           "storage_ref", "tensors_of", "version"]
+           "held_tensors", "may_return_an_alias", "memory_span", "node_writes", "same_elements", "storage_key",
+           "storage_keys", "storage_ref", "tensors_of", "version"]
 
 
 # -- which memory ---------------------------------------------------------------------------------

@@ -28,13 +28,13 @@ from .errors import NonFiniteError
 from .events import Event, Stats
 from .grammar import measurement_notes
 from .guard import internal_error
+from .memory import call_writes, may_return_an_alias, tensors_of
 from .meter import Meter
 from .provenance import LazyReads, passed_in
 from .repro.kept import InputKeeper
 from .session import Session, Settled, attach_finding, nonfinite_message
 from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
-from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument, tensors_of
-from .writes import call_writes, may_return_an_alias
+from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument
 
 __all__ = ["Call", "Pipeline"]
 
@@ -44,7 +44,7 @@ _Written = Tuple[tuple, Optional[dict]]
 
 class Call(NamedTuple):
     """The torch call an eager op was, for what the pipeline derives from it: what the op read
-    (tracking), whether it wrote into its arguments (`writes.call_writes`, unless the caller knows:
+    (tracking), whether it wrote into its arguments (`memory.call_writes`, unless the caller knows:
     `wrote`), and the inputs a one-op repro replays."""
 
     func: object
@@ -56,7 +56,7 @@ class Call(NamedTuple):
         """(args, kwargs) for `Tracker.produced` when the call (the op `name`) wrote into its
         arguments, else ((), None) (an output that is one of its arguments is then not a write:
         `contiguous` and `to` return their argument unchanged)."""
-        writes = call_writes(name, self.args, self.kwargs) if self.wrote is None else self.wrote
+        writes = call_writes(name, self.args, self.kwargs, self.func) if self.wrote is None else self.wrote
         return (self.args, self.kwargs) if writes else ((), None)
 
 

@@ -487,7 +487,7 @@ SEAMS = (
          "a compiled submodule under an eager capture compiles again at every capture, up to dynamo's recompile "
          "limit", _probe_shared_hook_keys),
     Seam("version counters", "Tensor._version, the counter every in-place write bumps (an inference tensor has "
-         "none)", "memory, backward.runs, backward.verdicts",
+         "none)", "memory",
          "what was written since it was measured or kept cannot be told: statistics and kept values may be stale",
          _probe_version_counters),
     Seam("DTensor shards", "DTensor._local_tensor, the shard this rank holds", "events, meter, provenance, stats",

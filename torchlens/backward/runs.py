@@ -15,6 +15,7 @@ from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
 from ..findings import Finding
 from ..grammar import measurement_notes
 from ..guard import contain, internal_error, is_stop
+from ..memory import version
 from ..meter import Meter
 from ..narrator import Narrator
 from ..ranks import world_size
@@ -450,15 +451,8 @@ def settle_open_runs() -> None:
             narration.settle()
 
 
-def _version(tensor) -> Optional[int]:
-    try:
-        return tensor._version
-    except Exception:  # an inference tensor, a wrapper
-        return None
-
-
 def _versions(tensors) -> tuple:
-    return tuple(_version(t) for t in tensors)
+    return tuple(map(version, tensors))
 
 
 class BackwardStopped(BaseException):

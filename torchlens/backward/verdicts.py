@@ -11,6 +11,7 @@ import torch
 from ..events import GRAD, NODE, StatsGroup
 from ..findings import Finding, FindingKind, kind_names
 from ..findings import bits as _bits
+from ..memory import version
 from ..stats import unwrapped
 from ..tracking import Verdicts, count_text, held, settled, unmeasured_reason
 from .graph import NodeRecord
@@ -28,7 +29,7 @@ class _Added(NamedTuple):
     leaf: weakref.ref  # the leaf
     event: object  # its `AccumulateGrad` node's
     grad: weakref.ref  # the `.grad` the gradient was added to
-    version: int  # its version then
+    version: Optional[int]  # its version then
 
 
 class GradTracker(Verdicts):
@@ -67,7 +68,7 @@ class GradTracker(Verdicts):
             leaf = record.leaf
             grad = getattr(leaf(), "grad", None)
             if isinstance(grad, torch.Tensor):
-                self._accumulated.append(_Added(record.label, leaf, event, weakref.ref(grad), grad._version))
+                self._accumulated.append(_Added(record.label, leaf, event, weakref.ref(grad), version(grad)))
 
     def note_gradients_before(self, parameters) -> None:
         """As the backward begins: which of the model's `parameters` ((name, weak reference))
@@ -250,10 +251,10 @@ def _not_all_finite(items):
         yield from (item for item, finite in zip(group, flags) if not finite)
 
 
-def _rewritten(leaf, grad_ref, version: int) -> bool:
-    """Whether `leaf.grad` is no longer the tensor noted (`grad_ref`) at `version`."""
+def _rewritten(leaf, grad_ref, seen: Optional[int]) -> bool:
+    """Whether `leaf.grad` is no longer the tensor noted (`grad_ref`) at version `seen`."""
     grad = getattr(leaf, "grad", None)
-    return grad is not None and (grad is not grad_ref() or grad._version != version)
+    return grad is not None and (grad is not grad_ref() or version(grad) != seen)
 
 
 def _gradients(candidates):
