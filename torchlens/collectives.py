@@ -35,7 +35,7 @@ FUNCTIONAL_NAMESPACE = "_c10d_functional"
 class _Entry(NamedTuple):
     shown: str  # the name its line shows
     outputs: str  # the parameter holding the tensors the line shows
-    written: bool  # whether the call writes them (a `send` only reads its tensor)
+    writes: bool  # whether the call writes them (a `send` only reads its tensor)
     always_async: bool = False  # `isend` / `irecv` return a `Work` whatever they are told
 
 
@@ -67,7 +67,7 @@ class Collective(NamedTuple):
 
     name: str
     tensors: Tuple[torch.Tensor, ...]
-    written: bool
+    writes: bool
     group_size: Optional[int]
     in_flight: bool
     functional: bool = False  # `torch.ops._c10d_functional.*`: its values arrive at `wait_tensor`
@@ -137,7 +137,7 @@ def reads_memory(name: str, func, args, kwargs, tensors, out=None) -> Optional[s
         return None
     if getattr(func, "__module__", None) == C10D_MODULE:  # another collective: it sends what it reads
         collective = collective_call(func, args, kwargs, None)
-        sent = collective.tensors if collective is not None and collective.written else ()
+        sent = collective.tensors if collective is not None and collective.writes else ()
         overwrites = collective is not None and collective.name not in _READ_BEFORE_WRITTEN
         return "written" if overwrites and any(t is w for t in touched for w in sent) else "read"
     written = tensors_of(call_writes(name, args, kwargs, func))
@@ -211,13 +211,13 @@ def _c10d(func, args, kwargs, out) -> Optional[Collective]:
     bound = signature.bind(*args, **kwargs).arguments
     tensors = tuple(tensors_of(bound.get(entry.outputs)))
     if not tensors and entry.outputs == "gather_list":  # not the destination: it only sent
-        tensors, written = tuple(tensors_of(bound.get("tensor"))), False
+        tensors, writes = tuple(tensors_of(bound.get("tensor"))), False
     else:
-        written = entry.written
+        writes = entry.writes
     if not tensors:
         return None
     in_flight = entry.always_async or bool(bound.get("async_op")) and out is not None
-    return Collective(entry.shown, tensors, written, _group_size(bound.get("group")), in_flight)
+    return Collective(entry.shown, tensors, writes, _group_size(bound.get("group")), in_flight)
 
 
 def _functional(func, args, kwargs, out) -> Optional[Collective]:

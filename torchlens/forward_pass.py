@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .backward import BackwardNarration, GradientRoots, settle_open_runs
+from .backward import BackwardNarration, GradientRoots, end_unseen_runs_everywhere
 from .errors import NonFiniteError
 from .events import Scope, TensorMeta
 from .guard import guarded, internal_error
@@ -55,7 +55,7 @@ class ForwardPass:
                  narrator: Optional[Narrator] = None, backward: Optional[BackwardNarration] = None):
         self.settings = settings
         self.nested = under_a_capture()
-        settle_open_runs()  # a backward of an earlier forward that failed unseen: ended now
+        end_unseen_runs_everywhere()  # a backward of an earlier forward that failed unseen: ended now
         # id -> name of the model's parameters and buffers, read when a finding or a backward needs it
         self.tensor_names: Callable[[], dict] = lambda: tensor_names(model)
         # (name, weak reference) of the model's parameters: where a collective may write gradients

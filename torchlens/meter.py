@@ -92,7 +92,6 @@ class Meter:
         self.judging = judging  # tracking judges each value as it is recorded
         self._whole_dtensors = dtensors == "global"  # (`dtensor_stats=`: see `_measure_whole`)
         self.pending: List[Pending] = []
-        self.reads = 0  # host transfers made, for the footer and the tests
         # Statistics already taken this forward, by the elements they cover (views share them). A
         # sample depends on the layout, so only exact statistics and counts are shared.
         self._known: Dict[tuple, _Known] = {}
@@ -253,11 +252,9 @@ class Meter:
 
     def _screened(self, stats: Stats, f: torch.Tensor) -> Stats:
         """Tracking: one sum proves the tensor finite; only one that is not is counted."""
-        self.reads += 1
         if screen_finite(f):
             stats.nan = stats.posinf = stats.neginf = 0
             return stats
-        self.reads += 1
         fill(stats, count_vector(f, torch.float64).tolist(), "counts", self.tracking)
         return stats
 
@@ -266,13 +263,11 @@ class Meter:
         `torchlens.recipes`); on an accelerator, whose every read is a sync, from the two-pass
         vector, read once. A tensor holding non-finite values is measured again, masking them and
         counting them."""
-        self.reads += 1
         if f.device.type in READ_NOW:
             f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
             values = sums_of(f)
             if all(map(math.isfinite, values[:2])) and not all(map(math.isfinite, values[2:])):
-                self.reads += 1  # finite values whose sums overflowed: measured again, scaled down
-                values = self._rescaled(f, values[0], values[1], numel)
+                values = self._rescaled(f, values[0], values[1], numel)  # finite, but the sums overflowed
             elif all(map(math.isfinite, values)):
                 values = self._moments(f, values, numel)
         else:
@@ -280,20 +275,19 @@ class Meter:
         if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
             fill(stats, values, "moments", self.tracking)  # (a moment past float64's range is dropped)
             return stats
-        self.reads += 1  # non-finite values: min/max/mean/sd of the finite ones, and counts
+        # non-finite values: min/max/mean/sd of the finite ones, and counts
         fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "finite", self.tracking)
         return stats
 
     def _integers(self, stats: Stats, tensor: torch.Tensor, dtype: torch.dtype) -> Stats:
         """Exact statistics of integers, read now: from their float copy while that is exact (the
         common case: token ids, positions, counts), else from the integers themselves."""
-        self.reads += 1
         values = small_int_vector(tensor.detach().to(dtype)).tolist()
         bound = exact_below(dtype)
         if -bound < values[0] and values[1] < bound:
             fill(stats, values, "small-int", self.tracking)
             return stats
-        self.reads += 1  # integers past the float's exact ones: measured again in integers
+        # integers past the float's exact ones: measured again in integers
         fill(stats, int_vector(tensor, tensor.dtype, dtype, tensor.dim()).tolist(), "int", self.tracking)
         return stats
 
@@ -302,7 +296,6 @@ class Meter:
         sums cannot give it (see `torchlens.recipes.CONDITION_LIMIT`)."""
         mn, mx, mean, sd = moments_from_sums(sums, numel)
         if sd is None:
-            self.reads += 1
             mean, sd = about_the_mean(f, mean, numel)
         return [mn, mx, mean, sd]
 
@@ -328,17 +321,14 @@ class Meter:
             return stats
         head = cheap_vector(sample, dtype, sample.numel())
         values = (torch.cat([head, screen_vector(f, dtype)]) if self.tracking else head).tolist()
-        self.reads += 1
         if all(map(math.isfinite, values[:4])):
             fill(stats, values[:4], "sampled-moments", False)
         else:
-            self.reads += 1
             fill(stats, finite_vector(sample, dtype, 1).tolist(), "sampled", False)
         if self.tracking:
             if math.isfinite(values[4]):
                 stats.nan = stats.posinf = stats.neginf = 0
             else:
-                self.reads += 1
                 stats.nan, stats.posinf, stats.neginf = (int(v) for v in count_vector(f, dtype).tolist())
         return stats
 
@@ -348,7 +338,6 @@ class Meter:
         if not now:
             self.pending.append(Pending(stats, vector, recipe_))
             return stats
-        self.reads += 1
         recipe_.read(stats, vector.tolist(), self.tracking)
         return stats
 
@@ -371,7 +360,6 @@ class Meter:
             values = torch.cat(parts).tolist()
         except Exception:  # one vector that cannot be read must not take the others with it
             return self._read_one_by_one(vector, mine)
-        self.reads += 1
         start = vector.numel()
         for item in mine:
             size = item.vector.numel()
@@ -384,11 +372,9 @@ class Meter:
         for item in items:
             try:
                 values = item.vector.reshape(-1).tolist()
-                self.reads += 1
                 item.recipe.read(item.stats, values, self.tracking)
             except Exception as exc:
                 unmeasured(item.stats, f"{type(exc).__name__} reading its statistics")
-        self.reads += 1
         return vector.reshape(-1).tolist()
 
 

@@ -195,7 +195,7 @@ class Pipeline:
                 if written[0] or written[1]:
                     lazy.resolve_written(value)
                 lazy.resolve()  # what it sent, as it was sent
-        if self.meter is not None and collective.written:  # (c10d writes leave version counters as they were)
+        if self.meter is not None and collective.writes:  # (c10d writes leave version counters as they were)
             self.meter.forget(collective.tensors)
         if collective.in_flight:
             if self.meter is not None:

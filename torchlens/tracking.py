@@ -43,7 +43,7 @@ from .stats_text import counts_text
 from .unwritten import IN_FLIGHT, NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 
 __all__ = ["UNINITIALIZED", "ForwardCause", "ForwardValues", "Tracker", "Verdicts", "can_hold_nonfinite", "count_text",
-           "held", "measured_finite", "settled", "unmeasured_reason"]
+           "held", "measured_finite", "stats_known", "unmeasured_reason"]
 
 UNINITIALIZED = ("empty", "new_empty")  # op names whose outputs hold no values yet (`empty_like`, ...)
 
@@ -66,7 +66,7 @@ def measured_finite(stats) -> bool:
     return False
 
 
-def settled(event: Event) -> bool:
+def stats_known(event: Event) -> bool:
     """Whether `event`'s statistics say all they will (not still waiting on the device)."""
     stats = event.stats
     if stats is None or not can_hold_nonfinite(event.outputs):
@@ -142,7 +142,7 @@ class Verdicts:
             return []
         self._queue.append((event, context))
         made = []
-        while self._queue and self._settled(self._queue[0][0], *self._queue[0][1]):
+        while self._queue and self._ready(self._queue[0][0], *self._queue[0][1]):
             made.extend(self._judged(*self._queue.popleft()))
         return made
 
@@ -158,8 +158,8 @@ class Verdicts:
             finding.live = finding.event is event
         return findings
 
-    def _settled(self, event: Event, *context) -> bool:
-        return settled(event)
+    def _ready(self, event: Event, *context) -> bool:
+        return stats_known(event)
 
     def _finite(self, event: Event) -> None:
         self.measured += 1

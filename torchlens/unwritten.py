@@ -64,7 +64,7 @@ class _Unwritten(NamedTuple):
 
     ref: StorageWeakRef  # (its key stands for it only while it lives)
     note: str  # why it held none: `UNINITIALIZED_NOTE`, `NOT_SEEN_WRITTEN`, `IN_FLIGHT`
-    written: List[Tuple[int, int]]  # the byte spans exactly written since
+    spans: List[Tuple[int, int]]  # the byte spans exactly written since
     address: Optional[int]  # where its bytes were: bytes it got back since (`resize_`) hold none again
 
 
@@ -128,7 +128,7 @@ class UnwrittenMemory:
         for tensor in tensors:
             entry = self._entry(tensor)
             if entry is not None and _is_exact(tensor):
-                entry.written.append(_byte_span(tensor))
+                entry.spans.append(_byte_span(tensor))
 
     def unwritten(self, value) -> Optional[str]:
         """Why a tensor of `value` holds no values yet (`UNINITIALIZED_NOTE`, `NOT_SEEN_WRITTEN`),
@@ -138,7 +138,7 @@ class UnwrittenMemory:
             if entry is None:
                 continue
             span = _byte_span(tensor)
-            if not any(covers(written, span) for written in entry.written):
+            if not any(covers(written, span) for written in entry.spans):
                 return entry.note
         return None
 

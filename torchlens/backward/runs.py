@@ -22,12 +22,12 @@ from ..ranks import world_size
 from ..results import Backward, PartialTrace, Recording
 from ..session import EventLog, attach, attach_finding, error_summary, nonfinite_message
 from ..sinks import ListSink
-from ..tracking import held, settled
+from ..tracking import held, stats_known
 from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import UNREAD, GradTracker
 
-__all__ = ["BackwardNarration", "BackwardStopped", "settle_open_runs"]
+__all__ = ["BackwardNarration", "BackwardStopped", "end_unseen_runs_everywhere"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _Tensor = torch.Tensor
@@ -151,7 +151,7 @@ class BackwardRun(EventLog):
         tracker, meter = self.tracker, self.meter
         assert tracker is not None and meter is not None  # (tracking measures: it has a meter)
         direct = self._received.pop(record.key, None) if event.kind is NODE and record is not None else None
-        if direct is None and received is not None and event.stats is not None and settled(event):
+        if direct is None and received is not None and event.stats is not None and stats_known(event):
             # at hand: measured only when it produced one, and only if the node left it as it was
             # received (a backward may reuse its incoming gradient's memory); the meter shares
             # the statistics of a gradient measured as an earlier node's output. A DTensor
@@ -173,7 +173,7 @@ class BackwardRun(EventLog):
         result = self.result
         extra = result.footer_extra
         try:
-            self._settle()
+            self.settle()
             verdict = result.verdict = self.tracker.summary(self.incomplete) if self.tracker is not None else None
             extra.extend(measurement_notes(self.narration.settings.value_stats, verdict, self.incomplete))
         except Exception as exc:
@@ -183,7 +183,7 @@ class BackwardRun(EventLog):
             self.narrator.end_pass(extra, backward=True)
         self.close()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Read the statistics still on the device, and judge what waited for them."""
         if self.meter is not None:
             self.meter.flush()
@@ -220,7 +220,7 @@ class BackwardRun(EventLog):
         """The backward raised `exc` (or stopped unseen): the partial trace, the tail printed."""
         result = self.result
         try:
-            self._settle()
+            self.settle()
         except Exception as inner:
             internal_error("judging the failed backward's gradients", inner)
         result.error = error_summary(exc)
@@ -317,7 +317,7 @@ class BackwardNarration:
             self.released += 1
         self.watches = kept
 
-    def settle(self) -> None:
+    def end_unseen_runs(self) -> None:
         """A new pass begins outside any backward: the runs this thread began and did not end
         failed unseen (their final callback never came)."""
         with self._lock:
@@ -442,13 +442,13 @@ class BackwardNarration:
 _OPEN: "weakref.WeakSet[BackwardNarration]" = weakref.WeakSet()
 
 
-def settle_open_runs() -> None:
+def end_unseen_runs_everywhere() -> None:
     """A forward begins: end the runs of this thread that failed unseen, whatever narrated them."""
     if not _OPEN:  # the common case, every forward: nothing is watched
         return
     for narration in list(_OPEN):
         if narration.runs:
-            narration.settle()
+            narration.end_unseen_runs()
 
 
 def _versions(tensors) -> tuple:

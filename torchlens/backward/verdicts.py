@@ -13,7 +13,7 @@ from ..findings import Finding, FindingKind, kind_names
 from ..findings import bits as _bits
 from ..memory import version
 from ..stats import unwrapped
-from ..tracking import Verdicts, count_text, held, settled, unmeasured_reason
+from ..tracking import Verdicts, count_text, held, stats_known, unmeasured_reason
 from .graph import NodeRecord
 
 __all__ = ["UNREAD", "GradTracker"]
@@ -56,9 +56,9 @@ class GradTracker(Verdicts):
         self._accumulated: List[_Added] = []
         self._nonfinite_before: set = set()  # ids of the parameters whose `.grad` was so as the backward began
 
-    def _settled(self, event, record, positions, direct) -> bool:
+    def _ready(self, event, record, positions, direct) -> bool:
         """(what a node received, read on an accelerator, may be read later than what it produced)"""
-        return settled(event) and _kinds_of(direct) is not None
+        return stats_known(event) and _kinds_of(direct) is not None
 
     def accumulated(self, event, record: Optional[NodeRecord]) -> None:
         """A leaf's gradient was added to its `.grad`: if it was finite, `written_after` looks again.

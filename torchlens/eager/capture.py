@@ -199,7 +199,7 @@ class OpReporter:
             engine = engine_of(frame) if self.engines else None
             if collective is not None:
                 self.pipeline.op(collective.name, metas, site, out, collective=collective,
-                                 call=Call(func, args, kwargs, collective.written), engine=engine)
+                                 call=Call(func, args, kwargs, collective.writes), engine=engine)
                 self.ops += 1
                 return
             self.record_op(op_name(func), metas, site, out, args, kwargs, func, engine=engine)

@@ -187,7 +187,7 @@ class Recorder:
         self._call_frame = sys._getframe(1)  # the model's `_call_impl`, running this pass
         try:
             if self._backward is not None:
-                self._backward.settle()
+                self._backward.end_unseen_runs()
             self.passes += 1
             self._narrating = True
             self._run = EagerPass(self.model, self.settings, self._narrator, header=f"pass {self.passes}",

@@ -117,7 +117,7 @@ class CompiledRuntime:
         forward = None
         try:
             if self.backward is not None:
-                self.backward.settle()
+                self.backward.end_unseen_runs()
             self.passes += 1
             forward = CompiledPass(self, header=f"pass {self.passes}", call=call)
             forward.begin(push_mode)

@@ -136,12 +136,12 @@ class StepJudge:
         assert check is not None  # (its hook is registered only with the update check)
         indices, sums = check.screen(optimizer)
         if not agree(None if sums is None else ~torch.isfinite(sums.sum())):
-            check.settle(optimizer)
+            check.checked(optimizer)
             return None
         written = check.written(optimizer, indices)
         step = max(steps - 1, 0)  # (the step judged before this update)
         check.hold(written, updates.origins(written, step, optimizer))
-        check.settle(optimizer)
+        check.checked(optimizer)
         news = [w for w in written if w.born]
         if not agree(flag(news)):
             # (the rest: non-finite gradients applied, which the step's own check saw, or values

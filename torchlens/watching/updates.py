@@ -84,7 +84,7 @@ class UpdateCheck:
         indices = [i for i in self.indices.get(id(optimizer), ()) if i not in self.held]
         return indices, screen_sums([self.params[i] for i in indices])
 
-    def settle(self, optimizer) -> None:
+    def checked(self, optimizer) -> None:
         """The check of this update is done: note each parameter's version counter."""
         for i in self.indices.get(id(optimizer), ()):
             self.versions[i] = version(self.params[i])
