@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 import torchlens as tl
-from torchlens import grammar
 from torchlens.events import OP, Event, Scope, TensorMeta
-from torchlens.meter import Meter
-from torchlens.narrator import Narrator
-from torchlens.sinks import open_sink
+from torchlens.measure.meter import Meter
+from torchlens.narration import grammar
+from torchlens.narration.narrator import Narrator
+from torchlens.narration.sinks import open_sink
 
 ROOT = Scope("", "Model", None)
 BLOCK = Scope("blocks.3.mlp.fc", "Linear", Scope("blocks.3.mlp", "MLP", Scope("blocks.3", "Block", ROOT)))

@@ -30,9 +30,9 @@ def no_residue():
 def deferred_reads(monkeypatch):
     """Measure CPU tensors as an accelerator's are: statistics vectors read once per forward, not
     as each op completes. How the read-once discipline is checked on a machine without one."""
-    import torchlens.meter
+    import torchlens.measure.meter
 
-    monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+    monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", set())
 
 
 @pytest.fixture

@@ -653,7 +653,7 @@ def test_a_nan_from_a_loss_term_outside_the_model_is_first_seen_at_the_leaf_neve
 
 
 def test_a_gradient_hook_that_writes_nan_is_first_seen_where_it_entered_on_cpu_and_accelerator(monkeypatch):
-    import torchlens.meter
+    import torchlens.measure.meter
 
     class Hooked(OneLinear):
         def forward(self, x):
@@ -662,7 +662,7 @@ def test_a_gradient_hook_that_writes_nan_is_first_seen_where_it_entered_on_cpu_a
             return torch.tanh(h).sum()
 
     for read_now in ({"cpu"}, set()):  # the CPU's way, then an accelerator's (one read per backward)
-        monkeypatch.setattr(torchlens.meter, "READ_NOW", read_now)
+        monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", read_now)
         model = Hooked()
         [finding] = _track(model, lambda model=model: model(torch.randn(2, 3)).backward()).recordings[0].backward[0].findings
         assert finding.text.startswith("NaN gradient first seen entering ~") and not finding.birth, read_now
@@ -1120,7 +1120,7 @@ def test_measuring_a_training_forward_adds_no_node_to_autograd(rung):
 
 def test_a_backward_attempt_on_cuda_tensors_says_kernel_errors_surface_later():
     from torchlens.events import BackwardAttempt, Scope, TensorMeta
-    from torchlens.grammar import render_attempt
+    from torchlens.narration.grammar import render_attempt
 
     scope = Scope("fc", "Linear", Scope("", "Net", None))
     received = (TensorMeta((2, 4), torch.float32, torch.device("cuda", 0)),)

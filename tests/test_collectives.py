@@ -13,7 +13,7 @@ from ranks import run_ranks
 from torch import nn
 
 import torchlens as tl
-from torchlens.collectives import COLLECTIVES
+from torchlens.core.collectives import COLLECTIVES
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch was built without gloo")

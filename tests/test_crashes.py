@@ -165,8 +165,8 @@ def test_an_exception_caught_inside_the_forward_does_not_end_the_recording():
 
 
 def test_cuda_inputs_add_the_asynchronous_error_caveat():
-    from torchlens import grammar
     from torchlens.events import Attempt, Scope, TensorMeta
+    from torchlens.narration import grammar
 
     on_gpu = TensorMeta((2, 3), torch.float32, torch.device("cuda", 0))
     lines = grammar.render_attempt(Attempt("linear", 4, Scope("fc", "Linear", Scope("", "M", None)), None, (on_gpu,)),

@@ -14,7 +14,7 @@ from helpers import OP_LINE, check_nesting, op_lines, ordinals
 from models import Tiny, conv_net, images, tiny_gpt, tokens
 
 import torchlens as tl
-from torchlens.sinks import NEW_RUN
+from torchlens.narration.sinks import NEW_RUN
 
 NarrationOptions = tl.options.NarrationOptions
 
@@ -186,10 +186,10 @@ def test_overwrite_starts_the_file_afresh_once_per_use_of_the_options(tmp_path, 
 
 
 def test_overwrite_of_one_file_every_rank_writes_is_refused(monkeypatch, tmp_path):
-    import torchlens.ranks
+    import torchlens.core.ranks
 
-    monkeypatch.setattr(torchlens.ranks, "_initialized_group_size", lambda: 2)
-    monkeypatch.setattr(torchlens.ranks, "rank_and_world_size", lambda: (0, 2))
+    monkeypatch.setattr(torchlens.core.ranks, "_initialized_group_size", lambda: 2)
+    monkeypatch.setattr(torchlens.core.ranks, "rank_and_world_size", lambda: (0, 2))
     with pytest.raises(tl.errors.OptionValueError, match=r"name a file per rank \('run-\{rank\}.log'\)"):
         tl.record(Tiny(), torch.ones(1, 2), narrate=NarrationOptions(sink=tmp_path / "run.log", overwrite=True))
     tl.record(Tiny(), torch.ones(1, 2), narrate=NarrationOptions(sink=tmp_path / "run-{rank}.log", overwrite=True))
@@ -274,7 +274,7 @@ def test_normalize_strips_directories_and_device_indices():
     text, _ = narrate_to_string(Tiny(), torch.randn(1, 2), sites=True, normalize=True)
     linear = op_lines(text)[1]
     assert re.search(r"  models\.py:\d+$", linear) and "/" not in linear
-    from torchlens import grammar
+    from torchlens.narration import grammar
 
     assert grammar.device_name(torch.device("cuda", 3), normalize=True) == "cuda"
     assert grammar.device_name(torch.device("cuda", 3)) == "cuda:3"

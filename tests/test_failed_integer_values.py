@@ -18,7 +18,7 @@ from real_models import _transformers
 from torch import nn
 
 import torchlens as tl
-from torchlens.integer_values import Values
+from torchlens.measure.integer_values import Values
 
 VOCAB = 99
 

@@ -67,7 +67,7 @@ def test_the_footer_names_the_nan_birth_by_its_kind_after_an_earlier_finding():
     assert [f.kind for f in recording.findings] == [K.NAN_WRITTEN, K.NAN_BORN]
     assert lines[-1].endswith(f"first non-finite: {recording.findings[0].text}; then {recording.findings[1].text}")
     recording.findings[1].text = "reworded: " + recording.findings[1].text
-    from torchlens.tracking import Tracker
+    from torchlens.measure.tracking import Tracker
 
     tracker = Tracker(dict)
     tracker.findings = list(recording.findings)

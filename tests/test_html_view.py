@@ -134,7 +134,7 @@ def test_the_embedded_data_holds_every_op_as_narration_shows_it(tmp_path):
     for event in recording.ops:
         row = shown[event.ordinal]
         assert row["o"] == event.op
-        assert row["m"] == ", ".join(tl.grammar.meta_text(meta) for meta in event.outputs)
+        assert row["m"] == ", ".join(tl.narration.grammar.meta_text(meta) for meta in event.outputs)
         assert row["v"] == str(event.stats)
     assert [row["l"] for row in rows(forward["tree"]) if row.get("t") == "out"] == ["out"]
     assert forward["tree"]["n"] == len(recording.ops)

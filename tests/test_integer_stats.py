@@ -15,7 +15,7 @@ from torch import nn
 
 import torchlens as tl
 from torchlens.fx_backend import stats_pass
-from torchlens.stats_text import fmt
+from torchlens.narration.stats_text import fmt
 
 INTEGER_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64] + [
     dtype for dtype in (getattr(torch, name, None) for name in ("uint16", "uint32", "uint64")) if dtype is not None]

@@ -1,4 +1,4 @@
-"""The facts about a tensor's memory (`torchlens.memory`), each answered by one function that eager
+"""The facts about a tensor's memory (`torchlens.measure.memory`), each answered by one function that eager
 and compiled narration both ask, so the two agree on what an op read, wrote and shares."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchlens as tl
-from torchlens import memory
+from torchlens.measure import memory
 
 
 def test_views_share_a_storage_key_and_copies_do_not():

@@ -8,9 +8,9 @@ import pytest
 from models import tiny_gpt, tokens
 
 import torchlens as tl
-from torchlens.narrator import Narrator, PassCounts
+from torchlens.narration.narrator import Narrator, PassCounts
+from torchlens.narration.sinks import ListSink
 from torchlens.options import NarrationOptions
-from torchlens.sinks import ListSink
 
 OPTION_SETS = [
     dict(),

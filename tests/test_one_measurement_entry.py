@@ -14,9 +14,9 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.backward.verdicts import GradTracker
-from torchlens.meter import Meter
-from torchlens.session import EventLog
-from torchlens.tracking import Tracker, Verdicts
+from torchlens.core.session import EventLog
+from torchlens.measure.meter import Meter
+from torchlens.measure.tracking import Tracker, Verdicts
 
 BACKWARD = pathlib.Path(tl.__file__).resolve().parent / "backward"
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torchlens as tl
-from torchlens.provenance import origin_chain
+from torchlens.measure.provenance import origin_chain
 
 
 def test_the_last_write_that_covers_everything_starts_the_chain_again():

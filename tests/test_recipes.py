@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
-from torchlens.recipes import CONDITION_LIMIT, recipe
+from torchlens.measure.recipes import CONDITION_LIMIT, recipe
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -274,7 +274,7 @@ def test_tensors_with_one_elements_key_hold_the_same_elements_as_often(sizes, st
     """`element_key` may call two views the same only if they address the same storage elements,
     each as many times: random strided views (repeats, gaps, overlaps) against a reordering of
     their dimensions, and against every other view drawn."""
-    from torchlens.memory import element_key as _elements
+    from torchlens.measure.memory import element_key as _elements
 
     storage = torch.arange(200, dtype=torch.float64)
     strides = strides[:len(sizes)]

@@ -137,7 +137,7 @@ def test_an_internal_failure_warns_and_never_masks_the_run(monkeypatch, options)
     """Whichever path records an op (the short one of metadata-only captures, or the general one),
     a failure of torchlens there warns once, the forward's output is untouched, and the verdict
     does not claim what was not recorded."""
-    from torchlens import pipeline, session
+    from torchlens.core import pipeline, session
 
     def broken(self, *a, **k):
         raise ZeroDivisionError("torchlens bug")
@@ -158,7 +158,7 @@ class _CountingSink:
     """A sink object that counts what it is given and how often it is closed."""
 
     def __init__(self):
-        from torchlens.sinks import Sink
+        from torchlens.narration.sinks import Sink
 
         outer = self
         self.lines, self.closes = [], 0

@@ -1,4 +1,4 @@
-"""One rule for "do these two tensors address the same elements?" (`torchlens.memory`): the eager
+"""One rule for "do these two tensors address the same elements?" (`torchlens.measure.memory`): the eager
 meter and the compiled statistics pass share a view's statistics in exactly the same cases, so a
 view measured in one substrate is not reduced again in the other, and a copy is measured in both."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchlens import memory
 from torchlens.fx_backend import stats_pass
+from torchlens.measure import memory
 
 # (name, what the op does to a [2, 3, 24] tensor, whether it addresses the same elements)
 OPS = [

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
 import torchlens.fx_backend.runtime
-import torchlens.meter
+import torchlens.measure.meter
 
 NarrationOptions = tl.options.NarrationOptions
 
@@ -190,7 +190,7 @@ def test_exact_stats_of_a_tensor_with_nan_summarise_its_finite_values(monkeypatc
     assert str(unprinted) == str(live)
     # read at the end of the forward (an accelerator's), the tensor is gone: the counts are exact,
     # the rest not claimed
-    monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+    monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", set())
     later = tl.record(Holes(), x, value_stats="exact").ops[-1].stats
     assert (later.nan, later.min, later.mean) == (3, None, None) and str(later) == "nan=3"
     finite = tl.record(Holes(), x - 10, value_stats="exact").ops[-1].stats
@@ -324,7 +324,7 @@ def test_compiled_exact_stats_count_each_kind_of_nonfinite_value_as_eager_does(d
 
 @pytest.mark.parametrize("numel", [(1 << 17) - 1, 1 << 17, (1 << 24) - 1, 1 << 24])
 def test_lean_counts_are_exact_on_each_side_of_their_limits(numel):
-    from torchlens.stats import count_vector, lean_count_vector
+    from torchlens.measure.stats import count_vector, lean_count_vector
 
     x = torch.full((numel,), -float("inf"))
     x[:2], x[2:5] = float("nan"), float("inf")
@@ -349,7 +349,7 @@ def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeyp
 
     measured = []
     if where == "fused":  # an accelerator's way: vectors traced into the graph
-        monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+        monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", set())
         original = stats_pass._vector_for
         monkeypatch.setattr(stats_pass, "_vector_for", lambda output, fake, *a: (measured.append(1), original(output, fake, *a))[1])
     else:  # the CPU's: outputs returned by the graph, measured after the call

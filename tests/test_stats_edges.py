@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import torchlens as tl
-from torchlens.stats import SAMPLE_SIZE, sample_indices
+from torchlens.measure.stats import SAMPLE_SIZE, sample_indices
 
 
 def narrated(model, *args, **options):

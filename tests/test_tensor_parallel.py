@@ -13,7 +13,7 @@ from ranks import run_ranks
 from torch import nn
 
 import torchlens as tl
-from torchlens.stats_text import fmt
+from torchlens.narration.stats_text import fmt
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch was built without gloo")

@@ -1,4 +1,4 @@
-"""Every private torch internal torchlens relies on is in one table (`torchlens.torch_seams`): this
+"""Every private torch internal torchlens relies on is in one table (`torchlens.torch_internals.seams`): this
 test fails when a torch upgrade moved one, and a seam that stops applying at run time warns once,
 saying what the user loses, instead of narrating a wrong transcript in silence."""
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torchlens as tl
-from torchlens import torch_seams
+from torchlens.torch_internals import seams as torch_seams
 
 
 def test_every_seam_applies_on_the_installed_torch():
@@ -79,7 +79,7 @@ def test_a_seam_that_stops_applying_warns_once_with_what_is_lost(monkeypatch):
 
 # -- the table is complete by construction: every private access is a row's ------------------------
 
-_PACKAGE = pathlib.Path(torch_seams.__file__).parent
+_PACKAGE = pathlib.Path(torch_seams.__file__).parent.parent
 
 
 def _private(name: str) -> bool:
@@ -196,7 +196,7 @@ def test_every_private_torch_access_is_a_seam_rows_and_named_in_it():
     rows = [(_seam_modules(seam.where), seam.relies_on) for seam in torch_seams.SEAMS]
     missing = {}
     for module, names in private_accesses().items():
-        if module == "torch_seams":
+        if module == "torch_internals.seams":
             continue
         uncovered = sorted(name for name in names
                            if not any(module in modules and name in relies_on for modules, relies_on in rows))
@@ -241,15 +241,15 @@ def test_dynamo_node_meta_is_read_only_where_its_seam_row_says():
     for path in sorted(_PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(_PACKAGE).with_suffix("").parts)
         keys = node_meta_reads(ast.parse(path.read_text(encoding="utf-8")))
-        if keys and module != "node_meta":
+        if keys and module != "torch_internals.node_meta":
             outside[module] = sorted(keys)
-    assert outside == {}, f"dynamo's node meta read outside torchlens/node_meta.py: {outside}"
+    assert outside == {}, f"dynamo's node meta read outside torchlens/torch_internals/node_meta.py: {outside}"
     code = 'def f(n):\n    return n.meta.get("val"), n.meta["stack_trace"], "nn_module_stack" in n.meta, d.get("x")\n'
     assert node_meta_reads(ast.parse(code)) == {"val", "stack_trace", "nn_module_stack"}
 
 
 def test_the_node_meta_probe_notices_a_key_dynamo_stopped_writing(monkeypatch):
-    from torchlens import node_meta
+    from torchlens.torch_internals import node_meta
 
     monkeypatch.setattr(node_meta, "module_stack", lambda node: None)
     assert torch_seams.check()["node meta"] == "a captured graph's nodes carry no nn_module_stack naming their module"

@@ -120,7 +120,7 @@ class Unshards(nn.Module):
 @pytest.fixture
 def engine_code(tmp_path, monkeypatch):
     """Ops called from tests/fake_engine.py are an engine's, under a process group of one."""
-    from torchlens import engines
+    from torchlens.core import engines
 
     monkeypatch.setattr(engines, "_ENGINE_FILES", ((ENGINE_FILE, "FSDP2"),) + engines._ENGINE_FILES)
     monkeypatch.setattr(engines, "_BY_CODE", {})

@@ -17,7 +17,7 @@ from models import tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
-import torchlens.meter
+import torchlens.measure.meter
 
 
 def narrated(model, *args, **options):
@@ -150,9 +150,9 @@ def test_grad_transform_statistics_are_read():
 
 def test_one_vector_that_cannot_be_read_leaves_the_others_and_is_counted_as_unmeasured(deferred_reads):
     from torchlens.events import Stats
-    from torchlens.meter import Meter, Pending
-    from torchlens.recipes import recipe
-    from torchlens.tracking import Tracker
+    from torchlens.measure.meter import Meter, Pending
+    from torchlens.measure.recipes import recipe
+    from torchlens.measure.tracking import Tracker
 
     meter = Meter("exact", tracking=True)
     good = meter.measure(torch.tensor([1.0, 2.0, 3.0]), live=False)
@@ -234,7 +234,7 @@ def test_a_steering_hook_writing_into_a_gpt_block_output_is_narrated_and_blamed(
 
 
 def test_the_write_table_is_read_from_torch_schemas():
-    from torchlens.writes import writes_without_returning, written_tensor
+    from torchlens.measure.writes import writes_without_returning, written_tensor
 
     assert writes_without_returning("setitem") and writes_without_returning("_foreach_add_")
     assert not writes_without_returning("add_") and not writes_without_returning("relu")
@@ -465,7 +465,7 @@ def test_integer_ops_are_still_origins_and_writers_on_cpu_and_accelerator(deferr
     once per forward (the tensor gone by then), `mask.sum()` is known to hold no NaN, so the NaN is
     born at the division; an integer write that cleared an infinity leaves nothing to report."""
     for read_now in (set(), {"cpu"}):
-        torchlens.meter.READ_NOW = read_now
+        torchlens.measure.meter.READ_NOW = read_now
         rec = tl.record(MaskedMean(), torch.ones(4), on_nonfinite="track")
         assert [f.text for f in rec.findings] == ["NaN born at #6 div (nan=1)"]
         rec = tl.record(ZeroedThroughIntView(), torch.ones(4), on_nonfinite="track")
@@ -666,7 +666,7 @@ def test_a_buffer_rewritten_after_it_was_read_is_not_claimed_from_its_later_stat
     assert live.findings[0].text == "NaN in state (nan=1), first read by #2 add"
     unprinted = tl.record(Stateful(), torch.ones(3), on_nonfinite="track")  # CPU: read as each op ends
     assert [f.text for f in unprinted.findings] == [f.text for f in live.findings]
-    monkeypatch.setattr(torchlens.meter, "READ_NOW", set())  # an accelerator's: read at the end
+    monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", set())  # an accelerator's: read at the end
     deferred = tl.record(Stateful(), torch.ones(3), on_nonfinite="track")
     # read at the end of the forward, the buffer no longer holds what #2 read: no false birth
     assert deferred.findings[0].text.startswith("NaN first seen at #2 add")
@@ -872,7 +872,7 @@ def test_vmap_over_a_transformer_encoder_layer_measures_every_op_over_the_batch(
 
 
 def test_tracking_works_out_what_an_op_read_only_for_ops_whose_output_is_not_finite(monkeypatch):
-    from torchlens import tracking
+    from torchlens.measure import tracking
 
     asked = []
     reads_of = tracking.Tracker.reads_of
@@ -911,7 +911,7 @@ class WritesItsBuffer(nn.Module):
 def test_an_op_that_writes_its_buffer_is_never_told_the_buffer_held_what_it_wrote(how, device_reads_later,
                                                                                     monkeypatch):
     if device_reads_later:
-        monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+        monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", set())
     findings = [f.text for f in tl.record(WritesItsBuffer(how), torch.ones(4), on_nonfinite="track").findings]
     op = "div" if how == "out=" else how
     assert findings and findings[0].startswith(("NaN first seen at #", "-inf first seen at #")), findings
@@ -942,7 +942,7 @@ def test_what_an_op_read_is_fixed_when_it_ran_not_when_its_verdict_is_drawn(devi
     read must still be what it read when it ran, not the memory as later writes left it, and not
     the op's own output (an op that returns its argument)."""
     if device_reads_later:
-        monkeypatch.setattr(torchlens.meter, "READ_NOW", set())
+        monkeypatch.setattr(torchlens.measure.meter, "READ_NOW", set())
     rec = tl.record(ReadThenOverwritten(), torch.ones(4), on_nonfinite="track")
     assert rec.findings[0].text == "NaN born at #3 sqrt (nan=4)", [f.text for f in rec.findings]
     rec = tl.record(ReturnsItsArgument(), torch.ones(4), on_nonfinite="track")

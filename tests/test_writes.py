@@ -1,4 +1,4 @@
-"""Which arguments a call writes into (`torchlens.writes`, listed in `torchlens.memory`): one rule
+"""Which arguments a call writes into (`torchlens.measure.writes`, listed in `torchlens.measure.memory`): one rule
 read from torch's operator schemas, Python's in-place operators and the call's flags, asked by the
 eager capture, tracking, the compiled plan, the statistics pass, the failure replay and the
 collectives alike, for a call and for a graph node."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchlens import writes
+from torchlens.measure import writes
 
 
 @pytest.mark.parametrize("name", ["add_", "relu_", "copy_", "index_put_", "masked_fill_", "uniform_", "zero_",

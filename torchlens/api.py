@@ -8,13 +8,13 @@ from typing import cast
 
 from torch import nn
 
+from .core.structure import check_model, forward_signature
+from .core.values import DEFAULT_MAX_BYTES
 from .eager.capture import outside_dynamo
 from .eager.runner import run_eager
 from .errors import OptionTypeError, OptionValueError, suggest
 from .options import COMPILE, RECORD, TRACE, check_keyword, keywords_of, make_settings, misplaced
 from .results import Recording, Trace
-from .structure import check_model, forward_signature
-from .values import DEFAULT_MAX_BYTES
 
 __all__ = ["compile", "load", "record", "trace"]
 

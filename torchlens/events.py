@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .stats_text import stats_text
+from .narration.stats_text import stats_text
 
 __all__ = ["ENTER", "EXIT", "GRAD", "INPUT", "NODE", "OP", "OUTPUT", "Attempt", "BackwardAttempt", "BackwardEvent",
            "Event", "EventKind", "Scope", "ShardedMeta", "Stats", "StatsGroup", "TensorMeta"]
@@ -221,10 +221,10 @@ class Event:
     - `scope`: the module the op ran in (for enter/exit, the module entered or left).
     - `outputs`: `TensorMeta` of each tensor the op produced.
     - `site`: the user's `file:line` that issued the op, when sites were asked for.
-    - `stats`: value statistics (see `torchlens.stats`), when asked for.
+    - `stats`: value statistics (see `torchlens.measure.stats`), when asked for.
     - `label`: the argument name of an input source or the position of an output (`x`, `out[0]`).
-    - `reads`, `finding`: what non-finite tracking knows of the op (`torchlens.tracking`).
-    - `engine`: "FSDP2", "DDP", ... for an op a distributed engine ran for itself (`torchlens.engines`).
+    - `reads`, `finding`: what non-finite tracking knows of the op (`torchlens.measure.tracking`).
+    - `engine`: "FSDP2", "DDP", ... for an op a distributed engine ran for itself (`torchlens.core.engines`).
     """
 
     __slots__ = ("kind", "ordinal", "op", "scope", "outputs", "site", "stats", "label", "reads", "finding", "engine")
@@ -238,9 +238,9 @@ class Event:
         self.site = site
         self.stats = stats
         self.label = label
-        self.reads = None  # with non-finite tracking: what the op read (see `torchlens.tracking`)
+        self.reads = None  # with non-finite tracking: what the op read (see `torchlens.measure.tracking`)
         self.finding = None  # with non-finite tracking: the tracker's verdict at this op, if any
-        self.engine = None  # the distributed engine that ran the op for itself (`torchlens.engines`), if any
+        self.engine = None  # the distributed engine that ran the op for itself (`torchlens.core.engines`), if any
 
     @property
     def module(self) -> str:
@@ -359,7 +359,7 @@ class Attempt:
     `inputs` is None when the call was located without seeing its arguments. `call` keeps the
     function and the arguments themselves when the eager capture saw the call raise (a
     `torchlens.repro.kept.KeptCall`, which `PartialTrace.repro` replays); None otherwise.
-    `values`, one per input, says what an integer input held (`torchlens.integer_values.Values`:
+    `values`, one per input, says what an integer input held (`torchlens.measure.integer_values.Values`:
     its smallest and largest value, or why they were not read; None for any other input), read once
     the forward had failed; None when no input is an integer tensor whose values were sought.
     """

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
+from .narration.sinks import check_writable, checked_sink, sink_kind
 from .selectors import Selector, as_selector
-from .sinks import check_writable, checked_sink, sink_kind
 
 __all__ = ["NarrationOptions", "VALUE_STATS", "ON_NONFINITE", "STATS_ON", "DTENSOR_STATS"]
 
@@ -258,7 +258,7 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
 def _check_overwrite(narration: NarrationOptions) -> None:
     """Under a process group, one file every rank writes cannot be started afresh: a rank would
     erase the lines another already wrote."""
-    from .ranks import shared_sink_tag
+    from .core.ranks import shared_sink_tag
 
     if narration.overwrite and sink_kind(narration.sink) == "path" and shared_sink_tag(narration.sink):
         raise OptionValueError(

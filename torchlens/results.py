@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_map
 
-from . import grammar
 from .events import OP, Attempt, Event, EventKind
-from .narrator import failure_block, printed_events, render_lines
+from .narration import grammar
+from .narration.narrator import failure_block, printed_events, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
 from .selectors import as_selector
 
@@ -135,7 +135,7 @@ class Recording:
     - `events`: every `Event` in order (input sources, ops, module enter/exit, outputs).
     - `ops`: just the `#` events (input sources and ops).
     - `output`: what the forward returned.
-    - `findings`: with `on_nonfinite=`, the tracker's verdicts in order (`torchlens.tracking`):
+    - `findings`: with `on_nonfinite=`, the tracker's verdicts in order (`torchlens.measure.tracking`):
       NaN and infinity births, non-finite parameters or buffers, infinities reaching the output.
     - `verdict`: with `on_nonfinite=`, non-finite tracking's verdict as the footer words it
       (`no non-finite findings`, with what was absorbed; or `first non-finite: NaN in ...`); None

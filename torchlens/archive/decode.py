@@ -26,7 +26,7 @@ from ..events import (
     TensorMeta,
 )
 from ..findings import Finding, FindingKind
-from ..integer_values import Values
+from ..measure.integer_values import Values
 from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..repro.kept import KeptCall
 from ..results import Backward, PartialTrace, Recording, Trace

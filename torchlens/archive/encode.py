@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..events import BackwardAttempt, ShardedMeta, Stats, StatsGroup, TensorMeta
+from ..measure.stats import is_dtensor, unwrapped
 from ..selectors import InModule, _AllOf, _AnyOf, _Not
-from ..stats import is_dtensor, unwrapped
 
 __all__ = ["FORMAT", "READABLE_VERSIONS", "VERSION", "document", "number", "put", "tensors"]
 

@@ -15,10 +15,10 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ..grammar import op_ref
+from ..measure.tracking import ForwardCause, ForwardValues
+from ..narration.grammar import op_ref
 from ..results import Recording
-from ..torch_seams import degraded
-from ..tracking import ForwardCause, ForwardValues
+from ..torch_internals.seams import degraded
 
 __all__ = ["BackwardWatch", "GradientRoots", "NodeRecord", "running_backward"]
 

@@ -10,20 +10,20 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..core.guard import contain, internal_error, is_stop
+from ..core.ranks import world_size
+from ..core.session import EventLog, attach, attach_finding, error_summary, nonfinite_message
+from ..core.values import ValueKeeper
 from ..errors import NonFiniteError
 from ..events import GRAD, NODE, BackwardAttempt, BackwardEvent, TensorMeta
 from ..findings import Finding
-from ..grammar import measurement_notes
-from ..guard import contain, internal_error, is_stop
-from ..memory import version
-from ..meter import Meter
-from ..narrator import Narrator
-from ..ranks import world_size
+from ..measure.memory import version
+from ..measure.meter import Meter
+from ..measure.tracking import held, stats_known
+from ..narration.grammar import measurement_notes
+from ..narration.narrator import Narrator
+from ..narration.sinks import ListSink
 from ..results import Backward, PartialTrace, Recording
-from ..session import EventLog, attach, attach_finding, error_summary, nonfinite_message
-from ..sinks import ListSink
-from ..tracking import held, stats_known
-from ..values import ValueKeeper
 from .graph import BackwardWatch, GradientRoots, NodeRecord
 from .verdicts import UNREAD, GradTracker
 

@@ -11,9 +11,9 @@ import torch
 from ..events import GRAD, NODE, StatsGroup
 from ..findings import Finding, FindingKind, kind_names
 from ..findings import bits as _bits
-from ..memory import version
-from ..stats import unwrapped
-from ..tracking import Verdicts, count_text, held, stats_known, unmeasured_reason
+from ..measure.memory import version
+from ..measure.stats import unwrapped
+from ..measure.tracking import Verdicts, count_text, held, stats_known, unmeasured_reason
 from .graph import NodeRecord
 
 __all__ = ["UNREAD", "GradTracker"]

@@ -34,10 +34,10 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from ..core.generators import RandomState
+from ..core.structure import check_model
 from ..errors import OptionValueError
-from ..generators import RandomState
-from ..structure import check_model
-from ..torch_seams import degraded
+from ..torch_internals.seams import degraded
 from .compare import compare
 from .reference import random_ops, reference
 from .report import CompareReport

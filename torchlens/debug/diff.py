@@ -22,7 +22,7 @@ import torch
 
 from ..errors import OptionTypeError, OptionValueError
 from ..events import Event
-from ..grammar import dtype_name, shape_text
+from ..narration.grammar import dtype_name, shape_text
 from .rounding import COMPLEX_PARTS, wide
 from .rows import BOTH, DIVERGED, NOT_COMPARABLE, ONLY_A, ONLY_B, UNCHECKED, WITHIN, CompareRow
 

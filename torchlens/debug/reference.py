@@ -41,12 +41,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ..core.generators import RandomState
+from ..core.naming import op_name
+from ..core.structure import check_model
 from ..errors import ModelTypeError
-from ..generators import RandomState
-from ..memory import call_writes, tensors_of
-from ..naming import op_name
+from ..measure.memory import call_writes, tensors_of
 from ..results import Trace
-from ..structure import check_model
 
 __all__ = ["Call", "Produced", "Reference", "random_ops", "reference", "reduction_terms"]
 

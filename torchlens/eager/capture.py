@@ -31,23 +31,23 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ..collectives import C10D_MODULE, collective_call
-from ..compiled_regions import install_for_dynamo, run_by_dynamo
-from ..engines import distributed, engine_of
+from ..core.collectives import C10D_MODULE, collective_call
+from ..core.engines import distributed, engine_of
+from ..core.guard import contain, guarded, internal_error, is_stop
+from ..core.naming import op_name
+from ..core.pipeline import Call, Pipeline
+from ..core.scopes import ScopeTable, is_compile_wrapper
+from ..core.session import error_summary
+from ..core.sites import find_user_site
+from ..core.structure import named_outputs
 from ..events import TensorMeta
-from ..fastpaths import keep_fast_paths, release_fast_paths
-from ..guard import contain, guarded, internal_error, is_stop
-from ..mode_stack import own_work, remove_mode
-from ..naming import op_name
-from ..pipeline import Call, Pipeline
-from ..provenance import tensor_arguments
+from ..measure.provenance import tensor_arguments
+from ..measure.writes import written_tensor
 from ..repro.kept import KeptCall
-from ..scopes import ScopeTable, is_compile_wrapper
-from ..session import error_summary
-from ..sites import find_user_site
-from ..structure import named_outputs
-from ..torch_seams import degraded
-from ..writes import written_tensor
+from ..torch_internals.compiled_regions import install_for_dynamo, run_by_dynamo
+from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
+from ..torch_internals.mode_stack import own_work, remove_mode
+from ..torch_internals.seams import degraded
 from .module_hooks import HOOKS, add_capture, remove_capture
 
 __all__ = ["CaptureMode", "EagerCapture", "OpReporter", "captures_in_thread", "exclude_from_dynamo", "input_metas",

@@ -35,7 +35,7 @@ from typing import List
 
 import torch
 
-from ..torch_seams import degraded
+from ..torch_internals.seams import degraded
 
 __all__ = ["HOOKS", "add_capture", "remove_capture", "routed", "shared_keys"]
 

@@ -16,15 +16,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..backward import BackwardNarration, running_backward
+from ..core.guard import contain, internal_error
+from ..core.sites import still_running
+from ..core.structure import check_model, check_selection
 from ..errors import OptionValueError, RecorderStateError
 from ..events import Event
-from ..grammar import render_dropped_events_note
-from ..guard import contain, internal_error
-from ..narrator import Narrator, render_lines
+from ..narration.grammar import render_dropped_events_note
+from ..narration.narrator import Narrator, render_lines
 from ..options import NarrationOptions, Settings, check_keyword, make_settings
 from ..results import Recording, Transcript
-from ..sites import still_running
-from ..structure import check_model, check_selection
 from .capture import unwinding
 from .runner import EagerPass
 

@@ -8,13 +8,13 @@ from typing import Optional
 from torch import nn
 
 from ..backward import BackwardNarration
-from ..forward_pass import ForwardPass
-from ..grammar import opaque_calls_note
-from ..narrator import Narrator
+from ..core.forward_pass import ForwardPass
+from ..core.scopes import ScopeTable
+from ..core.structure import check_selection, named_inputs
+from ..narration.grammar import opaque_calls_note
+from ..narration.narrator import Narrator
 from ..options import Settings
 from ..results import Recording
-from ..scopes import ScopeTable
-from ..structure import check_selection, named_inputs
 from .capture import EagerCapture
 
 __all__ = ["EagerPass", "run_eager"]

@@ -10,5 +10,5 @@ its own frame (`replay.py`, `failures.py`). What relies on dynamo's runtime stru
 The seam with the eager substrate: the capture mode and its reporting (`CaptureMode`,
 `OpReporter` from `eager.capture`), and `eager.runner.run_eager`, with which a forward dynamo
 failed to trace is run again eagerly to find the failing op. Argument and output naming and the
-selection checks are core (`torchlens.structure`), shared by both.
+selection checks are core (`torchlens.core.structure`), shared by both.
 """

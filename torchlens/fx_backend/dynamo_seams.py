@@ -22,9 +22,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ..naming import USER_SPELLING, node_name
-from ..sites import still_running
-from ..torch_seams import degraded
+from ..core.naming import USER_SPELLING, node_name
+from ..core.sites import still_running
+from ..torch_internals.seams import degraded
 
 __all__ = ["CompiledCall", "adopt_mode_for_this_compile", "call_outcome", "context_of_compiled", "current_call",
            "hook_calls", "raised_while_tracing", "record_user_spellings", "traced_frame_resumed", "traced_node",

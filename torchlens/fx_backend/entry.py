@@ -10,10 +10,10 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from ..core.structure import check_selection, module_of
 from ..errors import ModelTypeError, OptionTypeError, OptionValueError, describe_choices, suggest, warn_safely
 from ..options import COMPILE, check_bool, misplaced
 from ..results import Trace
-from ..structure import check_selection, module_of
 from .config import OPTION_KEYS, CompileConfig
 from .handle import CompiledNarration
 from .registration import Backend, install

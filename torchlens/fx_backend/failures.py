@@ -20,16 +20,16 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..core.guard import internal_error
+from ..core.naming import USER_SPELLING, node_name
+from ..core.session import error_summary, in_chain
+from ..core.sites import site_from_stack_trace
+from ..core.structure import module_of
 from ..eager.runner import run_eager
 from ..events import INPUT, Scope, TensorMeta
-from ..guard import internal_error
-from ..naming import USER_SPELLING, node_name
-from ..node_meta import example_value, module_stack, stack_trace
 from ..options import make_settings
 from ..repro.kept import KeptCall
-from ..session import error_summary, in_chain
-from ..sites import site_from_stack_trace
-from ..structure import module_of
+from ..torch_internals.node_meta import example_value, module_stack, stack_trace
 from . import dynamo_seams
 from .active import no_active_pass
 from .module_stack import relative_stack

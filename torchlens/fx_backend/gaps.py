@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 
+from ..core.pipeline import Pipeline
+from ..core.scopes import ScopeTable
 from ..eager.capture import OpReporter
-from ..pipeline import Pipeline
-from ..scopes import ScopeTable
 
 __all__ = ["GapCapture"]
 

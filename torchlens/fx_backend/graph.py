@@ -17,9 +17,9 @@ from typing import Callable, List, Optional
 
 from torch import fx
 
-from ..guard import contain, guarded, internal_error
-from ..mode_stack import own_work
-from ..stats import measures
+from ..core.guard import contain, guarded, internal_error
+from ..measure.stats import measures
+from ..torch_internals.mode_stack import own_work
 from .active import active_pass
 from .config import inner_compile
 from .failures import graph_failed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import List, Tuple
 
-from ..scopes import ScopeTable, outside_names, without_compile_wrappers
+from ..core.scopes import ScopeTable, outside_names, without_compile_wrappers
 
 __all__ = ["relative_stack"]
 

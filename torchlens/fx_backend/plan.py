@@ -19,14 +19,14 @@ from typing import Dict, List, Optional, Set, Tuple, cast
 import torch
 from torch import fx
 
-from ..collectives import graph_label, is_wait
+from ..core.collectives import graph_label, is_wait
+from ..core.naming import USER_SPELLING, node_name
+from ..core.scopes import ScopeTable
+from ..core.sites import site_from_stack_trace
 from ..events import Scope, TensorMeta
-from ..memory import memory_span, node_writes, storage_key, tensors_of
-from ..naming import USER_SPELLING, node_name
-from ..node_meta import example_value, module_stack, stack_trace
-from ..provenance import carried_kinds, origin_chain
-from ..scopes import ScopeTable
-from ..sites import site_from_stack_trace
+from ..measure.memory import memory_span, node_writes, storage_key, tensors_of
+from ..measure.provenance import carried_kinds, origin_chain
+from ..torch_internals.node_meta import example_value, module_stack, stack_trace
 from .module_stack import relative_stack
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 

@@ -25,7 +25,7 @@ _RUNTIME_ATTR = "_torchlens_runtime"
 def prepare_tracing() -> None:
     """Before dynamo traces a frame for this backend: it traces the user's code as plain
     `torch.compile` does, and records the spellings the op names need (see `dynamo_seams`)."""
-    from ..compiled_regions import install_for_dynamo
+    from ..torch_internals.compiled_regions import install_for_dynamo
     from .dynamo_seams import record_user_spellings
 
     record_user_spellings()
@@ -49,7 +49,7 @@ def torchlens_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optiona
 def runtime_for(call, config):
     """Create the runtime of a compiled model the first time the backend sees it (during `call`,
     the wrapper call being compiled; None for a graph compiled outside one)."""
-    from ..structure import module_of
+    from ..core.structure import module_of
     from . import dynamo_seams
     from .runtime import CompiledRuntime
 
@@ -60,7 +60,7 @@ def runtime_for(call, config):
         setattr(call.context, _RUNTIME_ATTR, runtime)
         runtime.adopt(call)
     else:
-        from ..torch_seams import degraded
+        from ..torch_internals.seams import degraded
 
         degraded("compile wrapper", "the compile wrapper's context keeps no enter hooks")
     return runtime
@@ -85,7 +85,7 @@ def install(compiled, runtime) -> None:
     prepare_tracing()
     ctx = dynamo_seams.context_of_compiled(compiled)
     if ctx is None or not dynamo_seams.hook_calls(ctx, runtime.enter):
-        from ..torch_seams import degraded
+        from ..torch_internals.seams import degraded
 
         degraded("compile wrapper", "what torch.compile returned has no dynamo context with enter hooks")
         return  # graphs still narrate, each call of a graph as a forward of its own

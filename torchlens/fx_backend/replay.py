@@ -24,9 +24,9 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..events import TensorMeta
-from ..integer_values import device_faulted
-from ..memory import node_writes, tensors_of
-from ..writes import may_return_an_alias, target_name
+from ..measure.integer_values import device_faulted
+from ..measure.memory import node_writes, tensors_of
+from ..measure.writes import may_return_an_alias, target_name
 
 __all__ = ["locate_failure", "locate_live", "mutates_inputs", "untouched_copy", "why_not_replay"]
 

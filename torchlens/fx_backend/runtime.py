@@ -22,17 +22,17 @@ import torch
 from torch import nn
 
 from ..backward import BackwardNarration
-from ..compiled_regions import install_for_dynamo
+from ..core.forward_pass import ForwardPass
+from ..core.guard import contain, internal_error, is_stop
+from ..core.scopes import ScopeTable
+from ..core.structure import check_selection, named_arguments
 from ..eager.capture import CaptureMode
 from ..events import Event, Scope, TensorMeta
-from ..fastpaths import keep_fast_paths, release_fast_paths
-from ..forward_pass import ForwardPass
-from ..grammar import UNFINISHED_NOTE, compiled_run_note
-from ..guard import contain, internal_error, is_stop
-from ..mode_stack import lifted_if_on_top, remove_mode
+from ..narration.grammar import UNFINISHED_NOTE, compiled_run_note
 from ..results import Recording
-from ..scopes import ScopeTable
-from ..structure import check_selection, named_arguments
+from ..torch_internals.compiled_regions import install_for_dynamo
+from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
+from ..torch_internals.mode_stack import lifted_if_on_top, remove_mode
 from . import dynamo_seams
 from .active import active_pass, make_active, make_inactive
 from .config import CompileConfig

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.utils._sympy.printers import PythonPrinter
 
-from ..node_meta import example_value
+from ..torch_internals.node_meta import example_value
 
 __all__ = ["ShapeResolver", "maybe_resolver", "symbolic_shape"]
 

@@ -4,14 +4,14 @@ Two ways, chosen per graph at compile time:
 
 - **After the call** (every measured output on the CPU, `meter.READ_NOW`, and within
   `AFTER_CALL_BYTES`): the outputs to measure become extra graph outputs and are measured when the
-  call returns, by the eager meter (`torchlens.meter`): on the CPU a one-sum screen for tracking,
+  call returns, by the eager meter (`torchlens.measure.meter`): on the CPU a one-sum screen for tracking,
   exact statistics from sums.
   The graph gains no reduction, so it compiles about as fast as plain and its own outputs are
   computed as plain `torch.compile` computes them; an output that a later in-place op of the graph
   would change is copied right after its op. The price is memory: those outputs live until the
   call returns (hence the budget).
 - **Fused** (accelerators, or more bytes than the budget): the same vectors the eager meter reads
-  once per forward (`torchlens.recipes`) are traced into the graph right after each op's node and
+  once per forward (`torchlens.measure.recipes`) are traced into the graph right after each op's node and
   concatenated into one extra output, read once per graph call. Inductor fuses the reductions into
   the kernels that produce the tensors; the device is read once.
 
@@ -28,15 +28,15 @@ import torch
 from torch import fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from .. import meter
-from ..collectives import is_functional_collective, is_wait
+from ..core.collectives import is_functional_collective, is_wait
 from ..events import Stats, StatsGroup
-from ..memory import node_writes, same_elements, storage_key, tensors_of
-from ..node_meta import example_value
-from ..recipes import Recipe, not_applicable, recipe
-from ..stats import as_float, value_kind, vector_dtype
-from ..tracking import UNINITIALIZED
-from ..unwritten import UnwrittenMemory
+from ..measure import meter
+from ..measure.memory import node_writes, same_elements, storage_key, tensors_of
+from ..measure.recipes import Recipe, not_applicable, recipe
+from ..measure.stats import as_float, value_kind, vector_dtype
+from ..measure.tracking import UNINITIALIZED
+from ..measure.unwritten import UnwrittenMemory
+from ..torch_internals.node_meta import example_value
 from .plan import GraphPlan
 from .values_pass import append_outputs
 
@@ -123,7 +123,7 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
     elements, nothing written between) and ops whose output holds no values yet get their slot here.
     `measured` maps each node measured so far to its op's index; callers add to it."""
     nodes = {node.name: node for node in gm.graph.nodes}
-    unwritten = UnwrittenMemory()  # the eager rule, on the graph's fake tensors (`torchlens.unwritten`)
+    unwritten = UnwrittenMemory()  # the eager rule, on the graph's fake tensors (`torchlens.measure.unwritten`)
     for op in plan.ops:
         node, holder = nodes[op.node], nodes[op.value]
         _follow_memory(unwritten, op.op, node, holder)
@@ -305,7 +305,7 @@ def _may_mutate(node: fx.Node) -> bool:
 
 
 def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
-    """(recipe, vector proxy or None) for one tensor output (see `torchlens.recipes`)."""
+    """(recipe, vector proxy or None) for one tensor output (see `torchlens.measure.recipes`)."""
     if fake.layout != torch.strided:
         return not_applicable(str(fake.layout).replace("torch.", ""), rung), None
     kind = value_kind(fake.dtype)

@@ -15,7 +15,7 @@ from typing import List
 import torch
 from torch import fx
 
-from ..node_meta import example_value
+from ..torch_internals.node_meta import example_value
 from .plan import GraphPlan
 
 __all__ = ["add_value_outputs", "append_outputs", "split_values"]

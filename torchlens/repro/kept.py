@@ -26,8 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..findings import NEGINF, POSINF
-from ..provenance import Source
-from ..tracking import held
+from ..measure.provenance import Source
+from ..measure.tracking import held
 
 __all__ = ["MAX_BYTES", "InputKeeper", "KeptCall", "NamedFunction", "inputs_kept"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from ..errors import ReproError
-from ..grammar import op_ref
+from ..narration.grammar import op_ref
 from .kept import KeptCall, inputs_kept
 from .script import expected_counts, write
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..events import ENTER, GRAD, INPUT, NODE, OP
-from ..grammar import op_ref, plural
-from ..tracking import held, unmeasured_reason
+from ..measure.tracking import held, unmeasured_reason
+from ..narration.grammar import op_ref, plural
 from .page import page
 from .tree import Tree
 

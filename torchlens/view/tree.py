@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OUTPUT, Attempt, BackwardAttempt
-from ..grammar import attempt_inputs_text, metas_text, render_attempt, site_text
+from ..narration.grammar import attempt_inputs_text, metas_text, render_attempt, site_text
 
 __all__ = ["Tree"]
 

@@ -24,11 +24,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..core.generators import RandomState
+from ..core.guard import is_stop
+from ..core.ranks import rank_and_world_size
 from ..findings import Finding
-from ..generators import RandomState
-from ..guard import is_stop
 from ..options import NarrationOptions
-from ..ranks import rank_and_world_size
 from ..recording import Recorder
 from .agreement import agree, flag
 from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums

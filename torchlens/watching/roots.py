@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tu
 import torch
 
 from ..errors import warn_safely
-from ..torch_seams import degraded
+from ..torch_internals.seams import degraded
 from .checks import Screen, nonfinite_counts
 
 __all__ = ["LossOps", "Root", "ScalerHooks", "listen", "loss_ops", "next_node_number"]

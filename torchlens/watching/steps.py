@@ -20,8 +20,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..generators import RandomState
-from ..memory import version
+from ..core.generators import RandomState
+from ..measure.memory import version
 from .checks import floating_leaves, screen_sums
 
 __all__ = ["GradsSeen", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]

@@ -23,7 +23,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..memory import version
+from ..measure.memory import version
 from .checks import local, nonfinite_positions, screen_sums
 
 __all__ = ["UpdateCheck", "Written", "describe", "origins"]

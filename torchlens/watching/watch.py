@@ -35,11 +35,11 @@ from typing import List, Literal, Protocol, Set, Union
 import torch
 from torch import nn
 
+from ..core.guard import internal_error, is_stop
+from ..core.sites import find_user_site
+from ..core.structure import check_model
 from ..errors import NonFiniteError, OptionTypeError
-from ..guard import internal_error, is_stop
-from ..sinks import checked_sink, open_sink
-from ..sites import find_user_site
-from ..structure import check_model
+from ..narration.sinks import checked_sink, open_sink
 from . import options, roots, updates
 from .checks import floating_leaves
 from .faults import Fault

@@ -22,19 +22,19 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional, Tuple
 
+from ..errors import NonFiniteError
+from ..events import Event, Stats
+from ..measure.memory import call_writes, may_return_an_alias, tensors_of
+from ..measure.meter import Meter
+from ..measure.provenance import LazyReads, passed_in
+from ..measure.tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
+from ..measure.unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument
+from ..narration.grammar import measurement_notes
+from ..repro.kept import InputKeeper
 from .collectives import Collective, in_memory_of, memory_refs, reads_memory, shares_memory, wait_for
 from .engines import distributed
-from .errors import NonFiniteError
-from .events import Event, Stats
-from .grammar import measurement_notes
 from .guard import internal_error
-from .memory import call_writes, may_return_an_alias, tensors_of
-from .meter import Meter
-from .provenance import LazyReads, passed_in
-from .repro.kept import InputKeeper
 from .session import Session, Settled, attach_finding, nonfinite_message
-from .tracking import UNINITIALIZED, ForwardValues, Tracker, can_hold_nonfinite
-from .unwritten import IN_FLIGHT, UNINITIALIZED_NOTE, SeenMemory, UnwrittenMemory, returns_an_argument
 
 __all__ = ["Call", "Pipeline"]
 
@@ -77,7 +77,7 @@ class Pipeline:
         self.kept_inputs = InputKeeper() if self.tracker is not None else None
         # Memory that holds no values yet (`empty`'s, an engine's that the pass never saw written),
         # never measured; and, where an engine may run, the memory the pass saw hold values: its
-        # ops' outputs, its inputs and `held()`, the tensors the model holds (see `torchlens.unwritten`)
+        # ops' outputs, its inputs and `held()`, the tensors the model holds (see `torchlens.measure.unwritten`)
         self.unwritten = UnwrittenMemory() if self.meter is not None else None
         # (only an engine's ops view memory the pass never saw written: kept under a process group)
         self.seen = SeenMemory(held) if self.meter is not None and distributed() else None
@@ -356,7 +356,7 @@ class Pipeline:
 
     def unread(self, tensor) -> Optional[str]:
         """Why the memory of `tensor` must not be read now, after a failure (None: it may be): it
-        holds no values yet (`torchlens.unwritten`), or an asynchronous collective may still be
+        holds no values yet (`torchlens.measure.unwritten`), or an asynchronous collective may still be
         writing it (one no op has read since; under metadata narration, whose ops do not tell
         what they read, any)."""
         note = self.unwritten.unwritten(tensor) if self.unwritten else None

@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Callable, Dict, Optional
 
-from .errors import OptionTypeError, OptionValueError
-from .ranks import expand_path, template_fields
+from ..core.ranks import expand_path, template_fields
+from ..errors import OptionTypeError, OptionValueError
 
 __all__ = ["NEW_RUN", "CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream",
            "StderrSink",
@@ -155,7 +155,7 @@ def sink_kind(target):
     when it is none of them. The one reading of a sink target: validating, checking and opening
     all go by it. A selector is callable but is not a sink: `NarrationOptions(select=...)` is
     where it goes."""
-    from .selectors import Selector
+    from ..selectors import Selector
 
     if target is None or target is True:
         return "stderr"

@@ -44,10 +44,10 @@ from typing import Dict
 
 import torch
 
-from .memory import Versions
+from ..core.sites import is_internal_file
+from ..measure.memory import Versions
 from .mode_stack import capture_modes, is_capture, with_captures_kept
-from .sites import is_internal_file
-from .torch_seams import degraded
+from .seams import degraded
 
 __all__ = ["install_for_dynamo", "reporting_graph_calls", "run_by_dynamo"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .mode_stack import only_capture_modes_lifted
-from .torch_seams import degraded
+from .seams import degraded
 
 __all__ = ["keep_fast_paths", "release_fast_paths"]
 

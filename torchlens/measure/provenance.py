@@ -7,7 +7,7 @@ compiled plan applies it at compile time to the fake tensors of a graph, `fx_bac
 tensor no tracked op produced is a `Source` (a parameter, a buffer, a constant, an input), named
 and measured only when a verdict needs it. Whether a call wrote into its arguments is
 `memory.call_writes`'s rule, applied by the capture before it tells `Provenance.produced`; which
-memory a tensor is in, and which part of it, `torchlens.memory`'s facts.
+memory a tensor is in, and which part of it, `torchlens.measure.memory`'s facts.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .events import Event
-from .findings import NAN, NEGINF, POSINF
-from .findings import bits as _bits
+from ..events import Event
+from ..findings import NAN, NEGINF, POSINF
+from ..findings import bits as _bits
 from .memory import covers, memory_span, storage_key, storage_ref, tensors_of, version
 from .stats import as_float, is_dtensor, plain_values
 

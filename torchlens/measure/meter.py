@@ -1,6 +1,6 @@
 """Measuring op outputs eagerly, at the rung and tracking mode a run asked for.
 
-What to compute for each tensor comes from `torchlens.recipes` (the ladder the compiled path
+What to compute for each tensor comes from `torchlens.measure.recipes` (the ladder the compiled path
 shares); this module decides *when* it is read. Values on the CPU are read as each op completes:
 there is no device to wait for, and with the tensor at hand the cheap recipes apply ("screen" for
 tracking, "sums" for exact statistics; each measured again from the tensor in the rare case it
@@ -18,7 +18,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from .events import Stats, StatsGroup
+from ..events import Stats, StatsGroup
 from .memory import elements_identity
 from .recipes import (
     Recipe,
@@ -260,7 +260,7 @@ class Meter:
 
     def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int) -> Stats:
         """Exact statistics, read now. On the CPU from [min, max, sum, sum of squares] (see
-        `torchlens.recipes`); on an accelerator, whose every read is a sync, from the two-pass
+        `torchlens.measure.recipes`); on an accelerator, whose every read is a sync, from the two-pass
         vector, read once. A tensor holding non-finite values is measured again, masking them and
         counting them."""
         if f.device.type in READ_NOW:
@@ -293,7 +293,7 @@ class Meter:
 
     def _moments(self, f: torch.Tensor, sums, numel: int) -> list:
         """[min, max, mean, sd] from a "sums" vector, the sd measured about the mean when the
-        sums cannot give it (see `torchlens.recipes.CONDITION_LIMIT`)."""
+        sums cannot give it (see `torchlens.measure.recipes.CONDITION_LIMIT`)."""
         mn, mx, mean, sd = moments_from_sums(sums, numel)
         if sd is None:
             mean, sd = about_the_mean(f, mean, numel)
@@ -393,13 +393,13 @@ _TENSOR = torch.Tensor
 
 def _ldexp(value: float, exponent: int) -> float:
     """`value * 2**exponent`, infinite past float64's range (the statistic is then dropped and
-    named, never printed as `inf`: see `torchlens.stats.fill`)."""
+    named, never printed as `inf`: see `torchlens.measure.stats.fill`)."""
     try:
         return math.ldexp(value, exponent)
     except OverflowError:
         return math.copysign(math.inf, value)
 
 
-# Float dtypes reduced as they are (`torchlens.stats.as_float` keeps them; narrower ones are
+# Float dtypes reduced as they are (`torchlens.measure.stats.as_float` keeps them; narrower ones are
 # reduced in float32, whose range their values cannot overflow).
 _REDUCED_AS_IS = frozenset((torch.float32, torch.float64))

@@ -26,7 +26,7 @@ def _directory_of(module: types.ModuleType) -> str:
     return os.path.dirname(os.path.abspath(path)) + os.sep
 
 
-_INTERNAL_DIRS = tuple(_directory_of(module) for module in (torch, sys.modules[__package__]))
+_INTERNAL_DIRS = tuple(_directory_of(module) for module in (torch, sys.modules[__name__.split(".")[0]]))
 _internal_cache: Dict[str, bool] = {}
 _display_cache: Dict[str, str] = {}
 

@@ -11,7 +11,7 @@ tests/test_collectives.py checks it names every c10d function torch dispatches t
 
 An asynchronous collective's output holds no values until it is waited on, which torchlens cannot
 see (a `Work.wait()`, a stream wait): it is measured when the first op reads it (`Pipeline`), and
-views of it before that are not read (`torchlens.unwritten`).
+views of it before that are not read (`torchlens.measure.unwritten`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .memory import call_writes, held_tensors, may_return_an_alias, storage_keys, storage_ref, tensors_of
-from .provenance import tensor_arguments
-from .torch_seams import degraded
+from ..measure.memory import call_writes, held_tensors, may_return_an_alias, storage_keys, storage_ref, tensors_of
+from ..measure.provenance import tensor_arguments
+from ..torch_internals.seams import degraded
 
 __all__ = ["C10D_MODULE", "COLLECTIVES", "Collective", "collective_call", "graph_label", "in_memory_of",
            "is_functional_collective", "is_wait", "memory_refs", "reads_memory", "shares_memory", "wait_for"]

@@ -13,8 +13,8 @@ The rungs of `value_stats=`:
 
 Everything is computed on the tensor's device as a small vector. This module holds the tensor-level
 pieces: which tensors can be measured, the vectors, and how a read vector fills a `Stats`. Which
-vector a tensor gets is `torchlens.recipes` (shared by both substrates); when it is read is
-`torchlens.meter` (eager) and `fx_backend.stats_pass` (compiled graphs).
+vector a tensor gets is `torchlens.measure.recipes` (shared by both substrates); when it is read is
+`torchlens.measure.meter` (eager) and `fx_backend.stats_pass` (compiled graphs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .events import Stats
+from ..events import Stats
 
 __all__ = ["INT_COUNT", "INT_VECTOR_SIZE", "SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector",
            "exact_below", "fill", "finite_vector", "int_vector", "is_dtensor", "is_wrapped", "lean_count_vector",

@@ -33,13 +33,13 @@ from typing import Callable, Counter, Deque, Dict, Iterable, List, NamedTuple, O
 
 import torch
 
-from .events import INPUT, OP, Event, Stats, StatsGroup
-from .findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
-from .findings import bits as _bits
-from .grammar import op_ref
+from ..events import INPUT, OP, Event, Stats, StatsGroup
+from ..findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
+from ..findings import bits as _bits
+from ..narration.grammar import op_ref
+from ..narration.stats_text import counts_text
 from .provenance import LazyReads, Provenance, Source, carried_kinds
 from .provenance import tensor_arguments as _tensor_arguments
-from .stats_text import counts_text
 from .unwritten import IN_FLIGHT, NOT_SEEN_WRITTEN, UNINITIALIZED_NOTE
 
 __all__ = ["UNINITIALIZED", "ForwardCause", "ForwardValues", "Tracker", "Verdicts", "can_hold_nonfinite", "count_text",
@@ -88,7 +88,7 @@ def held(event: Event) -> Optional[int]:
         if not (meta.dtype.is_floating_point or meta.dtype.is_complex):
             continue
         if part.kind == "na" and part.note in (*_NO_VALUES_YET, "empty"):
-            continue  # no values yet (`torchlens.unwritten`), or none at all: nothing non-finite
+            continue  # no values yet (`torchlens.measure.unwritten`), or none at all: nothing non-finite
         if part.nan is None:
             return None
         kinds |= _bits(part.nan, part.posinf, part.neginf)
@@ -267,7 +267,7 @@ class Tracker(Verdicts):
     def _judge_one(self, event: Event) -> List[Finding]:
         kinds = held(event)
         if kinds == 0 and _unread(event):
-            # memory that held no values yet (`torchlens.unwritten`): nothing to find in the op
+            # memory that held no values yet (`torchlens.measure.unwritten`): nothing to find in the op
             # itself, but an op that reads it later read values nobody measured
             self._kinds[id(event)] = None
             self.clean = False

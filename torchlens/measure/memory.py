@@ -15,7 +15,7 @@ compiled narration disagree on what an op read, wrote or shares:
   the same elements and a write is known to have replaced all of another view;
 - **which tensors** a value holds (`tensors_of`, `held_tensors`): an op's output, a call's arguments;
 - **which arguments a call writes** (`call_writes`, `node_writes`): read from torch's operator
-  schemas in `torchlens.writes`, which owns that table.
+  schemas in `torchlens.measure.writes`, which owns that table.
 """
 
 from __future__ import annotations

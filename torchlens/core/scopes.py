@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .events import Scope
+from ..events import Scope
 
 __all__ = ["ScopeTable", "is_compile_wrapper", "outside_names", "without_compile_wrappers"]
 

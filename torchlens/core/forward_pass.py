@@ -3,7 +3,7 @@
 Words used across the package: a *pass* is one forward of a model; `ForwardPass` (here) is its
 lifecycle — it owns the `Session` (the pass's event log), the `Narrator` it feeds (unless a
 `Recorder` shares one across passes) and the `Pipeline` every value the substrate sees goes
-through (measured, judged, logged, kept: `torchlens.pipeline`); a `Recording` (or, on failure, a
+through (measured, judged, logged, kept: `torchlens.core.pipeline`); a `Recording` (or, on failure, a
 `PartialTrace`) is what the pass leaves the user.
 
 A substrate adds only how ops are seen: `eager.runner.EagerPass` is a `ForwardPass` plus module
@@ -23,17 +23,17 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from .backward import BackwardNarration, GradientRoots, end_unseen_runs_everywhere
-from .errors import NonFiniteError
-from .events import Scope, TensorMeta
+from ..backward import BackwardNarration, GradientRoots, end_unseen_runs_everywhere
+from ..errors import NonFiniteError
+from ..events import Scope, TensorMeta
+from ..measure.meter import Meter
+from ..narration.narrator import Narrator
+from ..options import Settings
+from ..results import PartialTrace, Recording
+from ..torch_internals.mode_stack import own_work, under_a_capture
 from .guard import guarded, internal_error
-from .meter import Meter
-from .mode_stack import own_work, under_a_capture
-from .narrator import Narrator
-from .options import Settings
 from .pipeline import Pipeline
 from .ranks import world_size
-from .results import PartialTrace, Recording
 from .session import Session
 from .structure import model_tensors, named_outputs, tensor_names
 from .values import ValueKeeper

@@ -30,7 +30,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, BackwardAttempt, Event, TensorMeta
+from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, BackwardAttempt, Event, TensorMeta
 from .stats_text import stats_text
 
 __all__ = ["UNFINISHED_NOTE", "attempt_inputs_text", "backward_footer_parts", "compiled_run_note", "device_name",

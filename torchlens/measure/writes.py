@@ -3,7 +3,7 @@
 Eager capture (which argument an op wrote, for tracking's provenance), the compiled plan (what a
 graph node wrote into), the statistics pass (whether a value may change before it is read), the
 failure replay (whether a graph changes its inputs), the collectives (whether a call overwrote an
-asynchronous collective's output) and the one-op repro all ask it here (`torchlens.memory` lists
+asynchronous collective's output) and the one-op repro all ask it here (`torchlens.measure.memory` lists
 it with the other facts about memory).
 
 The rule is derived, not listed by hand:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import traceback
 from typing import Dict, List, NamedTuple, Optional
 
-from .events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
-from .integer_values import call_stream, read_values
-from .narrator import Narrator
-from .options import Settings
-from .repro.kept import KeptCall
-from .results import PartialTrace, Recording, Trace
+from ..events import ENTER, EXIT, INPUT, OP, OUTPUT, Attempt, Event, Scope
+from ..measure.integer_values import call_stream, read_values
+from ..narration.narrator import Narrator
+from ..options import Settings
+from ..repro.kept import KeptCall
+from ..results import PartialTrace, Recording, Trace
 from .sites import display_path, is_internal_file
 
 __all__ = ["EventLog", "Session", "Settled", "attach", "attach_finding", "error_summary", "in_chain",

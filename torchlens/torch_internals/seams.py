@@ -25,7 +25,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from .errors import warn_safely
+from ..errors import warn_safely
 
 __all__ = ["SEAMS", "Seam", "check", "degraded"]
 
@@ -413,12 +413,13 @@ def _probe_compiler_bisector():
 
 SEAMS = (
     Seam("mode filter", "dynamo's SymbolicTorchFunctionState.__init__ and utils.set_torch_function_mode_stack",
-         "compiled_regions._install_filter",
+         "torch_internals.compiled_regions._install_filter",
          "dynamo traces the capture's mode: compiled graphs under a capture record torch-level names "
          "(floor_divide for //) and dynamo's errors point into torchlens", _probe_mode_filter),
-    Seam("graph reports", "dynamo's OutputGraph.call_user_compiler", "compiled_regions._install_graph_reports",
+    Seam("graph reports", "dynamo's OutputGraph.call_user_compiler",
+         "torch_internals.compiled_regions._install_graph_reports",
          "an eager capture shows a compiled graph's kernels instead of one `compiled` op", _probe_graph_reports),
-    Seam("transformed code", "dynamo's utils.orig_code_map", "compiled_regions.run_by_dynamo",
+    Seam("transformed code", "dynamo's utils.orig_code_map", "torch_internals.compiled_regions.run_by_dynamo",
          "dynamo's own calls between graphs (floats wrapped into tensors) are narrated as the user's ops",
          _probe_transformed_code),
     Seam("compile wrapper", "the locals of _TorchDynamoContext's compile_wrapper and its enter_exit_hooks",
@@ -435,9 +436,11 @@ SEAMS = (
          "compiled ops keep the name of the call dynamo wrote (tensor for x.new_tensor, _get_data_attr for .data)",
          _probe_spellings),
     Seam("node meta", "dynamo's node.meta keys: example_value (val from other tracers), nn_module_stack, stack_trace",
-         "node_meta", "compiled ops lose their shapes, modules and user sites (lines, statistics and writes go wrong)",
+         "torch_internals.node_meta",
+         "compiled ops lose their shapes, modules and user sites (lines, statistics and writes go wrong)",
          _probe_node_meta),
-    Seam("fast-path handlers", "dynamo's TorchInGraphFunctionVariable._get_handlers", "fastpaths._same_to_dynamo",
+    Seam("fast-path handlers", "dynamo's TorchInGraphFunctionVariable._get_handlers",
+         "torch_internals.fastpaths._same_to_dynamo",
          "a model compiled while a capture runs breaks its graph at every fast-path check", _probe_fast_path_handlers),
     Seam("frame strategy", "torch._C._dynamo.eval_frame.set_code_exec_strategy, with "
          "_FrameExecStrategy(_FrameAction.SKIP, ...)", "eager.capture.exclude_from_dynamo",
@@ -449,10 +452,11 @@ SEAMS = (
          "fx_backend.dynamo_seams.raised_while_tracing",
          "a compiled forward that failed while dynamo traced it is not located by an eager re-run",
          _probe_raised_while_tracing),
-    Seam("has_torch_function", "torch.overrides.has_torch_function (replaced while a capture runs)", "fastpaths",
+    Seam("has_torch_function", "torch.overrides.has_torch_function (replaced while a capture runs)",
+         "torch_internals.fastpaths",
          "nn.MultiheadAttention and nn.TransformerEncoder run their slow path under capture (other results)",
          _probe_has_torch_function),
-    Seam("operator schemas", "torch._C._jit_get_all_schemas", "writes",
+    Seam("operator schemas", "torch._C._jit_get_all_schemas", "measure.writes",
          "which calls write their arguments cannot be told: writes are not followed", _probe_schemas),
     Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback",
          "backward.runs, backward.graph, watching.watch",
@@ -467,9 +471,10 @@ SEAMS = (
     Seam("hook handles", "torch.utils.hooks.RemovableHandle's hooks_dict_ref and id", "backward.graph.Hooks",
          "nothing shown: each backward hook's handle is kept, more objects for the garbage collector per step",
          _probe_hook_handles),
-    Seam("disable torch function", "torch._C.DisableTorchFunction", "eager.capture, mode_stack, naming",
+    Seam("disable torch function", "torch._C.DisableTorchFunction",
+         "eager.capture, torch_internals.mode_stack, core.naming",
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
-    Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "collectives",
+    Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "core.collectives",
          "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
     Seam("traced node", "torch._dynamo: resume functions' name prefix (TORCH_DYNAMO_RESUME_IN_PREFIX), "
          "TorchRuntimeError.real_stack, the `node` "
@@ -487,37 +492,39 @@ SEAMS = (
          "a compiled submodule under an eager capture compiles again at every capture, up to dynamo's recompile "
          "limit", _probe_shared_hook_keys),
     Seam("version counters", "Tensor._version, the counter every in-place write bumps (an inference tensor has "
-         "none)", "memory",
+         "none)", "measure.memory",
          "what was written since it was measured or kept cannot be told: statistics and kept values may be stale",
          _probe_version_counters),
-    Seam("DTensor shards", "DTensor._local_tensor, the shard this rank holds", "events, meter, provenance, stats",
+    Seam("DTensor shards", "DTensor._local_tensor, the shard this rank holds",
+         "events, measure.meter, measure.provenance, measure.stats",
          "a DTensor's lines show no local shape, its shard is not measured nor followed by tracking",
          _probe_dtensor_shards),
-    Seam("view bases", "Tensor._base, the tensor a view views", "memory, meter, watching.roots",
+    Seam("view bases", "Tensor._base, the tensor a view views", "measure.memory, measure.meter, watching.roots",
          "a view's statistics are not shared with its base's (measured again), a loss viewing a larger tensor is "
          "kept whole", _probe_view_bases),
-    Seam("storage identity", "an untyped storage's _cdata (StorageWeakRef.cdata)", "memory",
+    Seam("storage identity", "an untyped storage's _cdata (StorageWeakRef.cdata)", "measure.memory",
          "writes through another view of the same memory are not followed", _probe_storage_identity),
     Seam("pytree", "torch.utils._pytree: tree_map, tree_leaves, tree_flatten", "debug.reference, repro.kept, "
          "results, watching.checks, watching.steps",
          "nested outputs and arguments (dicts, ModelOutputs) are not opened", _probe_pytree),
     Seam("wrapper subclasses", "torch.utils._python_dispatch: is_traceable_wrapper_subclass, TorchDispatchMode",
-         "memory, integer_values, fx_backend.replay",
+         "measure.memory, measure.integer_values, fx_backend.replay",
          "a wrapper subclass (an asynchronous collective's tensor) is read as plain values; a compiled graph's "
          "failure is not located", _probe_wrapper_subclasses),
     Seam("operator objects", "torch._ops.OpOverload and OpOverloadPacket, their _schema, _opname and "
-         "_overloadname", "naming, writes, collectives, debug.reference, eager.capture, fx_backend.replay",
+         "_overloadname",
+         "core.naming, measure.writes, core.collectives, debug.reference, eager.capture, fx_backend.replay",
          "aten operators called directly are named by their Python repr, and their writes are not read from "
          "their schema", _probe_operator_objects),
-    Seam("functional wait", "torch.ops._c10d_functional.wait_tensor", "collectives",
+    Seam("functional wait", "torch.ops._c10d_functional.wait_tensor", "core.collectives",
          "a functional collective's wait is not the moment its values land: it is measured at its call",
          _probe_functional_wait),
     Seam("function mode stack", "torch.overrides._get_current_function_mode_stack and torch._C's "
          "_len_torch_function_stack, _get_function_stack_at, _pop_torch_function_stack, "
-         "_push_on_torch_function_stack", "mode_stack",
+         "_push_on_torch_function_stack", "torch_internals.mode_stack",
          "a capture's mode cannot be lifted from under another's: nested captures and compiled graphs inside "
          "captures narrate each other's work", _probe_function_mode_stack),
-    Seam("functorch wrappers", "torch._C._functorch: is_functorch_wrapped_tensor, get_unwrapped", "stats",
+    Seam("functorch wrappers", "torch._C._functorch: is_functorch_wrapped_tensor, get_unwrapped", "measure.stats",
          "values inside torch.func transforms (vmap, grad) are not measured: their lines say n/a",
          _probe_functorch_wrappers),
     Seam("module call frames", "nn.Module._call_impl.__code__, the frame a module call runs in",

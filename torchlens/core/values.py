@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import TraceBudgetError
-from .events import BackwardEvent
-from .grammar import op_ref
+from ..errors import TraceBudgetError
+from ..events import BackwardEvent
+from ..narration.grammar import op_ref
 
 __all__ = ["DEFAULT_MAX_BYTES", "ValueKeeper"]
 

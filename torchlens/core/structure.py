@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .errors import ModelTypeError
+from ..errors import ModelTypeError
 
 __all__ = ["check_model", "check_selection", "forward_signature", "model_tensors", "module_of", "named_arguments",
            "named_inputs", "named_outputs", "tensor_names"]
@@ -151,7 +151,7 @@ def tensor_names(model) -> dict:
 def model_tensors(model) -> Iterator[torch.Tensor]:
     """The tensors a model holds: its parameters and buffers, and the plain tensor attributes of its
     modules (a mask or a table kept without registering it). Memory the user's program set: views
-    of it are measured (see `torchlens.unwritten`)."""
+    of it are measured (see `torchlens.measure.unwritten`)."""
     if not isinstance(model, nn.Module):
         return
     for module in model.modules():

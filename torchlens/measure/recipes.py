@@ -1,6 +1,6 @@
 """What to compute for one tensor, and how to read it back: the one statistics ladder.
 
-Both substrates measure through it: the eager meter (`torchlens.meter`) runs a recipe's vector
+Both substrates measure through it: the eager meter (`torchlens.measure.meter`) runs a recipe's vector
 on the tensor, the compiled path (`fx_backend.stats_pass`) traces the same vector into the graph.
 The ladder — not applicable, then the dtype's kind (bool, integer, float), then the rung (exact,
 sampled, counts for tracking) — is decided here once; a `Recipe` names what it builds (`layout`),
@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .events import Stats
+from ..events import Stats
 from .stats import (
     INT_COUNT,
     INT_VECTOR_SIZE,
@@ -54,7 +54,7 @@ __all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "moments_from_sums", "
 class Recipe(NamedTuple):
     """How one tensor is measured: the vector to build and the `Stats` it fills."""
 
-    layout: str  # what the vector holds, as `torchlens.stats.fill` reads it ("" when nothing is computed)
+    layout: str  # what the vector holds, as `torchlens.measure.stats.fill` reads it ("" when nothing is computed)
     kind: str  # the `Stats.kind` it produces
     shown: bool  # whether the op line shows it (tracking alone measures without showing)
     size: int = 0  # entries of the vector, or of its head when counts follow (sampled with tracking)
@@ -72,7 +72,7 @@ class Recipe(NamedTuple):
     def build(self, values, dtype: torch.dtype, numel, ndim: int, source: Optional[torch.dtype] = None):
         """The vector for `values` (a tensor, or an FX proxy: nothing here reads a value), in
         `dtype`. A float's `values` are already in the dtype the recipe reduces (see
-        `torchlens.stats.as_float`); an integer's are the tensor itself, of dtype `source`."""
+        `torchlens.measure.stats.as_float`); an integer's are the tensor itself, of dtype `source`."""
         if self.layout in _AT_HAND:
             raise ValueError(f"a {self.layout!r} recipe is measured by the meter, with its tensor at hand")
         if self.layout == "int":
@@ -105,7 +105,7 @@ def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, im
 
     `immediate`: the vector is read while the tensor is at hand (eager only), so the cheap
     "screen" and "sums" recipes apply (an accelerator's "sums" is read as the two-pass vector,
-    one read: see `torchlens.meter`). `in_graph`: traced into a compiled graph. `sampled`: the
+    one read: see `torchlens.measure.meter`). `in_graph`: traced into a compiled graph. `sampled`: the
     "sampled" rung applies to this tensor (eager, more elements than a sample holds).
     """
     shown = rung != "off"
@@ -114,7 +114,7 @@ def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, im
         return Recipe("", "na", False, note=kind)
     if kind == "bool":
         return Recipe("bool", "bool", shown, 1)
-    if kind == "int":  # exact integers (`torchlens.stats.int_vector`; read now, in few calls when it can)
+    if kind == "int":  # exact integers (`torchlens.measure.stats.int_vector`; read now, in few calls when it can)
         if immediate:
             return Recipe("small-int", "exact", shown, 5)
         return Recipe("int", "exact", shown, INT_VECTOR_SIZE, padded=not numel_known)

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .node_meta import example_value
+from ..torch_internals.node_meta import example_value
 
 __all__ = ["USER_SPELLING", "node_name", "op_name"]
 

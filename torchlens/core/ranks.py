@@ -18,7 +18,7 @@ import os
 import string
 from typing import Optional, Tuple
 
-from .errors import OptionValueError
+from ..errors import OptionValueError
 
 __all__ = ["expand_path", "rank_and_world_size", "shared_sink_tag", "template_fields", "world_size"]
 

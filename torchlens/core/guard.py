@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Optional
 
-from .errors import warn_safely
+from ..errors import warn_safely
 
 __all__ = ["contain", "guarded", "internal_error", "is_stop"]
 

@@ -1,0 +1,1 @@
+"""Every place torchlens reads or patches torch's private internals; `seams.SEAMS` lists them."""
