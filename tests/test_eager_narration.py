@@ -186,10 +186,10 @@ def test_overwrite_starts_the_file_afresh_once_per_use_of_the_options(tmp_path, 
 
 
 def test_overwrite_of_one_file_every_rank_writes_is_refused(monkeypatch, tmp_path):
-    import torchlens.core.ranks
+    import torchlens.narration.ranks
 
-    monkeypatch.setattr(torchlens.core.ranks, "_initialized_group_size", lambda: 2)
-    monkeypatch.setattr(torchlens.core.ranks, "rank_and_world_size", lambda: (0, 2))
+    monkeypatch.setattr(torchlens.narration.ranks, "_initialized_group_size", lambda: 2)
+    monkeypatch.setattr(torchlens.narration.ranks, "rank_and_world_size", lambda: (0, 2))
     with pytest.raises(tl.errors.OptionValueError, match=r"name a file per rank \('run-\{rank\}.log'\)"):
         tl.record(Tiny(), torch.ones(1, 2), narrate=NarrationOptions(sink=tmp_path / "run.log", overwrite=True))
     tl.record(Tiny(), torch.ones(1, 2), narrate=NarrationOptions(sink=tmp_path / "run-{rank}.log", overwrite=True))

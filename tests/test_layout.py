@@ -98,3 +98,31 @@ def test_core_modules_import_neither_substrate():
         if module.startswith(substrates) or module in ("torchlens", "torchlens.api", "torchlens.recording"):
             continue
         assert not {edge for edge in edges if edge.startswith(substrates)}, module
+
+
+# what each package below the substrates may import: "" is the package root's modules (the public
+# types: events, findings, errors, options, selectors, results)
+_LAYERS = {
+    "torch_internals": {""},
+    "narration": {""},
+    "measure": {"", "torch_internals", "narration"},
+    # the pass keeps a one-op repro's inputs (repro.kept) and, with backward=True, notes autograd's
+    # nodes for the backward (forward_pass -> backward)
+    "core": {"", "torch_internals", "narration", "measure", "repro", "backward"},
+}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in _LAYERS) else ""
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    """torch's internals and text at the bottom, the measurement core above them, the pass every
+    substrate feeds above that: a package that reaches up (measure importing core, say) fails."""
+    graph = import_graph()
+    reached = {(module, edge) for module, edges in graph.items() if _package(module) in _LAYERS
+               for edge in edges if _package(edge) != _package(module)
+               and _package(edge) not in _LAYERS[_package(module)]}
+    assert reached == set(), sorted(reached)
+    assert any(_package(module) == "measure" for module in graph), "no measure package found"

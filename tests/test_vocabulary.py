@@ -187,8 +187,8 @@ def test_a_torch_whose_tracer_is_shaped_otherwise_still_compiles(monkeypatch):
     from torch._dynamo import output_graph
     from torch._dynamo.variables import tensor as tensor_variables
 
+    from torchlens.core import compiled_regions
     from torchlens.fx_backend import dynamo_seams
-    from torchlens.torch_internals import compiled_regions
 
     class Reshaped:  # a tracer class with none of the methods the hooks wrap
         pass

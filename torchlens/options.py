@@ -258,7 +258,7 @@ def make_settings(narrate, value_stats="off", on_nonfinite=None, *, keep_values=
 def _check_overwrite(narration: NarrationOptions) -> None:
     """Under a process group, one file every rank writes cannot be started afresh: a rank would
     erase the lines another already wrote."""
-    from .core.ranks import shared_sink_tag
+    from .narration.ranks import shared_sink_tag
 
     if narration.overwrite and sink_kind(narration.sink) == "path" and shared_sink_tag(narration.sink):
         raise OptionValueError(

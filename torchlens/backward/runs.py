@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..core.guard import contain, internal_error, is_stop
-from ..core.ranks import world_size
 from ..core.session import EventLog, attach, attach_finding, error_summary, nonfinite_message
 from ..core.values import ValueKeeper
 from ..errors import NonFiniteError
@@ -22,6 +21,7 @@ from ..measure.meter import Meter
 from ..measure.tracking import held, stats_known
 from ..narration.grammar import measurement_notes
 from ..narration.narrator import Narrator
+from ..narration.ranks import world_size
 from ..narration.sinks import ListSink
 from ..results import Backward, PartialTrace, Recording
 from .graph import BackwardWatch, GradientRoots, NodeRecord

@@ -28,12 +28,12 @@ from ..errors import NonFiniteError
 from ..events import Scope, TensorMeta
 from ..measure.meter import Meter
 from ..narration.narrator import Narrator
+from ..narration.ranks import world_size
 from ..options import Settings
 from ..results import PartialTrace, Recording
 from ..torch_internals.mode_stack import own_work, under_a_capture
 from .guard import guarded, internal_error
 from .pipeline import Pipeline
-from .ranks import world_size
 from .session import Session
 from .structure import model_tensors, named_outputs, tensor_names
 from .values import ValueKeeper

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..core.collectives import C10D_MODULE, collective_call
+from ..core.compiled_regions import install_for_dynamo, run_by_dynamo
 from ..core.engines import distributed, engine_of
 from ..core.guard import contain, guarded, internal_error, is_stop
 from ..core.naming import op_name
@@ -44,7 +45,6 @@ from ..events import TensorMeta
 from ..measure.provenance import tensor_arguments
 from ..measure.writes import written_tensor
 from ..repro.kept import KeptCall
-from ..torch_internals.compiled_regions import install_for_dynamo, run_by_dynamo
 from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
 from ..torch_internals.mode_stack import own_work, remove_mode
 from ..torch_internals.seams import degraded

@@ -25,7 +25,7 @@ _RUNTIME_ATTR = "_torchlens_runtime"
 def prepare_tracing() -> None:
     """Before dynamo traces a frame for this backend: it traces the user's code as plain
     `torch.compile` does, and records the spellings the op names need (see `dynamo_seams`)."""
-    from ..torch_internals.compiled_regions import install_for_dynamo
+    from ..core.compiled_regions import install_for_dynamo
     from .dynamo_seams import record_user_spellings
 
     record_user_spellings()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..backward import BackwardNarration
+from ..core.compiled_regions import install_for_dynamo
 from ..core.forward_pass import ForwardPass
 from ..core.guard import contain, internal_error, is_stop
 from ..core.scopes import ScopeTable
@@ -30,7 +31,6 @@ from ..eager.capture import CaptureMode
 from ..events import Event, Scope, TensorMeta
 from ..narration.grammar import UNFINISHED_NOTE, compiled_run_note
 from ..results import Recording
-from ..torch_internals.compiled_regions import install_for_dynamo
 from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
 from ..torch_internals.mode_stack import lifted_if_on_top, remove_mode
 from . import dynamo_seams

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import AbstractSet, List, Optional, Sequence, Tuple
 
-from ..core.ranks import shared_sink_tag
 from ..errors import warn_safely
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OP, Attempt, Event
 from ..options import NarrationOptions
 from . import grammar
+from .ranks import shared_sink_tag
 from .sinks import ListSink, Sink, open_sink
 
 __all__ = ["Narrator", "PassCounts", "failure_block", "printed_events", "render_lines"]

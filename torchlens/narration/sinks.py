@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Callable, Dict, Optional
 
-from ..core.ranks import expand_path, template_fields
 from ..errors import OptionTypeError, OptionValueError
+from .ranks import expand_path, template_fields
 
 __all__ = ["NEW_RUN", "CallableSink", "FileSink", "ListSink", "LoggerSink", "Sink", "SinkPath", "StandardStream",
            "StderrSink",

@@ -413,13 +413,13 @@ def _probe_compiler_bisector():
 
 SEAMS = (
     Seam("mode filter", "dynamo's SymbolicTorchFunctionState.__init__ and utils.set_torch_function_mode_stack",
-         "torch_internals.compiled_regions._install_filter",
+         "core.compiled_regions._install_filter",
          "dynamo traces the capture's mode: compiled graphs under a capture record torch-level names "
          "(floor_divide for //) and dynamo's errors point into torchlens", _probe_mode_filter),
     Seam("graph reports", "dynamo's OutputGraph.call_user_compiler",
-         "torch_internals.compiled_regions._install_graph_reports",
+         "core.compiled_regions._install_graph_reports",
          "an eager capture shows a compiled graph's kernels instead of one `compiled` op", _probe_graph_reports),
-    Seam("transformed code", "dynamo's utils.orig_code_map", "torch_internals.compiled_regions.run_by_dynamo",
+    Seam("transformed code", "dynamo's utils.orig_code_map", "core.compiled_regions.run_by_dynamo",
          "dynamo's own calls between graphs (floats wrapped into tensors) are narrated as the user's ops",
          _probe_transformed_code),
     Seam("compile wrapper", "the locals of _TorchDynamoContext's compile_wrapper and its enter_exit_hooks",

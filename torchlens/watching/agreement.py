@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..core.ranks import rank_and_world_size
 from ..debug.across_ranks import collective_device
+from ..narration.ranks import rank_and_world_size
 
 __all__ = ["agree", "first_rank_text", "flag"]
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from ..core.ranks import rank_and_world_size
+from ..narration.ranks import rank_and_world_size
 from . import roots, updates
 from .agreement import agree, first_rank_text, flag
 from .checks import Screen, nonfinite_positions, screen_sums

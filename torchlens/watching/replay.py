@@ -26,8 +26,8 @@ from torch import nn
 
 from ..core.generators import RandomState
 from ..core.guard import is_stop
-from ..core.ranks import rank_and_world_size
 from ..findings import Finding
+from ..narration.ranks import rank_and_world_size
 from ..options import NarrationOptions
 from ..recording import Recorder
 from .agreement import agree, flag

@@ -44,10 +44,10 @@ from typing import Dict
 
 import torch
 
-from ..core.sites import is_internal_file
 from ..measure.memory import Versions
-from .mode_stack import capture_modes, is_capture, with_captures_kept
-from .seams import degraded
+from ..torch_internals.mode_stack import capture_modes, is_capture, with_captures_kept
+from ..torch_internals.seams import degraded
+from .sites import is_internal_file
 
 __all__ = ["install_for_dynamo", "reporting_graph_calls", "run_by_dynamo"]
 
