@@ -15,7 +15,7 @@ from ..narration.grammar import opaque_calls_note
 from ..narration.narrator import Narrator
 from ..options import Settings
 from ..results import Recording
-from .capture import EagerCapture
+from .model_capture import EagerCapture
 
 __all__ = ["EagerPass", "run_eager"]
 

@@ -472,7 +472,7 @@ SEAMS = (
          "nothing shown: each backward hook's handle is kept, more objects for the garbage collector per step",
          _probe_hook_handles),
     Seam("disable torch function", "torch._C.DisableTorchFunction",
-         "eager.capture, torch_internals.mode_stack, core.naming",
+         "eager.capture, eager.model_capture, torch_internals.mode_stack, core.naming",
          "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
     Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "core.collectives",
          "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
@@ -531,7 +531,8 @@ SEAMS = (
          "eager.module_hooks, eager.capture",
          "a module whose forward raised is closed as if it had returned (its exit line is not marked)",
          _probe_module_call_frames),
-    Seam("module's own hooks", "Module._forward_hooks, the forward hooks a module holds", "eager.capture",
+    Seam("module's own hooks", "Module._forward_hooks, the forward hooks a module holds",
+         "eager.model_capture",
          "ops a module's own forward hooks run land in its parent module", _probe_module_own_hooks),
     Seam("compile entry points", "torch._dynamo: reset, register_backend, list_backends, lookup_backend, the "
          "backend registry's _BACKENDS; torch._inductor: compile_fx.compile_fx, list_mode_options, config.patch",
