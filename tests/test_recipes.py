@@ -125,7 +125,7 @@ def test_an_accelerator_keeps_its_counts_in_the_deferred_vector(deferred_reads):
     from the start (no screen), and they are exact."""
     x = torch.tensor([1.0, math.nan, math.inf, -math.inf, math.nan])
     assert tracked_counts(x) == (2, 1, 1)
-    assert recipe("float", "off", True, immediate=False).layout == "counts"
+    assert recipe("float", "off", immediate=False).layout == "counts"
 
 
 # -- exact statistics from sums ----------------------------------------------------------------------
@@ -194,12 +194,11 @@ def test_exact_statistics_on_the_cpu_mask_only_the_outputs_holding_nonfinite_val
 # -- one ladder for both substrates ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rung, tracking", [("exact", False), ("exact", True), ("off", True), ("reuse", True),
-                                            ("sampled", True)])
-def test_eager_and_graph_recipes_agree_on_what_is_shown_and_measured(rung, tracking):
+@pytest.mark.parametrize("rung", ["exact", "off", "reuse", "sampled"])
+def test_eager_and_graph_recipes_agree_on_what_is_shown_and_measured(rung):
     for kind in ("float", "int", "bool"):
-        eager = recipe(kind, rung, tracking, immediate=False)
-        graph = recipe(kind, rung, tracking, in_graph=True)
+        eager = recipe(kind, rung, immediate=False)
+        graph = recipe(kind, rung, in_graph=True)
         assert (eager.kind, eager.shown, eager.measures) == (graph.kind, graph.shown, graph.measures), kind
         assert eager.layout == graph.layout and graph.lean == (graph.layout in ("counts", "moments+counts"))
 

@@ -166,7 +166,7 @@ def test_one_vector_that_cannot_be_read_leaves_the_others_and_is_counted_as_unme
 
     bad = Stats("exact", 3, True)
     meter.pending.append(Pending(bad, torch.zeros(7, dtype=torch.float64).as_subclass(Unreadable),
-                                 recipe("float", "exact", True)))
+                                 recipe("float", "exact")))
     meter.flush()
     assert (good.min, good.max, good.nan) == (1.0, 3.0, 0)
     assert bad.kind == "na" and "RuntimeError" in bad.note

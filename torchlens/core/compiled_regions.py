@@ -35,6 +35,7 @@ modes. If torch's internals moved, it installs nothing: dynamo then traces the m
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -180,18 +181,18 @@ def reporting_graph_calls(compiled):
         caller = sys._getframe(1)
         flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # dynamo's boxed calling
         versions = Versions(arg for arg in flat if isinstance(arg, torch.Tensor))  # (what the graph writes)
-        for capture in captures:
-            capture.suspended += 1  # the graph's own torch calls are the compiler's, not the user's ops
-        try:
-            out = compiled(*args, **kwargs)
-        except BaseException as exc:
+        with contextlib.ExitStack() as aside:  # the graph's own torch calls are the compiler's, not the user's ops
             for capture in captures:
-                capture.suspended -= 1
-                capture.graph_failed(args, exc, caller)
-            raise
+                aside.enter_context(capture.stepping_aside())
+            try:
+                out = compiled(*args, **kwargs)
+            except BaseException as exc:
+                aside.close()
+                for capture in captures:
+                    capture.graph_failed(args, exc, caller)
+                raise
         written = versions.written()  # a graph that only writes its inputs reports them as its outputs
         for capture in captures:
-            capture.suspended -= 1
             capture.graph_called(args, out, caller, written)
         return out
 

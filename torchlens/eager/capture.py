@@ -23,6 +23,7 @@ Two rules keep this safe around `torch.compile`:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import types
@@ -178,6 +179,16 @@ class OpReporter:
 
     follows_stack = False  # whether `locate` needs the caller's frame (not eager: hooks say it)
     reports_graph_calls = False  # whether compiled graph calls inside its forward are its ops
+
+    @contextlib.contextmanager
+    def stepping_aside(self):
+        """Report nothing while code below the mode runs whose torch calls are not the model's ops
+        (a compiled graph's: its ops are its plan's, or one op of their own)."""
+        self.suspended += 1
+        try:
+            yield
+        finally:
+            self.suspended -= 1
 
     def locate(self, frame) -> None:
         """Bring the session's open module to the one the call at `frame` runs in."""

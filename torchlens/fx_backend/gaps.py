@@ -10,8 +10,6 @@ the model.
 
 from __future__ import annotations
 
-import contextlib
-
 from ..core.pipeline import Pipeline
 from ..core.scopes import ScopeTable
 from ..eager.capture import OpReporter
@@ -31,12 +29,3 @@ class GapCapture(OpReporter):
 
     def locate(self, frame) -> None:
         self.session.move_to(self.scopes.scope_of_stack(frame))
-
-    @contextlib.contextmanager
-    def stepping_aside(self):
-        """Report nothing while a compiled graph runs below the mode: its ops are the plan's."""
-        self.suspended += 1
-        try:
-            yield
-        finally:
-            self.suspended -= 1

@@ -114,7 +114,7 @@ def _bytes(fake: torch.Tensor) -> Optional[int]:
 def _measured(fake: torch.Tensor, rung: str, tracking: bool) -> bool:
     """Whether the meter reads anything of such a tensor (tracking alone skips integers and bools)."""
     kind = value_kind(fake.dtype)
-    return kind is None or recipe(kind, rung, tracking, immediate=True).measures
+    return kind is None or recipe(kind, rung, immediate=True).measures
 
 
 def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slots: Slots, measured: dict):
@@ -172,7 +172,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
               if node.op == "placeholder" and isinstance(example_value(node), torch.Tensor)}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
-            slots[op.index] = Slot((recipe(value_kind(value.dtype), rung, tracking),))  # nothing to read
+            slots[op.index] = Slot((recipe(value_kind(value.dtype), rung),))  # nothing to read
             continue
         copy = _written_later(node, value, inputs)
         with graph.inserting_before(node.next):
@@ -314,7 +314,7 @@ def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
     numel = fake.numel()
     if isinstance(numel, int) and numel == 0:
         return not_applicable("empty", rung), None
-    chosen = recipe(kind, rung, tracking, numel_known=isinstance(numel, int), in_graph=True)
+    chosen = recipe(kind, rung, numel_known=isinstance(numel, int), in_graph=True)
     if not chosen.measures:
         return chosen, None
     dtype = vector_dtype(fake.device)

@@ -187,7 +187,7 @@ class Meter:
         numel = tensor.numel()
         kind = value_kind(tensor.dtype)
         sampled = kind == "float" and self.rung == "sampled" and numel > SAMPLE_SIZE
-        chosen = recipe(kind, self.rung, self.tracking, immediate=now, sampled=sampled)
+        chosen = recipe(kind, self.rung, immediate=now, sampled=sampled)
         stats = chosen.stats(numel)
         if not chosen.measures:
             return stats
@@ -317,7 +317,7 @@ class Meter:
         if not now:
             counts = [count_vector(f, dtype)] if self.tracking else []
             vector = torch.cat([finite_vector(sample, dtype, 1)] + counts)
-            self.pending.append(Pending(stats, vector, recipe("float", "sampled", self.tracking, sampled=True)))
+            self.pending.append(Pending(stats, vector, recipe("float", "sampled", sampled=True)))
             return stats
         head = cheap_vector(sample, dtype, sample.numel())
         values = (torch.cat([head, screen_vector(f, dtype)]) if self.tracking else head).tolist()

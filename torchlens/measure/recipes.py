@@ -99,7 +99,7 @@ def not_applicable(reason: str, rung: str) -> Recipe:
 
 
 @functools.lru_cache(maxsize=None)  # a few dozen combinations, asked for once per measured tensor
-def recipe(kind: str, rung: str, tracking: bool, *, numel_known: bool = True, immediate: bool = False,
+def recipe(kind: str, rung: str, *, numel_known: bool = True, immediate: bool = False,
            in_graph: bool = False, sampled: bool = False) -> Recipe:
     """The recipe for a tensor of value kind `kind` ("float", "int", "bool": `stats.value_kind`).
 
