@@ -126,3 +126,21 @@ def test_each_layer_imports_only_the_layers_below_it():
                and _package(edge) not in _LAYERS[_package(module)]}
     assert reached == set(), sorted(reached)
     assert any(_package(module) == "measure" for module in graph), "no measure package found"
+
+
+def long_functions(limit: int = 60) -> list:
+    """Functions of the package longer than `limit` lines (from `def` to their last line)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    """A function that does one thing fits on a screen; a longer one is two jobs to split."""
+    assert long_functions() == []
+    assert long_functions(limit=40), "the scan found no function at all"
