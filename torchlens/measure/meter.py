@@ -1,7 +1,8 @@
 """Measuring op outputs eagerly, at the rung and tracking mode a run asked for.
 
-What to compute for each tensor comes from `torchlens.measure.recipes` (the ladder the compiled path
-shares); this module decides *when* it is read. Values on the CPU are read as each op completes:
+What to compute for each tensor, and how, comes from `torchlens.measure.recipes` (the ladder the
+compiled path shares, and the recipes read while the tensor is at hand); this module decides *when*
+it is read, and shares statistics between views of the same elements. Values on the CPU are read as each op completes:
 there is no device to wait for, and with the tensor at hand the cheap recipes apply ("screen" for
 tracking, "sums" for exact statistics; each measured again from the tensor in the rare case it
 cannot vouch for itself). An accelerator's vectors are read together once per forward, unless the
@@ -22,13 +23,12 @@ from ..events import Stats, StatsGroup
 from .memory import elements_identity
 from .recipes import (
     Recipe,
-    about_the_mean,
-    moments_from_sums,
+    integers,
     not_applicable,
     recipe,
-    screen_finite,
     screen_vector,
-    sums_of,
+    screened,
+    summed,
 )
 from .stats import (
     SAMPLE_SIZE,
@@ -36,16 +36,13 @@ from .stats import (
     as_float,
     cheap_vector,
     count_vector,
-    exact_below,
     fill,
     finite_vector,
-    int_vector,
     is_dtensor,
     is_wrapped,
     measures,
     plain_values,
     sample_indices,
-    small_int_vector,
     unmeasured,
     value_kind,
     vector_dtype,
@@ -193,16 +190,16 @@ class Meter:
             return stats
         dtype = vector_dtype(tensor.device)
         if chosen.layout == "small-int":
-            return self._integers(stats, tensor, dtype)
+            return integers(stats, tensor, dtype, self.tracking)
         if kind != "float":  # bools and integers: the tensor itself
             return self._start(stats, chosen.build(tensor, dtype, numel, tensor.dim(), tensor.dtype), chosen, now)
         f = as_float(tensor, tensor.dtype)
         if sampled:
             return self._sampled(stats, f, numel, now)
         if chosen.layout == "screen":
-            return self._screened(stats, f)
+            return screened(stats, f, self.tracking)
         if chosen.layout == "sums":
-            return self._summed(stats, f, dtype, numel)
+            return summed(stats, f, dtype, numel, self.tracking, f.device.type in READ_NOW)
         return self._start(stats, chosen.build(f, dtype, numel, f.dim()), chosen, now)
 
     # -- read now: the tensor is at hand ------------------------------------------------------------
@@ -219,9 +216,10 @@ class Meter:
         if numel == 0:
             stats = not_applicable("empty", self.rung).stats(0)
         elif self._plain == "screen":
-            stats = self._screened(Stats("counts", numel, self.rung == "reuse"), tensor.detach())
+            stats = screened(Stats("counts", numel, self.rung == "reuse"), tensor.detach(), self.tracking)
         else:
-            stats = self._summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel)
+            stats = summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel, self.tracking,
+                           True)
         if identity is not None:
             self._known[identity[1]] = _Known(weakref.ref(identity[0]), stats, True)
         return stats
@@ -249,64 +247,6 @@ class Meter:
         if known is not None and known.base() is identity[0] and (known.read_now or not live):
             return known.stats
         return None
-
-    def _screened(self, stats: Stats, f: torch.Tensor) -> Stats:
-        """Tracking: one sum proves the tensor finite; only one that is not is counted."""
-        if screen_finite(f):
-            stats.nan = stats.posinf = stats.neginf = 0
-            return stats
-        fill(stats, count_vector(f, torch.float64).tolist(), "counts", self.tracking)
-        return stats
-
-    def _summed(self, stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int) -> Stats:
-        """Exact statistics, read now. On the CPU from [min, max, sum, sum of squares] (see
-        `torchlens.measure.recipes`); on an accelerator, whose every read is a sync, from the two-pass
-        vector, read once. A tensor holding non-finite values is measured again, masking them and
-        counting them."""
-        if f.device.type in READ_NOW:
-            f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
-            values = sums_of(f)
-            if all(map(math.isfinite, values[:2])) and not all(map(math.isfinite, values[2:])):
-                values = self._rescaled(f, values[0], values[1], numel)  # finite, but the sums overflowed
-            elif all(map(math.isfinite, values)):
-                values = self._moments(f, values, numel)
-        else:
-            values = cheap_vector(f, dtype, numel).tolist()
-        if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
-            fill(stats, values, "moments", self.tracking)  # (a moment past float64's range is dropped)
-            return stats
-        # non-finite values: min/max/mean/sd of the finite ones, and counts
-        fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "finite", self.tracking)
-        return stats
-
-    def _integers(self, stats: Stats, tensor: torch.Tensor, dtype: torch.dtype) -> Stats:
-        """Exact statistics of integers, read now: from their float copy while that is exact (the
-        common case: token ids, positions, counts), else from the integers themselves."""
-        values = small_int_vector(tensor.detach().to(dtype)).tolist()
-        bound = exact_below(dtype)
-        if -bound < values[0] and values[1] < bound:
-            fill(stats, values, "small-int", self.tracking)
-            return stats
-        # integers past the float's exact ones: measured again in integers
-        fill(stats, int_vector(tensor, tensor.dtype, dtype, tensor.dim()).tolist(), "int", self.tracking)
-        return stats
-
-    def _moments(self, f: torch.Tensor, sums, numel: int) -> list:
-        """[min, max, mean, sd] from a "sums" vector, the sd measured about the mean when the
-        sums cannot give it (see `torchlens.measure.recipes.CONDITION_LIMIT`)."""
-        mn, mx, mean, sd = moments_from_sums(sums, numel)
-        if sd is None:
-            mean, sd = about_the_mean(f, mean, numel)
-        return [mn, mx, mean, sd]
-
-    def _rescaled(self, f: torch.Tensor, mn: float, mx: float, numel: int) -> list:
-        """[min, max, mean, sd] of finite values too large for their sums (near the dtype's
-        largest): the sums of `f` divided by a power of two (exact, bar values too small to matter
-        beside the largest), scaled back on the host, where float64 holds them."""
-        exponent = math.ceil(math.log2(max(abs(mn), abs(mx))))
-        scaled = f * 2.0 ** -exponent  # a multiplier, not a divisor: 2**128 is past float32's range
-        _, _, mean, sd = self._moments(scaled, sums_of(scaled), numel)
-        return [mn, mx, _ldexp(mean, exponent), _ldexp(sd, exponent)]
 
     def _sampled(self, stats: Stats, f: torch.Tensor, numel: int, now: bool) -> Stats:
         """A seeded sample's statistics; with tracking, the whole tensor's counts (screened when read
@@ -389,15 +329,6 @@ def _of_local_shard(stats: Stats) -> Stats:
 
 
 _TENSOR = torch.Tensor
-
-
-def _ldexp(value: float, exponent: int) -> float:
-    """`value * 2**exponent`, infinite past float64's range (the statistic is then dropped and
-    named, never printed as `inf`: see `torchlens.measure.stats.fill`)."""
-    try:
-        return math.ldexp(value, exponent)
-    except OverflowError:
-        return math.copysign(math.inf, value)
 
 
 # Float dtypes reduced as they are (`torchlens.measure.stats.as_float` keeps them; narrower ones are

@@ -8,7 +8,8 @@ how long its vector is (`size`), the `Stats` it fills, and whether a dynamic siz
 
 Three recipes exist only where the tensor is still at hand when the vector is read (`immediate`:
 on the CPU, where reading needs no device to wait for, or a line printed now), because a result
-they cannot vouch for is measured again from the tensor:
+they cannot vouch for is measured again from the tensor; they run here (`screened`, `summed`,
+`integers`), called by the meter, which decided that they are read now:
 
 - "screen": tracking's first look, one sum. A sum of finite values is finite unless it overflows;
   any NaN or infinity makes it NaN or infinite. So a finite sum proves every element finite, and
@@ -41,14 +42,16 @@ from .stats import (
     INT_VECTOR_SIZE,
     cheap_vector,
     count_vector,
+    exact_below,
     fill,
     finite_vector,
     int_vector,
     lean_count_vector,
+    small_int_vector,
 )
 
-__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "moments_from_sums", "not_applicable", "recipe",
-           "screen_finite", "screen_vector", "sums_of"]
+__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "integers", "moments_from_sums", "not_applicable", "recipe",
+           "screen_finite", "screen_vector", "screened", "summed", "sums_of"]
 
 
 class Recipe(NamedTuple):
@@ -132,6 +135,81 @@ def recipe(kind: str, rung: str, *, numel_known: bool = True, immediate: bool = 
     # hold non-finite values reports them without min/max/mean/sd (masking every tensor in case it
     # does would cost several times more, on every op).
     return Recipe("moments+counts", "exact", shown, 7, lean=in_graph)
+
+
+# -- read now: the tensor at hand (the "screen", "sums" and "small-int" recipes) --------------------
+
+
+def screened(stats: Stats, f: torch.Tensor, tracking: bool) -> Stats:
+    """Tracking: one sum proves the tensor finite; only one that is not is counted."""
+    if screen_finite(f):
+        stats.nan = stats.posinf = stats.neginf = 0
+        return stats
+    fill(stats, count_vector(f, torch.float64).tolist(), "counts", tracking)
+    return stats
+
+
+def summed(stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int, tracking: bool, on_host: bool) -> Stats:
+    """Exact statistics, read now. On the CPU from [min, max, sum, sum of squares] (see
+    `torchlens.measure.recipes`); on an accelerator, whose every read is a sync, from the two-pass
+    vector, read once. A tensor holding non-finite values is measured again, masking them and
+    counting them."""
+    if on_host:
+        f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
+        values = sums_of(f)
+        if all(map(math.isfinite, values[:2])) and not all(map(math.isfinite, values[2:])):
+            values = _rescaled(f, values[0], values[1], numel)  # finite, but the sums overflowed
+        elif all(map(math.isfinite, values)):
+            values = _moments(f, values, numel)
+    else:
+        values = cheap_vector(f, dtype, numel).tolist()
+    if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
+        fill(stats, values, "moments", tracking)  # (a moment past float64's range is dropped)
+        return stats
+    # non-finite values: min/max/mean/sd of the finite ones, and counts
+    fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "finite", tracking)
+    return stats
+
+
+def integers(stats: Stats, tensor: torch.Tensor, dtype: torch.dtype, tracking: bool) -> Stats:
+    """Exact statistics of integers, read now: from their float copy while that is exact (the
+    common case: token ids, positions, counts), else from the integers themselves."""
+    values = small_int_vector(tensor.detach().to(dtype)).tolist()
+    bound = exact_below(dtype)
+    if -bound < values[0] and values[1] < bound:
+        fill(stats, values, "small-int", tracking)
+        return stats
+    # integers past the float's exact ones: measured again in integers
+    fill(stats, int_vector(tensor, tensor.dtype, dtype, tensor.dim()).tolist(), "int", tracking)
+    return stats
+
+
+def _moments(f: torch.Tensor, sums, numel: int) -> list:
+    """[min, max, mean, sd] from a "sums" vector, the sd measured about the mean when the
+    sums cannot give it (see `torchlens.measure.recipes.CONDITION_LIMIT`)."""
+    mn, mx, mean, sd = moments_from_sums(sums, numel)
+    if sd is None:
+        mean, sd = about_the_mean(f, mean, numel)
+    return [mn, mx, mean, sd]
+
+
+def _rescaled(f: torch.Tensor, mn: float, mx: float, numel: int) -> list:
+    """[min, max, mean, sd] of finite values too large for their sums (near the dtype's
+    largest): the sums of `f` divided by a power of two (exact, bar values too small to matter
+    beside the largest), scaled back on the host, where float64 holds them."""
+    exponent = math.ceil(math.log2(max(abs(mn), abs(mx))))
+    scaled = f * 2.0 ** -exponent  # a multiplier, not a divisor: 2**128 is past float32's range
+    _, _, mean, sd = _moments(scaled, sums_of(scaled), numel)
+    return [mn, mx, _ldexp(mean, exponent), _ldexp(sd, exponent)]
+
+
+def _ldexp(value: float, exponent: int) -> float:
+    """`value * 2**exponent`, infinite past float64's range (the statistic is then dropped and
+    named, never printed as `inf`: see `torchlens.measure.stats.fill`)."""
+    try:
+        return math.ldexp(value, exponent)
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 # -- the vectors -----------------------------------------------------------------------------------
