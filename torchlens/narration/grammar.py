@@ -184,12 +184,7 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
         body = _op_body(event, site, normalize)
     ordinal = event.ordinal
     tag = _ORDINAL_TAGS[ordinal] if 0 <= ordinal < _TAGGED else "#%-4d " % ordinal
-    line = _INDENTS[event.scope.depth] + tag + body
-    if event.stats is not None:
-        stats = stats_text(event.stats)
-        if stats:
-            line += "  | " + stats
-    return line
+    return _with_stats(_INDENTS[event.scope.depth] + tag + body, event)
 
 
 def render_node(event, sites: bool, normalize: bool) -> str:
