@@ -7,6 +7,7 @@ reads the environment: narration is only ever turned on by code.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
@@ -199,23 +200,19 @@ def check_on_nonfinite(value):
     return value
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Settings:
     """What the caller asked for, validated: the capture keywords shared by every entry point."""
 
-    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes", "backward",
-                 "dtensor_stats")
-
-    def __init__(self, narration: Optional[NarrationOptions], value_stats="off", on_nonfinite=None,
-                 keep_values=False, keep_on_cpu=False, max_bytes=None, backward=False, dtensor_stats="local"):
-        self.narration = narration
-        self.value_stats = value_stats
-        self.on_nonfinite = on_nonfinite
-        self.keep_values = keep_values
-        self.keep_on_cpu = keep_on_cpu
-        self.max_bytes = max_bytes
-        self.backward = backward  # narrate the backward through the graph each forward builds
-        # "global": a DTensor's statistics are the whole tensor's, at one collective per measured DTensor
-        self.dtensor_stats = dtensor_stats
+    narration: Optional[NarrationOptions]
+    value_stats: str = "off"
+    on_nonfinite: Optional[str] = None
+    keep_values: bool = False
+    keep_on_cpu: bool = False
+    max_bytes: Optional[int] = None
+    backward: bool = False  # narrate the backward through the graph each forward builds
+    # "global": a DTensor's statistics are the whole tensor's, at one collective per measured DTensor
+    dtensor_stats: str = "local"
 
     @property
     def sites(self) -> bool:
