@@ -50,16 +50,13 @@ def bad(what: str) -> TraceFileError:
 
 def _expect(value, kinds, what: str):
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
-        raise bad(f"{what} should be {_kind_names(kinds)}, found {type(value).__name__}")
+        names = " or ".join(kind.__name__ for kind in _as_tuple(kinds))
+        raise bad(f"{what} should be {names}, found {type(value).__name__}")
     return value
 
 
 def _as_tuple(kinds):
     return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _kind_names(kinds) -> str:
-    return " or ".join(kind.__name__ for kind in _as_tuple(kinds))
 
 
 def _optional(value, kinds, what: str):
