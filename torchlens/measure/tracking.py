@@ -261,7 +261,8 @@ class Tracker(Verdicts):
 
     def judge_rest(self) -> List[Finding]:
         made = super().judge_rest()
-        self.findings.sort(key=_position)  # by where they happened, not when they were known
+        # by where they happened, not when they were known
+        self.findings.sort(key=lambda finding: finding.event.ordinal if finding.event is not None else math.inf)
         return made
 
     def _judge_one(self, event: Event) -> List[Finding]:
@@ -513,11 +514,6 @@ class ForwardValues:
         """The non-finite value the output of one of `ops` held, if any (what a loss computed
         outside the forward read)."""
         return next((cause for cause in map(self._causes.get, map(id, ops)) if cause and cause.held), None)
-
-
-def _position(finding: Finding) -> float:
-    return finding.event.ordinal if finding.event is not None else math.inf
-
 
 
 def count_text(event: Event, kinds: int) -> str:
