@@ -31,7 +31,7 @@ from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..repro.kept import KeptCall
 from ..results import Backward, PartialTrace, Recording, Trace
 from ..selectors import InModule, Selector
-from .calls import loaded_call
+from .calls import BY_NAME, loaded_call
 from .encode import FORMAT, READABLE_VERSIONS
 
 __all__ = ["SavedSelection", "recording"]
@@ -72,12 +72,8 @@ def _number(value, what: str):
     return _optional(value, (int, float, bool), what)
 
 
-# torch's dtypes by name (`float32`): looked up in this table, never with getattr on the torch module
-_DTYPES = {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
-
-
 def dtype(name) -> torch.dtype:
-    value = _DTYPES.get(_expect(name, str, "a dtype"))
+    value = BY_NAME["dtype"].get(_expect(name, str, "a dtype"))
     if value is None:
         raise bad(f"{name!r} is no torch dtype")
     return value
@@ -106,12 +102,10 @@ def device(name) -> torch.device:
 def meta(doc) -> TensorMeta:
     sharded = isinstance(doc, list) and len(doc) == 5  # a DTensor's: placement and local shape follow
     shape, dtype_name, device_name = _row(doc[:3] if sharded else doc, 3, "a tensor description")
-    shape = _shape(shape)
+    described = (_shape(shape), dtype(dtype_name), device(device_name))
     if not sharded:
-        return TensorMeta(shape, dtype(dtype_name), device(device_name))
-    local = _shape(doc[4])
-    return ShardedMeta(shape, dtype(dtype_name), device(device_name), _expect(doc[3], str, "a placement"),
-                       tuple(local))
+        return TensorMeta(*described)
+    return ShardedMeta(*described, _expect(doc[3], str, "a placement"), tuple(_shape(doc[4])))
 
 
 def _shape(doc):
