@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ..events import ENTER, GRAD, INPUT, NODE, OP
+from ..events import GRAD, INPUT, NODE, OP
 from ..measure.tracking import held, unmeasured_reason
-from ..narration.grammar import op_ref, plural
+from ..narration.grammar import forward_counts, op_ref, plural
 from .page import page
 from .tree import Tree
 
@@ -56,9 +56,7 @@ def _forward(recording, failed: bool) -> dict:
     first = _first(recording, recording.settings)
     normalize = _normalized(recording.settings)
     tree = Tree(events, recording.attempt if failed else None, highlight=first, normalize=normalize)
-    ran = ", ".join(plural(sum(1 for e in events if e.kind is kind), noun)
-                    for kind, noun in ((INPUT, "input"), (OP, "op"), (ENTER, "module call")))
-    lines = [_line(("before the failure: " if failed else "") + ran)]
+    lines = [_line(("before the failure: " if failed else "") + forward_counts(events))]
     lines += _nonfinite_lines(recording.settings, tree, recording.findings, first, "values", "op", "#",
                               [e for e in events if e.kind is OP or e.kind is INPUT], failed)
     section: Dict[str, Any] = {"title": "forward", "tag": "#", "unit": "ops", "lines": lines, "tree": tree.root,
