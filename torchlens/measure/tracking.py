@@ -36,7 +36,7 @@ import torch
 from ..events import INPUT, OP, Event, Stats, StatsGroup
 from ..findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
 from ..findings import bits as _bits
-from ..narration.grammar import op_ref
+from ..narration.grammar import op_ref, plural
 from ..narration.stats_text import counts_text
 from .provenance import LazyReads, Provenance, Source, carried_kinds
 from .provenance import tensor_arguments as _tensor_arguments
@@ -179,7 +179,7 @@ class Verdicts:
         if self.findings:
             shown = self._headline()
             more = len(self.findings) - len(shown)
-            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
+            extra = f" (+{plural(more, 'more finding')})" if more else ""
             return f"{self.HEADLINE}: {'; then '.join(f.text for f in shown)}{extra}{self._after()}{gap}"
         if gap:
             return f"{self._claim()} in the {self.measured} measured{self._after()}{gap}"

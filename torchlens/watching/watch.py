@@ -39,6 +39,7 @@ from ..core.guard import internal_error, is_stop
 from ..core.sites import find_user_site
 from ..core.structure import check_model
 from ..errors import NonFiniteError, OptionTypeError
+from ..narration.grammar import plural
 from ..narration.sinks import checked_sink, open_sink
 from ..options import check_choice
 from . import options, roots, updates
@@ -184,9 +185,7 @@ class Watch:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        faults = len(self.faults)
-        return (f"<Watch {state}: {self.steps} step{'s' if self.steps != 1 else ''}, "
-                f"{faults} fault{'s' if faults != 1 else ''}>")
+        return f"<Watch {state}: {plural(self.steps, 'step')}, {plural(len(self.faults), 'fault')}>"
 
     # -- the hooks: what the step keeps, and where it ends --------------------------------------
 
