@@ -336,12 +336,6 @@ def _probe_functional_wait():
     return _missing(torch.ops._c10d_functional, "wait_tensor")
 
 
-def _probe_function_mode_stack():
-    return (_missing(torch.overrides, "_get_current_function_mode_stack")
-            or _missing(torch._C, "_len_torch_function_stack", "_get_function_stack_at", "_pop_torch_function_stack",
-                        "_push_on_torch_function_stack"))
-
-
 def _probe_functorch_wrappers():
     from torch._C import _functorch
 
@@ -510,7 +504,10 @@ SEAMS = (
          "_len_torch_function_stack, _get_function_stack_at, _pop_torch_function_stack, "
          "_push_on_torch_function_stack", "torch_internals.mode_stack",
          "a capture's mode cannot be lifted from under another's: nested captures and compiled graphs inside "
-         "captures narrate each other's work", _probe_function_mode_stack),
+         "captures narrate each other's work",
+         lambda: (_missing(torch.overrides, "_get_current_function_mode_stack")
+                  or _missing(torch._C, "_len_torch_function_stack", "_get_function_stack_at",
+                              "_pop_torch_function_stack", "_push_on_torch_function_stack"))),
     Seam("functorch wrappers", "torch._C._functorch: is_functorch_wrapped_tensor, get_unwrapped", "measure.stats",
          "values inside torch.func transforms (vmap, grad) are not measured: their lines say n/a",
          _probe_functorch_wrappers),
