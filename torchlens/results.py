@@ -185,10 +185,7 @@ class Recording:
     def first_nonfinite(self) -> Optional[Event]:
         if self.settings.on_nonfinite is not None:
             return self.findings[0].event if self.findings else None
-        for event in self.events:
-            if event.stats is not None and event.stats.nonfinite:
-                return event
-        return None
+        return next((event for event in self.events if event.stats is not None and event.stats.nonfinite), None)
 
     def _options(self, select=None, normalize=None, prefix=None, engine_ops=None) -> NarrationOptions:
         options = self.settings.narration or NarrationOptions()
@@ -222,10 +219,8 @@ class Recording:
         return _transcript(lines, options.prefix)
 
     def _backward_lines(self, options: NarrationOptions) -> List[str]:
-        lines = []
-        for run in getattr(self, "backward", ()):  # (absent from a recording pickled before it existed)
-            lines += run.lines(options.replace(prefix=""))
-        return lines
+        # (`backward` is absent from a recording pickled before it existed)
+        return [line for run in getattr(self, "backward", ()) for line in run.lines(options.replace(prefix=""))]
 
     def save(self, path, *, max_repro_bytes: Optional[int] = None) -> str:
         """Write this recording to `path` (a zip of JSON lines and a safetensors file, readable

@@ -109,10 +109,8 @@ def unmeasured_reason(event: Event) -> str:
     stats = event.stats
     if stats is None:
         return "no statistics taken"
-    for part in (stats.parts if isinstance(stats, StatsGroup) else (stats,)):
-        if part.kind == "na" and part.note:
-            return part.note
-    return "not measured"
+    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
+    return next((part.note for part in parts if part.kind == "na" and part.note), "not measured")
 
 
 def _ref(event: Event) -> str:
@@ -291,10 +289,8 @@ class Tracker(Verdicts):
                 self.absorbed = event
             return []
         refs, carried = event.reads if event.reads is not None else ((), 0)
-        findings = []
-        for bit, name in KINDS:
-            if kinds & bit:
-                findings.extend(self._trace_kind(event, bit, name, refs, carried))
+        findings = [finding for bit, name in KINDS if kinds & bit
+                    for finding in self._trace_kind(event, bit, name, refs, carried)]
         if not findings and kinds & (POSINF | NEGINF) and self.absorbed is None:
             self.absorbed = event
         return self._note(*findings)
