@@ -8,6 +8,7 @@ everywhere would show no non-finite row, and the page says it cannot tell rather
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Dict, List, Optional
 
 from ..events import GRAD, INPUT, NODE, OP
@@ -146,11 +147,7 @@ def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: s
 
 def _unmeasured(events) -> str:
     """`3 rows not measured (uninitialized: 2, a sparse tensor: 1)`, or "" when every one was."""
-    reasons: Dict[str, int] = {}
-    for event in events:
-        if held(event) is None:
-            reason = unmeasured_reason(event)
-            reasons[reason] = reasons.get(reason, 0) + 1
+    reasons = collections.Counter(unmeasured_reason(event) for event in events if held(event) is None)
     if not reasons:
         return ""
     count = sum(reasons.values())
