@@ -342,11 +342,6 @@ def _probe_functorch_wrappers():
     return _missing(_functorch, "is_functorch_wrapped_tensor", "get_unwrapped")
 
 
-def _probe_module_call_frames():
-    return None if isinstance(getattr(torch.nn.Module._call_impl, "__code__", None), types.CodeType) \
-        else "nn.Module._call_impl is not a Python function"
-
-
 def _probe_module_own_hooks():
     module = torch.nn.Linear(1, 1)
     handle = module.register_forward_hook(lambda *args: None)
@@ -514,7 +509,8 @@ SEAMS = (
     Seam("module call frames", "nn.Module._call_impl.__code__, the frame a module call runs in",
          "eager.module_hooks, eager.capture",
          "a module whose forward raised is closed as if it had returned (its exit line is not marked)",
-         _probe_module_call_frames),
+         lambda: None if isinstance(getattr(torch.nn.Module._call_impl, "__code__", None), types.CodeType)
+         else "nn.Module._call_impl is not a Python function"),
     Seam("module's own hooks", "Module._forward_hooks, the forward hooks a module holds",
          "eager.model_capture",
          "ops a module's own forward hooks run land in its parent module", _probe_module_own_hooks),
