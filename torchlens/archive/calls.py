@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -133,8 +133,9 @@ def _value_doc(value, index: Dict[int, int]):
 
 _KINDS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
 # torch's dtypes, layouts and memory formats by name: looked up here, never with getattr on torch
-BY_NAME = {kind: {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, cls)}
-           for kind, cls in _KINDS.items()}
+BY_NAME: Dict[str, Dict[str, Any]] = {
+    kind: {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, cls)}
+    for kind, cls in _KINDS.items()}
 
 
 # -- loading ---------------------------------------------------------------------------------------
