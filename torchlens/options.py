@@ -7,6 +7,7 @@ reads the environment: narration is only ever turned on by code.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from .errors import OptionTypeError, OptionValueError, describe_choices, suggest
@@ -181,21 +182,12 @@ def resolve_narrate(narrate):
     raise OptionTypeError(f"{NARRATE_ACCEPTS}; got {narrate!r} ({type(narrate).__name__})")
 
 
-def check_value_stats(value) -> str:
+def check_choice(name: str, value, choices, takes: str = "one of ") -> str:
+    """A string keyword (`name=`) that must be one of `choices`: the same two errors everywhere."""
     if not isinstance(value, str):
-        raise OptionTypeError(f"value_stats= takes one of {describe_choices(VALUE_STATS)}, got {value!r}")
-    if value not in VALUE_STATS:
-        raise OptionValueError(f"value_stats={value!r}{suggest(value, VALUE_STATS)}: accepted are "
-                               f"{describe_choices(VALUE_STATS)}")
-    return value
-
-
-def check_dtensor_stats(value) -> str:
-    if not isinstance(value, str):
-        raise OptionTypeError(f"dtensor_stats= takes one of {describe_choices(DTENSOR_STATS)}, got {value!r}")
-    if value not in DTENSOR_STATS:
-        raise OptionValueError(f"dtensor_stats={value!r}{suggest(value, DTENSOR_STATS)}: accepted are "
-                               f"{describe_choices(DTENSOR_STATS)}")
+        raise OptionTypeError(f"{name}= takes {takes}{describe_choices(choices)}, got {value!r}")
+    if value not in choices:
+        raise OptionValueError(f"{name}={value!r}{suggest(value, choices)}: accepted are {describe_choices(choices)}")
     return value
 
 
@@ -208,23 +200,19 @@ def check_on_nonfinite(value):
     return value
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Settings:
     """What the caller asked for, validated: the capture keywords shared by every entry point."""
 
-    __slots__ = ("narration", "value_stats", "on_nonfinite", "keep_values", "keep_on_cpu", "max_bytes", "backward",
-                 "dtensor_stats")
-
-    def __init__(self, narration: Optional[NarrationOptions], value_stats="off", on_nonfinite=None,
-                 keep_values=False, keep_on_cpu=False, max_bytes=None, backward=False, dtensor_stats="local"):
-        self.narration = narration
-        self.value_stats = value_stats
-        self.on_nonfinite = on_nonfinite
-        self.keep_values = keep_values
-        self.keep_on_cpu = keep_on_cpu
-        self.max_bytes = max_bytes
-        self.backward = backward  # narrate the backward through the graph each forward builds
-        # "global": a DTensor's statistics are the whole tensor's, at one collective per measured DTensor
-        self.dtensor_stats = dtensor_stats
+    narration: Optional[NarrationOptions]
+    value_stats: str = "off"
+    on_nonfinite: Optional[str] = None
+    keep_values: bool = False
+    keep_on_cpu: bool = False
+    max_bytes: Optional[int] = None
+    backward: bool = False  # narrate the backward through the graph each forward builds
+    # "global": a DTensor's statistics are the whole tensor's, at one collective per measured DTensor
+    dtensor_stats: str = "local"
 
     @property
     def sites(self) -> bool:
@@ -310,7 +298,8 @@ class Keyword(NamedTuple):
 
 KEYWORDS: Tuple[Keyword, ...] = (
     Keyword("narrate", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: resolve_narrate(value)),
-    Keyword("value_stats", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_value_stats(value)),
+    Keyword("value_stats", (RECORD, TRACE, RECORDER, COMPILE),
+            lambda owner, value: check_choice("value_stats", value, VALUE_STATS)),
     Keyword("on_nonfinite", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_on_nonfinite(value)),
     Keyword("keep_on_cpu", (TRACE,), lambda owner, value: check_bool(owner, "keep_on_cpu", value)),
     Keyword("max_bytes", (TRACE,), lambda owner, value: check_count(owner, "max_bytes", value, none_means="no limit")),
@@ -319,7 +308,8 @@ KEYWORDS: Tuple[Keyword, ...] = (
             lambda owner, value: check_count(owner, "tail", value, minimum=1, none_means="no tail")),
     Keyword("backward", (RECORD, TRACE, RECORDER, COMPILE), lambda owner, value: check_bool(owner, "backward", value)),
     # (a compiled graph measures the local shards it computes on: "global" is eager narration's)
-    Keyword("dtensor_stats", (RECORD, TRACE, RECORDER), lambda owner, value: check_dtensor_stats(value)),
+    Keyword("dtensor_stats", (RECORD, TRACE, RECORDER),
+            lambda owner, value: check_choice("dtensor_stats", value, DTENSOR_STATS)),
     Keyword("live", (COMPILE,), lambda owner, value: check_bool(owner, "live", value)),
     Keyword("compiler", (COMPILE,), lambda owner, value: check_compiler(value)),
     Keyword("stats_on", (COMPILE,), check_stats_on),

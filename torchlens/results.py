@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_map
 
-from .events import OP, Attempt, Event, EventKind
+from .events import Attempt, Event, EventKind
 from .narration import grammar
 from .narration.narrator import failure_block, printed_events, render_lines
 from .options import NarrationOptions, check_bool, check_count, check_prefix
@@ -185,10 +185,7 @@ class Recording:
     def first_nonfinite(self) -> Optional[Event]:
         if self.settings.on_nonfinite is not None:
             return self.findings[0].event if self.findings else None
-        for event in self.events:
-            if event.stats is not None and event.stats.nonfinite:
-                return event
-        return None
+        return next((event for event in self.events if event.stats is not None and event.stats.nonfinite), None)
 
     def _options(self, select=None, normalize=None, prefix=None, engine_ops=None) -> NarrationOptions:
         options = self.settings.narration or NarrationOptions()
@@ -222,10 +219,8 @@ class Recording:
         return _transcript(lines, options.prefix)
 
     def _backward_lines(self, options: NarrationOptions) -> List[str]:
-        lines = []
-        for run in getattr(self, "backward", ()):  # (absent from a recording pickled before it existed)
-            lines += run.lines(options.replace(prefix=""))
-        return lines
+        # (`backward` is absent from a recording pickled before it existed)
+        return [line for run in getattr(self, "backward", ()) for line in run.lines(options.replace(prefix=""))]
 
     def save(self, path, *, max_repro_bytes: Optional[int] = None) -> str:
         """Write this recording to `path` (a zip of JSON lines and a safetensors file, readable
@@ -269,18 +264,13 @@ class Recording:
 
     def _glance(self) -> str:
         """What a prompt shows of a run: its ops and module calls, and what tracking found."""
-        inputs = sum(1 for e in self.events if e.kind is EventKind.INPUT)  # (counted as the footer counts)
-        ops = sum(1 for e in self.events if e.kind is OP)
-        calls = sum(1 for e in self.events if e.kind is EventKind.ENTER)
-        text = (f"{inputs} input{'s' if inputs != 1 else ''}, {ops} op{'s' if ops != 1 else ''}, "
-                f"{calls} module call{'s' if calls != 1 else ''}")
+        text = grammar.forward_counts(self.events)
         if self.findings:
-            count = len(self.findings)
-            text += f"; {count} finding{'s' if count != 1 else ''}, the first: {self.findings[0].text}"
+            text += f"; {grammar.plural(len(self.findings), 'finding')}, the first: {self.findings[0].text}"
         elif self.verdict is not None:
             text += f"; {self.verdict}"
         if getattr(self, "backward", None):
-            text += f"; {len(self.backward)} backward{'s' if len(self.backward) != 1 else ''}"
+            text += f"; {grammar.plural(len(self.backward), 'backward')}"
         return text
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -27,7 +27,7 @@ from ..repro.replay import replayed
 from ..repro.script import spell, strides
 from .encode import put
 
-__all__ = ["REPRO_BYTES", "call_doc", "loaded_call"]
+__all__ = ["BY_NAME", "REPRO_BYTES", "call_doc", "loaded_call"]
 
 REPRO_BYTES = 64 * 1024 * 1024  # the tensors of a repro a saved trace keeps, by default
 PREFIX = "repro/"  # the tensors' names in the tensor file: `repro/0`, `repro/1`, ...
@@ -133,8 +133,9 @@ def _value_doc(value, index: Dict[int, int]):
 
 _KINDS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
 # torch's dtypes, layouts and memory formats by name: looked up here, never with getattr on torch
-_TABLES = {kind: {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, cls)}
-           for kind, cls in _KINDS.items()}
+BY_NAME: Dict[str, Dict[str, Any]] = {
+    kind: {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, cls)}
+    for kind, cls in _KINDS.items()}
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def _context(doc, bad) -> dict:
     autocast = doc.get("autocast")
     if autocast is not None:
         if (not isinstance(autocast, list) or len(autocast) != 2 or not all(isinstance(part, str) for part in autocast)
-                or autocast[1] not in _TABLES["dtype"] or not _WORD.fullmatch(autocast[0])):
+                or autocast[1] not in BY_NAME["dtype"] or not _WORD.fullmatch(autocast[0])):
             raise bad(f"a repro's autocast state {autocast!r}")
         autocast = tuple(autocast)
     return {"grad": doc["grad"], "autocast": autocast}
@@ -224,8 +225,8 @@ def _value(doc, tensors: list, bad):
         real, imag = (_value(part, tensors, bad) for part in body)
         if isinstance(real, (int, float)) and isinstance(imag, (int, float)):
             return complex(real, imag)
-    if kind in _TABLES and body in _TABLES[kind]:
-        return _TABLES[kind][body]
+    if kind in BY_NAME and body in BY_NAME[kind]:
+        return BY_NAME[kind][body]
     if kind == "device" and isinstance(body, str):
         try:
             return torch.device(body)

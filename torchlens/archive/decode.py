@@ -31,7 +31,7 @@ from ..options import DTENSOR_STATS, NarrationOptions, Settings
 from ..repro.kept import KeptCall
 from ..results import Backward, PartialTrace, Recording, Trace
 from ..selectors import InModule, Selector
-from .calls import loaded_call
+from .calls import BY_NAME, loaded_call
 from .encode import FORMAT, READABLE_VERSIONS
 
 __all__ = ["SavedSelection", "recording"]
@@ -50,16 +50,13 @@ def bad(what: str) -> TraceFileError:
 
 def _expect(value, kinds, what: str):
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
-        raise bad(f"{what} should be {_kind_names(kinds)}, found {type(value).__name__}")
+        names = " or ".join(kind.__name__ for kind in _as_tuple(kinds))
+        raise bad(f"{what} should be {names}, found {type(value).__name__}")
     return value
 
 
 def _as_tuple(kinds):
     return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _kind_names(kinds) -> str:
-    return " or ".join(kind.__name__ for kind in _as_tuple(kinds))
 
 
 def _optional(value, kinds, what: str):
@@ -75,12 +72,8 @@ def _number(value, what: str):
     return _optional(value, (int, float, bool), what)
 
 
-# torch's dtypes by name (`float32`): looked up in this table, never with getattr on the torch module
-_DTYPES = {str(value).replace("torch.", ""): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
-
-
 def dtype(name) -> torch.dtype:
-    value = _DTYPES.get(_expect(name, str, "a dtype"))
+    value = BY_NAME["dtype"].get(_expect(name, str, "a dtype"))
     if value is None:
         raise bad(f"{name!r} is no torch dtype")
     return value
@@ -109,12 +102,10 @@ def device(name) -> torch.device:
 def meta(doc) -> TensorMeta:
     sharded = isinstance(doc, list) and len(doc) == 5  # a DTensor's: placement and local shape follow
     shape, dtype_name, device_name = _row(doc[:3] if sharded else doc, 3, "a tensor description")
-    shape = _shape(shape)
+    described = (_shape(shape), dtype(dtype_name), device(device_name))
     if not sharded:
-        return TensorMeta(shape, dtype(dtype_name), device(device_name))
-    local = _shape(doc[4])
-    return ShardedMeta(shape, dtype(dtype_name), device(device_name), _expect(doc[3], str, "a placement"),
-                       tuple(local))
+        return TensorMeta(*described)
+    return ShardedMeta(*described, _expect(doc[3], str, "a placement"), tuple(_shape(doc[4])))
 
 
 def _shape(doc):

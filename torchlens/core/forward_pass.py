@@ -59,7 +59,8 @@ class ForwardPass:
         # id -> name of the model's parameters and buffers, read when a finding or a backward needs it
         self.tensor_names: Callable[[], dict] = lambda: tensor_names(model)
         # (name, weak reference) of the model's parameters: where a collective may write gradients
-        self._parameters = lambda: tuple((name, weakref.ref(p)) for name, p in _named_parameters(model))
+        self._parameters = lambda: tuple((name, weakref.ref(p)) for name, p in
+                                         (model.named_parameters() if isinstance(model, torch.nn.Module) else ()))
         # `backward`: where this forward's backward is narrated (`backward=True`); the nodes its ops
         # feed autograd are noted in `roots` (none when the forward builds no graph)
         self.backward = backward
@@ -145,7 +146,3 @@ class ForwardPass:
         narrator, self._owned_narrator = self._owned_narrator, None
         if narrator is not None:
             narrator.close()
-
-
-def _named_parameters(model):
-    return model.named_parameters() if isinstance(model, torch.nn.Module) else ()

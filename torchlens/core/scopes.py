@@ -234,13 +234,9 @@ def _wrapped_by_factory_class(cls: type):
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, (types.FunctionType, type)) and not issubclass(_type_of(value), torch.nn.Module):
+        if isinstance(value, types.FunctionType) or isinstance(value, type) and not issubclass(value, torch.nn.Module):
             found.append(value)
     return found[0] if len(found) == 1 and getattr(found[0], "__name__", None) else None
-
-
-def _type_of(value) -> type:
-    return value if isinstance(value, type) else type(value)
 
 
 _outside: "weakref.WeakKeyDictionary[type, Tuple[str, str]]" = weakref.WeakKeyDictionary()

@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import ModelTypeError
 
 __all__ = ["check_model", "check_selection", "forward_signature", "model_tensors", "module_of", "named_arguments",
-           "named_inputs", "named_outputs", "tensor_names"]
+           "named_outputs", "tensor_names"]
 
 MAX_NESTING = 8
 
@@ -57,13 +57,8 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
     return signature_of(module.forward)
 
 
-def named_inputs(module: nn.Module, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
-    """The forward's tensor arguments, named after its parameters (`x`, `input_ids`, `batch[0]`)."""
-    return named_arguments(module, args, kwargs)
-
-
 def named_arguments(fn, args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
-    """The tensors among a call's arguments, named after `fn`'s parameters."""
+    """The tensors among a call's arguments, named after `fn`'s parameters (`x`, `input_ids`, `batch[0]`)."""
     wrapped = getattr(fn, "__wrapped__", None)
     if isinstance(wrapped, nn.Module):  # dynamo calls a torch.nn module through a wrapper function
         fn = wrapped

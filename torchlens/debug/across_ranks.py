@@ -23,6 +23,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..findings import FindingKind
+from ..narration.grammar import plural
 
 __all__ = ["RankReport", "across_ranks", "collective_device"]
 
@@ -60,7 +61,7 @@ class RankReport:
     def __str__(self) -> str:
         if self.first_rank is None:
             if self.carried:
-                head = (f"{_ranks(self.carried)} received non-finite values through a collective, and no rank "
+                head = (f"{plural(self.carried, 'rank')} received non-finite values through a collective, and no rank "
                         f"found where they were born (a rank without tracking, or values that came from outside "
                         f"the recorded passes)")
             else:
@@ -70,17 +71,13 @@ class RankReport:
             also = f" (also on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
             head = f"first on rank {self.first_rank}, in {self.where}: {self.finding}{also}"
             if self.carried:
-                head += f"\n{_ranks(self.carried)} received non-finite values through a collective"
+                head += f"\n{plural(self.carried, 'rank')} received non-finite values through a collective"
         if self.per_rank is not None:
             head += "".join(f"\n  rank {rank}: {text or 'nothing found'}" for rank, text in enumerate(self.per_rank))
         return head
 
     def __repr__(self) -> str:
         return f"<RankReport first_rank={self.first_rank} of {self.world_size}>"
-
-
-def _ranks(count: int) -> str:
-    return f"{count} rank{'s' if count != 1 else ''}"
 
 
 def across_ranks(recordings, group=None, per_rank: bool = False) -> RankReport:

@@ -219,10 +219,9 @@ def _config_change(backend: str, subsystem: Optional[str]) -> Optional[str]:
     """`config.field=value` when the bisector's finding is a config change that cures it."""
     from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
 
-    for item in BACKENDS.get(backend, ()):
-        if item.name == subsystem and isinstance(item, ConfigChange):
-            return f"{item.config_name} config sets {item.config_field}={item.config_value!r}"
-    return None
+    return next((f"{item.config_name} config sets {item.config_field}={item.config_value!r}"
+                 for item in BACKENDS.get(backend, ()) if item.name == subsystem and isinstance(item, ConfigChange)),
+                None)
 
 
 def _compiler(bisector, backend: Optional[str]):

@@ -16,6 +16,7 @@ comparison expects to see, and it travels downstream (`Tolerance`).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -100,12 +101,8 @@ def _looser(*tolerances: Tuple[float, float]) -> Tuple[float, float]:
     return max(rtol for rtol, _ in tolerances), max(atol for _, atol in tolerances)
 
 
-def _op_name(event: Event) -> str:
-    return event.op
-
-
 def compare_pairs(pairs, values_a: dict, values_b: dict, tolerance: Tolerance,
-                  name: Callable[[Event], str] = _op_name) -> List[CompareRow]:
+                  name: Callable[[Event], str] = operator.attrgetter("op")) -> List[CompareRow]:
     """One row per aligned pair, in order: a one-sided row for what only one trace has, the values
     compared for what both have. `name(event)` is what a row calls its op."""
     rows = []

@@ -37,7 +37,7 @@ def compare_gradients(trace_a, trace_b, rtol: Optional[float], atol: Optional[fl
     pairs = align_on(nodes_a, nodes_b, (full_key, name_key))
     pairs += [(leaves_a.get(key), leaves_b.get(key)) for key in {**leaves_a, **leaves_b}]
     rows = compare_pairs(sorted(pairs, key=_backward_position), backward_a.values, backward_b.values, tolerance,
-                         _node_name)
+                         lambda event: f"{event.op} {event.label}" if event.label else event.op)
     return CompareReport(rows, tag="~")
 
 
@@ -62,8 +62,3 @@ def _leaves(backward) -> dict:
 def _kept_backward(trace):
     backwards = getattr(trace, "backward", None) or ()
     return next((b for b in backwards if b.values is not None), None)
-
-
-def _node_name(event: Event) -> str:
-    return f"{event.op} {event.label}" if event.label else event.op
-

@@ -145,7 +145,7 @@ class Reference:
             with _float64_run(), torch.no_grad():
                 if call.generators is not None:
                     call.generators.restore()  # (within the fork: the user's stream is left as it was)
-                return tuple(_detached_outputs(call.func(*args, **kwargs)))
+                return tuple(tensor.detach() for tensor in tensors_of(call.func(*args, **kwargs)))
         except Exception:  # an op that cannot run on these inputs is not judged by its replay
             return None
 
@@ -156,10 +156,6 @@ class Reference:
 def _output(values: dict, produced: Produced) -> Optional[torch.Tensor]:
     kept = values.get(produced.ordinal)
     return kept[produced.index] if kept is not None and produced.index < len(kept) else None
-
-
-def _detached_outputs(result) -> list:
-    return [tensor.detach() for tensor in tensors_of(result)]
 
 
 def _same(replayed: tuple, kept: tuple) -> bool:

@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..narration.grammar import plural
 from .rounding import CARRIED, REAL, ROUNDING, UNJUDGED
 from .rows import BOTH, DIVERGED, NOT_COMPARABLE, ONLY_A, ONLY_B, UNCHECKED, WITHIN, CompareRow
 
@@ -122,8 +123,7 @@ class CompareReport:
         ]
         body = _row_lines(self.rows, elide, self.tag)
         if max_rows is not None and len(body) > max_rows + 1:
-            left_out = len(body) - max_rows - 1
-            lines_left = f"{left_out} more line{'s' if left_out != 1 else ''}"
+            lines_left = plural(len(body) - max_rows - 1, "more line")
             body = body[:max_rows + 1] + [f"... {lines_left} (report.table(max_rows=None) shows all)"]
         text = "\n".join(lines + body) + "\n"
         if self.gradients is not None:
@@ -295,8 +295,7 @@ def _rows_to_show(rows: List[CompareRow]) -> List[bool]:
 
 
 def _elision(count: int, tag: str = "#") -> str:
-    noun = "op" if tag == "#" else "node"
-    return f"  ... {count} {noun}{'s' if count != 1 else ''} within tolerance"
+    return f"  ... {plural(count, 'op' if tag == '#' else 'node')} within tolerance"
 
 
 def _ordinal(ordinal: Optional[int], tag: str = "#") -> str:

@@ -45,8 +45,9 @@ neither nearer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -134,6 +135,7 @@ def own_allowance(terms: int, carried_ulps: float) -> float:
     return max(FLOOR_ULPS * math.sqrt(max(1, terms)), GROWTH * carried_ulps)
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Judgement:
     """A divergence judged against the reference: `verdict` (REAL, INHERITED or UNJUDGED, see
     `judge`), `closer` ("a", "b", or None when both are
@@ -142,20 +144,16 @@ class Judgement:
     `allowed` ulps of the rule that decided, and `off`: the side whose op computes something else
     (None unless real by its own error)."""
 
-    __slots__ = ("verdict", "closer", "a", "b", "allowed", "own_a", "own_b", "off", "rounding_carried")
-
-    def __init__(self, verdict: str, closer: Optional[str], a: Error, b: Error, allowed: float,
-                 own_a: Optional[Error] = None, own_b: Optional[Error] = None, off: Optional[str] = None):
-        self.verdict = verdict
-        self.closer = closer
-        self.a = a
-        self.b = b
-        self.allowed = allowed
-        self.own_a = own_a
-        self.own_b = own_b
-        self.off = off
-        # an INHERITED one's: whether what it carries is as far as rounding goes (a call: measured on demand)
-        self.rounding_carried = _YES
+    verdict: str
+    closer: Optional[str]
+    a: Error
+    b: Error
+    allowed: float
+    own_a: Optional[Error] = None
+    own_b: Optional[Error] = None
+    off: Optional[str] = None
+    # an INHERITED one's: whether what it carries is as far as rounding goes (a call: measured on demand)
+    rounding_carried: Callable[[], bool] = dataclasses.field(default=lambda: True, init=False)
 
 
 def judge(values_a, values_b, references, terms: int, replay_a=None, replay_b=None,
@@ -208,13 +206,6 @@ def carries_rounding(values_a, values_b, references, terms: int, coarsest: Optio
     dtypes = [coarsest] * len(references)
     farther = max(error(values_a, references, dtypes).ulps, error(values_b, references, dtypes).ulps)
     return farther <= SPREAD * FLOOR_ULPS * math.sqrt(max(1, terms))
-
-
-def _yes() -> bool:
-    return True
-
-
-_YES = _yes
 
 
 def _own(values, replay, references, terms: int):

@@ -10,7 +10,7 @@ from torch import nn
 from ..backward import BackwardNarration
 from ..core.forward_pass import ForwardPass
 from ..core.scopes import ScopeTable
-from ..core.structure import check_selection, named_inputs
+from ..core.structure import check_selection, named_arguments
 from ..narration.grammar import opaque_calls_note
 from ..narration.narrator import Narrator
 from ..options import Settings
@@ -43,7 +43,7 @@ class EagerPass(ForwardPass):
     # `begin` and `finish` take what this substrate has and hand the base its named inputs and its
     # notes: a pass is driven through its own class, never as a plain ForwardPass
     def begin(self, args: tuple, kwargs: dict) -> None:  # type: ignore[override]
-        super().begin(lambda: named_inputs(self.model, args, kwargs))
+        super().begin(lambda: named_arguments(self.model, args, kwargs))
         self.capture.start()
 
     def finish(self, output) -> Recording:  # type: ignore[override]

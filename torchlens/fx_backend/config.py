@@ -9,7 +9,7 @@ module call) and `backward` (narrate the backward through each forward's graphs)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, cast
+from typing import Any, Callable, Mapping, NamedTuple, Optional, cast
 
 import torch
 
@@ -21,16 +21,13 @@ __all__ = ["OPTION_KEYS", "CompileConfig", "config_from_options", "inner_compile
 OPTION_KEYS = keywords_of(COMPILE)
 
 
-class CompileConfig:
+class CompileConfig(NamedTuple):
     """Validated options of one compiled model."""
 
-    __slots__ = ("settings", "live", "compiler", "stats_on")
-
-    def __init__(self, settings: Settings, live: bool, compiler, stats_on: str):
-        self.settings = settings
-        self.live = live
-        self.compiler = compiler
-        self.stats_on = stats_on
+    settings: Settings
+    live: bool
+    compiler: Any
+    stats_on: str
 
 
 def make_config(narrate=None, value_stats="off", on_nonfinite=None, live=False, compiler="inductor",

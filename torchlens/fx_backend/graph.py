@@ -188,5 +188,5 @@ def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModu
     tracking = settings.on_nonfinite is not None
     if measures(settings.value_stats, tracking):
         only = module_outputs(plan) if config.stats_on == "module_outputs" else None
-        graph.stats = add_stats_output(gm, plan, settings.value_stats, tracking, only)
+        graph.stats = add_stats_output(gm, plan, settings.value_stats, only)
     return gm

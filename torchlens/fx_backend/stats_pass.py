@@ -87,7 +87,7 @@ def module_outputs(plan: GraphPlan) -> List[int]:
     return chosen
 
 
-def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, only=None) -> StatsLayout:
+def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None) -> StatsLayout:
     """Make `gm` return what its ops' statistics need: the outputs themselves, measured after the
     call, when they are on the CPU and within the budget; else fused statistics vectors."""
     chosen = set(range(len(plan.ops)) if only is None else only)
@@ -98,9 +98,9 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: b
     known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
     on_host = all(t.device.type in meter.READ_NOW for t in tensors)
     if on_host and len(known) == len(sizes) and sum(known) <= AFTER_CALL_BYTES:
-        slots, returned = _return_outputs(gm, plan, rung, tracking, chosen)
+        slots, returned = _return_outputs(gm, plan, rung, chosen)
         return StatsLayout(slots, True, returned)
-    return StatsLayout(_fuse_stats(gm, plan, rung, tracking, chosen), False)
+    return StatsLayout(_fuse_stats(gm, plan, rung, chosen), False)
 
 
 def _bytes(fake: torch.Tensor) -> Optional[int]:
@@ -111,7 +111,7 @@ def _bytes(fake: torch.Tensor) -> Optional[int]:
     return None if numel is None else int(numel) * fake.element_size()
 
 
-def _measured(fake: torch.Tensor, rung: str, tracking: bool) -> bool:
+def _measured(fake: torch.Tensor, rung: str) -> bool:
     """Whether the meter reads anything of such a tensor (tracking alone skips integers and bools)."""
     kind = value_kind(fake.dtype)
     return kind is None or recipe(kind, rung, immediate=True).measures
@@ -160,7 +160,7 @@ def _fake(argument):
     return example_value(argument) if isinstance(argument, fx.Node) else argument
 
 
-def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Tuple[Slots, int]:
+def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
     """Append the chosen ops' tensor outputs to the graph's outputs (a copy taken right after the op
     where a later in-place op of the graph could change it); views of an output measured just
     before share its statistics and return nothing."""
@@ -171,7 +171,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bo
     inputs = {storage_key(example_value(node)) for node in graph.nodes
               if node.op == "placeholder" and isinstance(example_value(node), torch.Tensor)}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
-        if isinstance(value, torch.Tensor) and not _measured(value, rung, tracking):
+        if isinstance(value, torch.Tensor) and not _measured(value, rung):
             slots[op.index] = Slot((recipe(value_kind(value.dtype), rung),))  # nothing to read
             continue
         copy = _written_later(node, value, inputs)
@@ -224,7 +224,7 @@ def _targets(node: fx.Node) -> set:
     return storages or {None}
 
 
-def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, chosen) -> Slots:
+def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Slots:
     """Trace statistics nodes into `gm` and append their concatenation to the graph's outputs."""
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
@@ -239,7 +239,7 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, tracking: bool, 
                 (proxy[i], t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]  # type: ignore[index]
             recipes = []
             for output, fake in outputs:
-                recipe_, vector = _vector_for(output, fake, rung, tracking)
+                recipe_, vector = _vector_for(output, fake, rung)
                 recipes.append(recipe_)
                 if vector is not None:
                     vectors.append(vector.reshape(-1))
@@ -304,7 +304,7 @@ def _may_mutate(node: fx.Node) -> bool:
     return node.op == "call_module" or bool(node_writes(node))
 
 
-def _vector_for(output, fake: torch.Tensor, rung: str, tracking: bool):
+def _vector_for(output, fake: torch.Tensor, rung: str):
     """(recipe, vector proxy or None) for one tensor output (see `torchlens.measure.recipes`)."""
     if fake.layout != torch.strided:
         return not_applicable(str(fake.layout).replace("torch.", ""), rung), None

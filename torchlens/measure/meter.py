@@ -55,15 +55,12 @@ __all__ = ["READ_NOW", "Meter", "Pending"]
 READ_NOW = {"cpu"}
 
 
-class Pending:
+class Pending(NamedTuple):
     """A statistics vector still on the device, and the recipe that reads it into a `Stats`."""
 
-    __slots__ = ("stats", "vector", "recipe")
-
-    def __init__(self, stats: Stats, vector: torch.Tensor, recipe_: Recipe):
-        self.stats = stats
-        self.vector = vector
-        self.recipe = recipe_
+    stats: Stats
+    vector: torch.Tensor
+    recipe: Recipe
 
 
 class _Known(NamedTuple):

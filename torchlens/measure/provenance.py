@@ -266,7 +266,5 @@ def tensor_arguments(args, kwargs) -> List[torch.Tensor]:
 
 def passed_in(tensor: torch.Tensor, args, kwargs) -> bool:
     """Whether `tensor` is one of a call's tensor arguments (the call wrote into it)."""
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if value is tensor or (isinstance(value, (list, tuple)) and any(item is tensor for item in value)):
-            return True
-    return False
+    return any(value is tensor or (isinstance(value, (list, tuple)) and any(item is tensor for item in value))
+               for value in ((*args, *kwargs.values()) if kwargs else args))

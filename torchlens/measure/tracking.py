@@ -36,7 +36,7 @@ import torch
 from ..events import INPUT, OP, Event, Stats, StatsGroup
 from ..findings import KINDS, NAN, NEGINF, POSINF, Finding, FindingKind, kind_names
 from ..findings import bits as _bits
-from ..narration.grammar import op_ref
+from ..narration.grammar import op_ref, plural
 from ..narration.stats_text import counts_text
 from .provenance import LazyReads, Provenance, Source, carried_kinds
 from .provenance import tensor_arguments as _tensor_arguments
@@ -109,10 +109,8 @@ def unmeasured_reason(event: Event) -> str:
     stats = event.stats
     if stats is None:
         return "no statistics taken"
-    for part in (stats.parts if isinstance(stats, StatsGroup) else (stats,)):
-        if part.kind == "na" and part.note:
-            return part.note
-    return "not measured"
+    parts = stats.parts if isinstance(stats, StatsGroup) else (stats,)
+    return next((part.note for part in parts if part.kind == "na" and part.note), "not measured")
 
 
 def _ref(event: Event) -> str:
@@ -179,7 +177,7 @@ class Verdicts:
         if self.findings:
             shown = self._headline()
             more = len(self.findings) - len(shown)
-            extra = f" (+{more} more finding{'s' if more != 1 else ''})" if more else ""
+            extra = f" (+{plural(more, 'more finding')})" if more else ""
             return f"{self.HEADLINE}: {'; then '.join(f.text for f in shown)}{extra}{self._after()}{gap}"
         if gap:
             return f"{self._claim()} in the {self.measured} measured{self._after()}{gap}"
@@ -261,7 +259,8 @@ class Tracker(Verdicts):
 
     def judge_rest(self) -> List[Finding]:
         made = super().judge_rest()
-        self.findings.sort(key=_position)  # by where they happened, not when they were known
+        # by where they happened, not when they were known
+        self.findings.sort(key=lambda finding: finding.event.ordinal if finding.event is not None else math.inf)
         return made
 
     def _judge_one(self, event: Event) -> List[Finding]:
@@ -290,10 +289,8 @@ class Tracker(Verdicts):
                 self.absorbed = event
             return []
         refs, carried = event.reads if event.reads is not None else ((), 0)
-        findings = []
-        for bit, name in KINDS:
-            if kinds & bit:
-                findings.extend(self._trace_kind(event, bit, name, refs, carried))
+        findings = [finding for bit, name in KINDS if kinds & bit
+                    for finding in self._trace_kind(event, bit, name, refs, carried)]
         if not findings and kinds & (POSINF | NEGINF) and self.absorbed is None:
             self.absorbed = event
         return self._note(*findings)
@@ -513,11 +510,6 @@ class ForwardValues:
         """The non-finite value the output of one of `ops` held, if any (what a loss computed
         outside the forward read)."""
         return next((cause for cause in map(self._causes.get, map(id, ops)) if cause and cause.held), None)
-
-
-def _position(finding: Finding) -> float:
-    return finding.event.ordinal if finding.event is not None else math.inf
-
 
 
 def count_text(event: Event, kinds: int) -> str:

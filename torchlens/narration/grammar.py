@@ -34,10 +34,10 @@ from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, Backwa
 from .stats_text import stats_text
 
 __all__ = ["UNFINISHED_NOTE", "attempt_inputs_text", "backward_footer_parts", "compiled_run_note", "device_name",
-           "dtype_name", "footer_parts", "measurement_notes", "meta_text", "metas_text", "op_ref", "opaque_calls_note",
-           "plural", "render_attempt", "render_dropped_events_note", "render_earlier_lines_note", "render_event",
-           "render_failure", "render_failure_header", "render_footer", "render_limit_note", "render_note", "shape_text",
-           "site_text", "values_text"]
+           "dtype_name", "footer_parts", "forward_counts", "measurement_notes", "meta_text", "metas_text", "op_ref",
+           "opaque_calls_note", "plural", "render_attempt", "render_dropped_events_note", "render_earlier_lines_note",
+           "render_event", "render_failure", "render_failure_header", "render_footer", "render_limit_note",
+           "render_note", "shape_text", "site_text", "values_text"]
 
 TAG_WIDTH = 6
 OP_WIDTH = 14
@@ -184,12 +184,7 @@ def render_op(event: Event, sites: bool, normalize: bool) -> str:
         body = _op_body(event, site, normalize)
     ordinal = event.ordinal
     tag = _ORDINAL_TAGS[ordinal] if 0 <= ordinal < _TAGGED else "#%-4d " % ordinal
-    line = _INDENTS[event.scope.depth] + tag + body
-    if event.stats is not None:
-        stats = stats_text(event.stats)
-        if stats:
-            line += "  | " + stats
-    return line
+    return _with_stats(_INDENTS[event.scope.depth] + tag + body, event)
 
 
 def render_node(event, sites: bool, normalize: bool) -> str:
@@ -322,6 +317,12 @@ def _attempted(head: str, attempt: Attempt, tensors: str, earlier: str, normaliz
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def forward_counts(events) -> str:
+    """`2 inputs, 14 ops, 5 module calls`: what a forward ran (its inputs counted as the footer counts)."""
+    return ", ".join(plural(sum(1 for e in events if e.kind is kind), noun)
+                     for kind, noun in ((INPUT, "input"), (OP, "op"), (ENTER, "module call")))
 
 
 # -- footer notes: how a forward ran ------------------------------------------------------------

@@ -175,19 +175,6 @@ def _probe_raised_while_tracing():
     return _missing(exc, "TorchRuntimeError", "TorchDynamoException")
 
 
-def _probe_has_torch_function():
-    return _missing(torch.overrides, "has_torch_function")
-
-
-def _probe_schemas():
-    return _missing(torch._C, "_jit_get_all_schemas")
-
-
-def _probe_graph_task():
-    return (_missing(torch._C, "_current_graph_task_id")
-            or _missing(torch.autograd.Variable._execution_engine, "queue_callback"))
-
-
 def _probe_backward_entry():
     """`Tensor.backward` still calls `torch.autograd.backward` as the module's attribute, at the call."""
     original, called = torch.autograd.backward, []
@@ -228,10 +215,6 @@ def _probe_hook_handles():
     if handle.hooks_dict_ref() is not table or handle.extra_dict_ref:
         return "RemovableHandle no longer keeps its hook table as hooks_dict_ref and its key as id"
     return None
-
-
-def _probe_disable_torch_function():
-    return _missing(torch._C, "DisableTorchFunction")
 
 
 def _probe_resolve_process_group():
@@ -353,21 +336,10 @@ def _probe_functional_wait():
     return _missing(torch.ops._c10d_functional, "wait_tensor")
 
 
-def _probe_function_mode_stack():
-    return (_missing(torch.overrides, "_get_current_function_mode_stack")
-            or _missing(torch._C, "_len_torch_function_stack", "_get_function_stack_at", "_pop_torch_function_stack",
-                        "_push_on_torch_function_stack"))
-
-
 def _probe_functorch_wrappers():
     from torch._C import _functorch
 
     return _missing(_functorch, "is_functorch_wrapped_tensor", "get_unwrapped")
-
-
-def _probe_module_call_frames():
-    return None if isinstance(getattr(torch.nn.Module._call_impl, "__code__", None), types.CodeType) \
-        else "nn.Module._call_impl is not a Python function"
 
 
 def _probe_module_own_hooks():
@@ -455,12 +427,15 @@ SEAMS = (
     Seam("has_torch_function", "torch.overrides.has_torch_function (replaced while a capture runs)",
          "torch_internals.fastpaths",
          "nn.MultiheadAttention and nn.TransformerEncoder run their slow path under capture (other results)",
-         _probe_has_torch_function),
+         lambda: _missing(torch.overrides, "has_torch_function")),
     Seam("operator schemas", "torch._C._jit_get_all_schemas", "measure.writes",
-         "which calls write their arguments cannot be told: writes are not followed", _probe_schemas),
+         "which calls write their arguments cannot be told: writes are not followed",
+         lambda: _missing(torch._C, "_jit_get_all_schemas")),
     Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback",
          "backward.runs, backward.graph, watching.watch",
-         "backward narration cannot tell one backward from another, nor when one ends", _probe_graph_task),
+         "backward narration cannot tell one backward from another, nor when one ends",
+         lambda: (_missing(torch._C, "_current_graph_task_id")
+                  or _missing(torch.autograd.Variable._execution_engine, "queue_callback"))),
     Seam("backward entry", "torch.autograd.backward, which Tensor.backward looks up at each call (wrapped while "
          "a watch is open)", "watching.roots.listen",
          "tl.watch does not see the loss a backward starts from: a NaN loss computed outside the model whose "
@@ -473,7 +448,8 @@ SEAMS = (
          _probe_hook_handles),
     Seam("disable torch function", "torch._C.DisableTorchFunction",
          "eager.capture, eager.model_capture, torch_internals.mode_stack, core.naming",
-         "a capture's own work would reach another capture's transcript", _probe_disable_torch_function),
+         "a capture's own work would reach another capture's transcript",
+         lambda: _missing(torch._C, "DisableTorchFunction")),
     Seam("process group by name", "torch.distributed.distributed_c10d._resolve_process_group", "core.collectives",
          "a functional collective's line does not say the size of its group", _probe_resolve_process_group),
     Seam("traced node", "torch._dynamo: resume functions' name prefix (TORCH_DYNAMO_RESUME_IN_PREFIX), "
@@ -523,14 +499,18 @@ SEAMS = (
          "_len_torch_function_stack, _get_function_stack_at, _pop_torch_function_stack, "
          "_push_on_torch_function_stack", "torch_internals.mode_stack",
          "a capture's mode cannot be lifted from under another's: nested captures and compiled graphs inside "
-         "captures narrate each other's work", _probe_function_mode_stack),
+         "captures narrate each other's work",
+         lambda: (_missing(torch.overrides, "_get_current_function_mode_stack")
+                  or _missing(torch._C, "_len_torch_function_stack", "_get_function_stack_at",
+                              "_pop_torch_function_stack", "_push_on_torch_function_stack"))),
     Seam("functorch wrappers", "torch._C._functorch: is_functorch_wrapped_tensor, get_unwrapped", "measure.stats",
          "values inside torch.func transforms (vmap, grad) are not measured: their lines say n/a",
          _probe_functorch_wrappers),
     Seam("module call frames", "nn.Module._call_impl.__code__, the frame a module call runs in",
          "eager.module_hooks, eager.capture",
          "a module whose forward raised is closed as if it had returned (its exit line is not marked)",
-         _probe_module_call_frames),
+         lambda: None if isinstance(getattr(torch.nn.Module._call_impl, "__code__", None), types.CodeType)
+         else "nn.Module._call_impl is not a Python function"),
     Seam("module's own hooks", "Module._forward_hooks, the forward hooks a module holds",
          "eager.model_capture",
          "ops a module's own forward hooks run land in its parent module", _probe_module_own_hooks),

@@ -8,11 +8,12 @@ everywhere would show no non-finite row, and the page says it cannot tell rather
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Dict, List, Optional
 
-from ..events import ENTER, GRAD, INPUT, NODE, OP
+from ..events import GRAD, INPUT, NODE, OP
 from ..measure.tracking import held, unmeasured_reason
-from ..narration.grammar import op_ref, plural
+from ..narration.grammar import forward_counts, op_ref, plural
 from .page import page
 from .tree import Tree
 
@@ -56,9 +57,7 @@ def _forward(recording, failed: bool) -> dict:
     first = _first(recording, recording.settings)
     normalize = _normalized(recording.settings)
     tree = Tree(events, recording.attempt if failed else None, highlight=first, normalize=normalize)
-    ran = ", ".join(plural(sum(1 for e in events if e.kind is kind), noun)
-                    for kind, noun in ((INPUT, "input"), (OP, "op"), (ENTER, "module call")))
-    lines = [_line(("before the failure: " if failed else "") + ran)]
+    lines = [_line(("before the failure: " if failed else "") + forward_counts(events))]
     lines += _nonfinite_lines(recording.settings, tree, recording.findings, first, "values", "op", "#",
                               [e for e in events if e.kind is OP or e.kind is INPUT], failed)
     section: Dict[str, Any] = {"title": "forward", "tag": "#", "unit": "ops", "lines": lines, "tree": tree.root,
@@ -148,11 +147,7 @@ def _nonfinite_lines(settings, tree: Tree, findings, first, values: str, noun: s
 
 def _unmeasured(events) -> str:
     """`3 rows not measured (uninitialized: 2, a sparse tensor: 1)`, or "" when every one was."""
-    reasons: Dict[str, int] = {}
-    for event in events:
-        if held(event) is None:
-            reason = unmeasured_reason(event)
-            reasons[reason] = reasons.get(reason, 0) + 1
+    reasons = collections.Counter(unmeasured_reason(event) for event in events if held(event) is None)
     if not reasons:
         return ""
     count = sum(reasons.values())

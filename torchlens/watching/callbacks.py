@@ -40,16 +40,24 @@ def LightningWatch(**watch_keywords):  # noqa: N802 (a class to its caller)
     return _lightning_class()(**watch_keywords)
 
 
+class _Watching:
+    """What both adapters share: the `tl.watch` keywords, the `Watch` while it runs, its faults."""
+
+    def __init__(self, **watch_keywords):
+        self.keywords = watch_keywords
+        self.watch = None
+
+    @property
+    def faults(self):
+        return self.watch.faults if self.watch is not None else []
+
+
 @functools.lru_cache(maxsize=None)
 def _trainer_class():
     from transformers import TrainerCallback
 
-    class TorchlensTrainerWatch(TrainerCallback):
+    class TorchlensTrainerWatch(_Watching, TrainerCallback):
         """Watches a `Trainer`'s training with `tl.watch`; `watch` is the `Watch` while it runs."""
-
-        def __init__(self, **watch_keywords):
-            self.keywords = watch_keywords
-            self.watch = None
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             self.watch = Watch(model, optimizer, close_on_raise=True, **self.keywords)
@@ -57,10 +65,6 @@ def _trainer_class():
         def on_train_end(self, args, state, control, **kwargs):
             if self.watch is not None:
                 self.watch.close()
-
-        @property
-        def faults(self):
-            return self.watch.faults if self.watch is not None else []
 
     return TorchlensTrainerWatch
 
@@ -74,13 +78,10 @@ def _lightning_class():
         # neither package installed both read as Any, and the ignore has nothing to silence)
         from pytorch_lightning import Callback  # type: ignore[assignment,unused-ignore]
 
-    class TorchlensLightningWatch(Callback):
+    class TorchlensLightningWatch(_Watching, Callback):
         """Watches a Lightning fit with `tl.watch`; `watch` is the `Watch` while it runs."""
 
-        def __init__(self, **watch_keywords):
-            self.keywords = watch_keywords
-            self.watch = None
-            self._said_blind = False
+        _said_blind = False
 
         def on_fit_start(self, trainer, pl_module):
             self.watch = Watch(pl_module, list(trainer.optimizers), step_hook=False, close_on_raise=True,
@@ -99,9 +100,5 @@ def _lightning_class():
         def teardown(self, trainer, pl_module, stage):
             if self.watch is not None:
                 self.watch.close()
-
-        @property
-        def faults(self):
-            return self.watch.faults if self.watch is not None else []
 
     return TorchlensLightningWatch

@@ -8,6 +8,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import ReproError, warn_safely
+from ..narration.grammar import plural
 from .replay import Outcome
 
 __all__ = ["Fault", "MEASURED"]
@@ -121,7 +122,7 @@ class Fault:
             text = (f"{head}; {self._where('non-finite values', 'born on rank')}; reproduced in replay "
                     f"{self.replay} of {self.replays}{how}")
         elif self.reproduced is False:
-            text = (f"{head}; transient: not reproduced in {self.replays} replay{'s' if self.replays != 1 else ''} "
+            text = (f"{head}; transient: not reproduced in {plural(self.replays, 'replay')} "
                     f"(a nondeterministic kernel, a race or the hardware)")
         else:
             text = f"{head}; not replayed to its birth: {self.why}"

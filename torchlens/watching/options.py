@@ -8,23 +8,13 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from ..errors import OptionTypeError, OptionValueError, describe_choices, suggest
+from ..errors import OptionTypeError, OptionValueError
 
-__all__ = ["CHECKS", "DEFAULT_MAX_BYTES", "ON_FAULT", "check_choice", "check_count", "eager_module", "optimizers",
-           "watched_parameters"]
+__all__ = ["CHECKS", "DEFAULT_MAX_BYTES", "ON_FAULT", "check_count", "eager_module", "optimizers", "watched_parameters"]
 
 ON_FAULT = ("raise", "skip", "report")
 CHECKS = ("grads", "outputs")
 DEFAULT_MAX_BYTES = 64 << 20
-
-
-def check_choice(name: str, value, choices) -> str:
-    if not isinstance(value, str):
-        raise OptionTypeError(f"tl.watch {name}= takes {describe_choices(choices)}, got {value!r}")
-    if value not in choices:
-        raise OptionValueError(f"tl.watch {name}={value!r}{suggest(value, choices)}: accepted are "
-                               f"{describe_choices(choices)}")
-    return value
 
 
 def check_count(name: str, value, minimum: int) -> int:

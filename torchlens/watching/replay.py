@@ -27,6 +27,7 @@ from torch import nn
 from ..core.generators import RandomState
 from ..core.guard import is_stop
 from ..findings import Finding
+from ..narration.grammar import plural
 from ..narration.ranks import rank_and_world_size
 from ..options import NarrationOptions
 from ..recording import Recorder
@@ -118,7 +119,7 @@ def replay_step(model: nn.Module, forwards: List[WatchedForward], params: List[t
     outcome = Outcome(attempt, compiled is not None)
     changed = sum(f.changed_inputs() for f in forwards)
     if changed:
-        outcome.notes.append(f"{changed} input tensor{'s' if changed != 1 else ''} changed in place after "
+        outcome.notes.append(f"{plural(changed, 'input tensor')} changed in place after "
                              f"the step's forward: the replay ran on the changed values")
     plan = _backward_plan(forwards)
     last_forward = {task: max(index for index, _, _ in entries) for task, entries in plan.items()}

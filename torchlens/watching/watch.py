@@ -39,7 +39,9 @@ from ..core.guard import internal_error, is_stop
 from ..core.sites import find_user_site
 from ..core.structure import check_model
 from ..errors import NonFiniteError, OptionTypeError
+from ..narration.grammar import plural
 from ..narration.sinks import checked_sink, open_sink
+from ..options import check_choice
 from . import options, roots, updates
 from .checks import floating_leaves
 from .faults import Fault
@@ -105,8 +107,8 @@ class Watch:
                  narrate=True, replays=2, max_bytes=options.DEFAULT_MAX_BYTES, scaler=None, compiler="inductor",
                  step_hook: bool = True, close_on_raise: bool = False):
         check_model(model, "tl.watch")
-        self.on_fault = options.check_choice("on_fault", on_fault, options.ON_FAULT)
-        self.check = options.check_choice("check", check, options.CHECKS)
+        self.on_fault = check_choice("tl.watch on_fault", on_fault, options.ON_FAULT, takes="")
+        self.check = check_choice("tl.watch check", check, options.CHECKS, takes="")
         self.replays = options.check_count("replays", replays, 1)
         self.max_bytes = options.check_count("max_bytes", max_bytes, 0)
         if not isinstance(out, (str, os.PathLike)):
@@ -183,9 +185,7 @@ class Watch:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        faults = len(self.faults)
-        return (f"<Watch {state}: {self.steps} step{'s' if self.steps != 1 else ''}, "
-                f"{faults} fault{'s' if faults != 1 else ''}>")
+        return f"<Watch {state}: {plural(self.steps, 'step')}, {plural(len(self.faults), 'fault')}>"
 
     # -- the hooks: what the step keeps, and where it ends --------------------------------------
 
