@@ -136,17 +136,24 @@ def same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return key is not None and key == storage_key(b)
 
 
-def elements_identity(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, tuple]]:
+def elements_identity(tensor: torch.Tensor, plain: bool = False) -> Optional[Tuple[torch.Tensor, tuple]]:
     """`same_elements` for real tensors met one at a time, with "not written since" included:
     (base, key) such that two tensors with equal keys, while `base` lives, hold the same elements
     with the same values. Keyed by the tensor a view views (`_base`), not by its storage: a view
     shares its base's version counter, which every in-place write bumps, whereas two tensors of
     one storage need not share one (`x.data`). None for a tensor without a version counter or
-    plain strided storage."""
-    if tensor.layout != torch.strided or not shareable(tensor):
+    plain strided storage; `plain`: the caller knows it is a plain strided tensor (the meter's
+    per-op path, where this runs once an op and is written out in as few calls as it can)."""
+    if plain:
+        if torch.is_inference(tensor):
+            return None
+    elif tensor.layout != torch.strided or not shareable(tensor):
         return None
-    base = tensor._base if tensor._base is not None else tensor
-    return base, (id(base), element_key(tensor), version(tensor))
+    base = tensor._base
+    if base is None:
+        base = tensor
+    # (`element_key` and `version`, inline)
+    return base, (id(base), tensor.storage_offset(), element_layout(tensor), tensor.dtype, tensor._version)
 
 
 def memory_span(tensor) -> Optional[Tuple[int, int]]:

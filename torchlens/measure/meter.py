@@ -112,13 +112,18 @@ class Meter:
         decide at it, when `printed` (its line prints now; or it will not stay as it is), or when
         tracking judges it now as its device is read at once (`on_host`); else with the rest, in one
         read (an accelerator's way). Never raises: "n/a" when it cannot measure."""
+        if value.__class__ is _TENSOR:  # (the common case, once an op: `on_host` and `measure_output` inline)
+            return self.measure(value, self.raising or printed or (self.judging and value.device.type in READ_NOW))
         return self.measure_output(value, self.raising or printed or (self.judging and self.on_host(value)))
 
     @staticmethod
     def on_host(value) -> bool:
         """Whether `value` (a tensor; a sequence: its first) has no device to wait for (`READ_NOW`)."""
-        if value.__class__ is not torch.Tensor and isinstance(value, (tuple, list)):
-            value = next((t for t in value if isinstance(t, torch.Tensor)), None)
+        if value.__class__ is not _TENSOR and isinstance(value, (tuple, list)):
+            for item in value:  # (a node's gradients, once a node: a loop, not a generator)
+                if isinstance(item, torch.Tensor):
+                    return item.device.type in READ_NOW
+            return False
         return isinstance(value, torch.Tensor) and value.device.type in READ_NOW
 
     def measure_output(self, out, live: bool):
@@ -205,7 +210,7 @@ class Meter:
         """`measure` for the common case on the CPU: a plain float32 or float64 tensor, screened or
         summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
         shared between views of the same elements (`memory.elements_identity`)."""
-        identity = elements_identity(tensor)
+        identity = elements_identity(tensor, plain=True)
         known = self._shared(identity, True) if identity is not None else None
         if known is not None:
             return known

@@ -121,7 +121,7 @@ class Provenance:
         an output that is one of them (`x.add_(y)`, `out=buf`, a `_foreach_*_` list) was written
         in place. `position`: where in the pass the write landed, when later than the op's own
         ordinal (an asynchronous collective's values arrive when they are waited on)."""
-        for tensor in tensors_of(out):
+        for tensor in (out,) if out.__class__ is torch.Tensor else tensors_of(out):
             self._producers[id(tensor)] = _Producer(weakref.ref(tensor), event)
             if tensor.__class__ is not torch.Tensor and is_dtensor(tensor):  # its shard is the op's too
                 local = tensor._local_tensor  # type: ignore[attr-defined]  # a DTensor's shard: private to torch

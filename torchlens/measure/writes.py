@@ -122,11 +122,14 @@ def call_writes(name: str, args=(), kwargs=None, func=None) -> tuple:
     `inplace=True`). By the rule above, and by the flags: `inplace=True` writes the input, `out=`
     its tensors, normalisation in training (`training=True`, `use_input_stats=True`) the running
     statistics it is given."""
-    kwargs = kwargs or {}
-    places = _places(name, func)
-    if not (places or kwargs or isinstance(func, types.FunctionType)):
+    places = None if isinstance(func, _OPERATORS) else _BY_NAME.get(name)  # (most calls: known by name)
+    if places is None:
+        places = _places(name, func)
+    flags = _flag_positions(func) if func.__class__ is types.FunctionType else _NO_FLAGS
+    if not (places or kwargs or flags):
         return ()  # (most calls)
-    named = _named(func, args, kwargs)
+    kwargs = kwargs or {}
+    named = _named(flags, args, kwargs)
     written = [_argument(args, kwargs, place) for place in places]
     if named.get("inplace") is True:
         written.append(args[0] if args else named.get("input"))
@@ -144,13 +147,22 @@ def _places(name: str, func) -> Tuple[Tuple[int, str], ...]:
     """(position, name) of the arguments a call of this name (or this operator) writes, whatever
     its flags: by the operator's own schema, else by the name's aten overloads, else Python's
     in-place operators and indexed assignment, which write their first argument."""
-    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return _schema_places(func)
-    table = _read()
-    places = table.writers.get(name)
-    if places is None and name in table.python:
-        return ((0, "self"),)
-    return places or ()
+    if isinstance(func, _OPERATORS):
+        places = _BY_OPERATOR.get(func)
+        if places is None:
+            places = _BY_OPERATOR[func] = _schema_places(func)
+        return places
+    places = _BY_NAME.get(name)
+    if places is None:  # (asked once an op: the answer per name is kept)
+        table = _read()
+        places = table.writers.get(name) or (((0, "self"),) if name in table.python else ())
+        _BY_NAME[name] = places
+    return places
+
+
+_OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_BY_NAME: Dict[str, Tuple[Tuple[int, str], ...]] = {}
+_BY_OPERATOR: Dict[object, Tuple[Tuple[int, str], ...]] = {}
 
 
 def _schema_places(target) -> Tuple[Tuple[int, str], ...]:
@@ -171,24 +183,40 @@ def _argument(args, kwargs, place: Tuple[int, str]):
     return kwargs.get(name, kwargs.get("input") if name == "self" else None)
 
 
-_SIGNATURES: Dict[object, Optional[inspect.Signature]] = {}
+_FLAGS = ("inplace", "training", "use_input_stats")  # the flags that make a Python function write
+_READ_BY_NAME = _FLAGS + ("input", "running_mean", "running_var")  # what the rule reads by name
+_POSITIONS: Dict[object, Dict[str, int]] = {}
+_NO_FLAGS: Dict[str, int] = {}
 
 
-def _named(func, args, kwargs) -> dict:
-    """A call's arguments by parameter name, its keyword arguments only unless `func` is a Python
-    function whose signature binds them (then positional flags are named too)."""
-    if not isinstance(func, types.FunctionType) or not args:
-        return kwargs
-    if func not in _SIGNATURES:
+def _flag_positions(func) -> Dict[str, int]:
+    """For a Python function with a write flag among its positional parameters, the positions of
+    the parameters the rule reads by name; {} for any other callable (its flags, if any, can only
+    be keywords). Read from its signature once."""
+    if not isinstance(func, types.FunctionType):
+        return {}
+    positions = _POSITIONS.get(func)
+    if positions is None:
         try:
-            _SIGNATURES[func] = inspect.signature(func)
+            parameters = list(inspect.signature(func).parameters.values())
         except (TypeError, ValueError):
-            _SIGNATURES[func] = None
-    signature = _SIGNATURES[func]
-    try:
-        return dict(signature.bind_partial(*args, **kwargs).arguments) if signature is not None else kwargs
-    except TypeError:
+            parameters = []
+        positional = {parameter.name: index for index, parameter in enumerate(parameters)
+                      if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+        flagged = any(flag in positional for flag in _FLAGS)
+        positions = _POSITIONS[func] = {name: positional[name] for name in _READ_BY_NAME
+                                        if flagged and name in positional}
+    return positions
+
+
+def _named(positions: Dict[str, int], args, kwargs) -> dict:
+    """A call's arguments the rule reads by name: its keywords, and those of `positions` it was
+    given positionally (a graph records `F.relu(x, True)` as the user wrote it)."""
+    if not positions or not args:
         return kwargs
+    named = dict(kwargs)
+    named.update((name, args[position]) for name, position in positions.items() if position < len(args))
+    return named
 
 
 def target_name(node) -> str:
