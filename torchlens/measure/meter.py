@@ -2,12 +2,12 @@
 
 What to compute for each tensor, and how, comes from `torchlens.measure.recipes` (the ladder the
 compiled path shares, and the recipes read while the tensor is at hand); this module decides *when*
-it is read, and shares statistics between views of the same elements. Values on the CPU are read as each op completes:
-there is no device to wait for, and with the tensor at hand the cheap recipes apply ("screen" for
-tracking, "sums" for exact statistics; each measured again from the tensor in the rare case it
-cannot vouch for itself). An accelerator's vectors are read together once per forward, unless the
-op's line is printed now (or `on_nonfinite="raise"` must decide at once), so metadata-free runs
-keep the one-read-per-forward discipline.
+it is read, and shares statistics between views of the same elements. Values on the CPU are read
+as each op completes: there is no device to wait for, and with the tensor at hand the cheap
+recipes apply ("screen" for tracking, "sums" for exact statistics; each measured again from the
+tensor in the rare case it cannot vouch for itself). An accelerator's vectors are read together
+once per forward, unless the op's line is printed now (or `on_nonfinite="raise"` must decide at
+once), so metadata-free runs keep the one-read-per-forward discipline.
 """
 
 from __future__ import annotations
