@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
-import torchlens.fx_backend.runtime
+import torchlens.fx_backend.compiled_pass
 import torchlens.measure.meter
 
 NarrationOptions = tl.options.NarrationOptions
@@ -355,7 +355,7 @@ def test_compiled_views_share_statistics_unless_changed_in_place_between(monkeyp
     else:  # the CPU's: outputs returned by the graph, measured after the call
         returned = stats_pass.measure_returned
         monkeypatch.setattr(stats_pass, "measure_returned", lambda slots, tensors, m, n: (measured.extend(tensors), returned(slots, tensors, m, n))[1])
-        monkeypatch.setattr(torchlens.fx_backend.runtime, "measure_returned", stats_pass.measure_returned)
+        monkeypatch.setattr(torchlens.fx_backend.compiled_pass, "measure_returned", stats_pass.measure_returned)
     x = torch.arange(-6.0, 6.0).reshape(3, 4)
     compiled = tl.compile(ViewsAroundInPlace(), value_stats="exact", compiler="eager")
     compiled(x)

@@ -26,6 +26,6 @@ first non-finite gradient was born), `runs` (each backward run: its lines, stati
 """
 
 from .graph import GradientRoots, running_backward
-from .runs import BackwardNarration, BackwardStopped, end_unseen_runs_everywhere
+from .narration import BackwardNarration, BackwardStopped, end_unseen_runs_everywhere
 
 __all__ = ["BackwardNarration", "BackwardStopped", "GradientRoots", "running_backward", "end_unseen_runs_everywhere"]

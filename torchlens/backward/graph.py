@@ -18,19 +18,19 @@ from torch.autograd.graph import get_gradient_edge
 from ..measure.tracking import ForwardCause, ForwardValues
 from ..narration.grammar import op_ref
 from ..results import Recording
+from ..torch_internals.engine import graph_task_id
 from ..torch_internals.seams import degraded
 
 __all__ = ["BackwardWatch", "GradientRoots", "NodeRecord", "running_backward"]
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
-_graph_task_id = torch._C._current_graph_task_id
 _Tensor = torch.Tensor
 _BackwardCFunction = torch.autograd.function.BackwardCFunction
 
 
 def running_backward() -> bool:
     """Whether this thread is inside a run of autograd's engine (a node, a hook)."""
-    return _graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 class GradientRoots:

@@ -7,7 +7,7 @@ through (measured, judged, logged, kept: `torchlens.core.pipeline`); a `Recordin
 `PartialTrace`) is what the pass leaves the user.
 
 A substrate adds only how ops are seen: `eager.runner.EagerPass` is a `ForwardPass` plus module
-hooks and the capture mode; `fx_backend.runtime.CompiledPass` is a `ForwardPass` plus compiled
+hooks and the capture mode; `fx_backend.compiled_pass.CompiledPass` is a `ForwardPass` plus compiled
 graphs' plans and the capture of code between graphs. Both go through the same four steps:
 
     begin(inputs)   the forward's input tensors, named by `inputs()` as (label, tensor) pairs

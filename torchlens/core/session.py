@@ -50,7 +50,7 @@ class FailedCall(NamedTuple):
 
 class EventLog:
     """Events in order, each handed to the live narrator as it is added: `append` is the one way
-    into a forward's log (`Session`) and a backward run's (`backward.runs.BackwardRun`)."""
+    into a forward's log (`Session`) and a backward run's (`backward.run.BackwardRun`)."""
 
     def __init__(self, events: List[Event], narrator: Optional[Narrator], header: Optional[str]):
         self.events = events

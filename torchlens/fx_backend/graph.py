@@ -21,11 +21,12 @@ from ..core.guard import contain, guarded, internal_error
 from ..measure.stats import measures
 from ..torch_internals.mode_stack import own_work
 from .active import active_pass
+from .compiled_pass import CompiledPass
 from .config import inner_compile
 from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
-from .runtime import CompiledPass, CompiledRuntime
+from .runtime import CompiledRuntime
 from .stats_pass import StatsLayout, add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
 

@@ -432,7 +432,7 @@ SEAMS = (
          "which calls write their arguments cannot be told: writes are not followed",
          lambda: _missing(torch._C, "_jit_get_all_schemas")),
     Seam("graph task", "torch._C._current_graph_task_id and the engine's queue_callback",
-         "backward.runs, backward.graph, watching.watch",
+         "torch_internals.engine",
          "backward narration cannot tell one backward from another, nor when one ends",
          lambda: (_missing(torch._C, "_current_graph_task_id")
                   or _missing(torch.autograd.Variable._execution_engine, "queue_callback"))),

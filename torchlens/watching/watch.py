@@ -42,6 +42,7 @@ from ..errors import NonFiniteError, OptionTypeError
 from ..narration.grammar import plural
 from ..narration.sinks import checked_sink, open_sink
 from ..options import check_choice
+from ..torch_internals.engine import graph_task_id, queue_final_callback
 from . import options, roots, updates
 from .checks import floating_leaves
 from .faults import Fault
@@ -51,7 +52,6 @@ from .steps import StepRecord, WatchedForward
 
 __all__ = ["Watch", "watch"]
 
-_graph_task_id = torch._C._current_graph_task_id
 
 
 def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str = "raise", check: str = "grads",
@@ -239,10 +239,10 @@ class Watch:
         if forward is None or self._closed or self._replays.running or grad is None:
             return None
         try:
-            task = _graph_task_id()
+            task = graph_task_id()
             if task not in self._tasks:
                 self._tasks.add(task)
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+                queue_final_callback(self._backward_finished)
             if is_loss:
                 forward.loss_fed.add(task)
             elif task in forward.loss_fed:
@@ -261,7 +261,7 @@ class Watch:
 
     def _backward_finished(self) -> None:
         """Autograd finished a backward into the model: note how the gradients look now."""
-        self._tasks.discard(_graph_task_id())
+        self._tasks.discard(graph_task_id())
         self._step.backward_finished(self._params)
 
     def _backward_called(self):

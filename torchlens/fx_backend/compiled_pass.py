@@ -1,0 +1,311 @@
+"""One call of a compiled model, narrated as a pass: its inputs, each compiled graph's plan and
+the eager code between graphs in the order they run (all numbered by one ordinal sequence), then
+its outputs and footer, or on failure its partial trace. `CompiledRuntime.start` begins one;
+`CompiledPass.end` is the only way it ends."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from ..core.compiled_regions import install_for_dynamo
+from ..core.forward_pass import ForwardPass
+from ..core.guard import internal_error
+from ..core.structure import named_arguments
+from ..eager.capture import CaptureMode
+from ..events import Event, Scope, TensorMeta
+from ..narration.grammar import UNFINISHED_NOTE, compiled_run_note
+from ..results import Recording
+from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
+from ..torch_internals.mode_stack import lifted_if_on_top, remove_mode
+from . import dynamo_seams
+from .active import make_active, make_inactive
+from .failures import locate_while_tracing, place_python_failure
+from .gaps import GapCapture
+from .plan import GraphPlan
+from .stats_pass import measure_returned, read_stats
+
+__all__ = ["CompiledPass"]
+
+
+class CompiledPass(ForwardPass):
+    """A `ForwardPass` made of compiled graph calls and the code dynamo runs between them; its
+    `runtime` is the `CompiledRuntime` of the model called (options, scopes, backward narration)."""
+
+    def __init__(self, runtime, header: Optional[str],
+                 call: Optional[dynamo_seams.CompiledCall] = None):
+        scopes = runtime.scopes
+        super().__init__(runtime.config.settings, scopes.root_scope, scopes.root, header,
+                         backward=runtime.backward)
+        self.runtime = runtime
+        self.call = call or _NO_CALL  # the wrapper call this pass narrates
+        self.mode_pushed = False
+        self.graph_calls = 0
+        self._live: Dict[object, _LiveCall] = {}  # live mode: per graph, its call in progress
+        self._fast_paths_kept = False
+        try:
+            self.gaps = GapCapture(self.pipeline, scopes, self.nested)
+            self.mode = CaptureMode(self.gaps)
+            keep_fast_paths()  # code run eagerly between graphs takes module fast paths as without us
+            self._fast_paths_kept = True
+            install_for_dynamo()  # dynamo traces the user's code, not the gap capture's mode
+        except BaseException:
+            self.close()  # the fast paths it kept, the sink it opened
+            raise
+
+    # (begun from the compiled call it narrates, whose arguments it hands the base as named inputs:
+    # a pass is driven through its own class, never as a plain ForwardPass)
+    def begin(self, push_mode: bool) -> None:  # type: ignore[override]
+        call = self.call
+        super().begin(lambda: named_arguments(call.fn, call.args, call.kwargs))
+        if push_mode:
+            self.mode.__enter__()
+            self.mode_pushed = True
+        make_active(self)
+
+    def call_running(self) -> bool:
+        """Whether the call this pass narrates is still on the stack."""
+        return self.call.running()
+
+    # -- graphs ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def graph_running(self):
+        """While a compiled graph runs, the gap capture steps aside.
+
+        The mode is taken off the stack when it is on top (the compiled code's own torch calls,
+        such as inductor's extern kernels, then cost nothing extra); otherwise it is suspended.
+        A gap capture a failure turned off stays off (`OpReporter.off`).
+        """
+        with lifted_if_on_top(self.mode if self.mode_pushed else None) as lifted:
+            if lifted:
+                yield
+                return
+            with self.gaps.stepping_aside():
+                yield
+
+    def scope_of_call(self, plan: GraphPlan, caller) -> Scope:
+        """The module the graph runs in for this call (read from the caller unless it is fixed)."""
+        return plan.fixed_scope or self.runtime.scopes.scope_of_stack(caller)
+
+    def add_plan(self, plan: GraphPlan, args, scope: Scope, stats_vector=None, layout=None, kept=None,
+                 out=None) -> None:
+        """Record (and narrate) the ops a graph call performed, in order.
+
+        A graph called again in the same situation — same ordinal, same open module, same frame,
+        same sizes — produces the same events, so they are built once and replayed (a forward's
+        second call costs a dictionary lookup and one sink write per graph). Statistics and kept
+        values differ from call to call, so a graph that returns them is recorded afresh each time.
+        """
+        session = self.session
+        concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
+        if stats_vector is not None or kept is not None:
+            stats = self._read_stats(plan, concrete, stats_vector, layout) if stats_vector is not None else None
+            events: Dict[int, Event] = {}
+            self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
+            self.graph_outputs(plan, events, out)
+            return
+        key = (session.ordinal, session.scope, scope, None if concrete is None else tuple(concrete))
+        segment = plan.segments.get(key)
+        if segment is not None:
+            session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
+            return
+        start = len(session.events)
+        self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops))
+        plan.remember(key, session.events[start:], session.ordinal, session.scope)
+
+    def _read_stats(self, plan: GraphPlan, concrete, vector, layout):
+        """The graph's statistics: its returned outputs measured now, or its fused vector read to the
+        host once, with what was measured since the last graph."""
+        concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
+        numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
+        meter = self.pipeline.meter
+        assert meter is not None  # (a graph returns what statistics need only when they are measured)
+        if layout.after_call:
+            return measure_returned(layout.slots, vector, meter, numels)
+        values = meter.read_along(vector)
+        return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
+
+    def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
+        """The output metadata of plan ops [start, stop) in this call: concrete sizes where they
+        are dynamic, unless `symbolic_shapes` asks for the symbols."""
+        narration = self.session.settings.narration
+        symbolic = not concrete_only and narration is not None and narration.symbolic_shapes
+        result = []
+        for op in plan.ops[start:stop]:
+            metas = op.metas
+            if concrete is not None and op.exprs is not None and not symbolic:
+                shapes = concrete[plan.dynamic_position[op.index]]
+                metas = tuple(TensorMeta(shape, m.dtype, m.device) for shape, m in zip(shapes, metas))
+            result.append(metas)
+        return result
+
+    def add_plan_ops(self, plan: GraphPlan, scope: Scope, concrete, start: int, stop: int,
+                     stats=None, values=None, kept=None, args=(), events=None) -> None:
+        """Record plan ops [start, stop): with `stats` read from the graph, or with `values` (the
+        ops' outputs, in live mode) for the eager meter to measure and the keeper to keep; `kept`
+        are the outputs a graph returned for `tl.trace(..., compiled=True)`. With tracking, `args`
+        are the graph call's inputs and `events` the call's events so far, by op index."""
+        session, pipeline = self.session, self.pipeline
+        tracker = pipeline.tracker
+        scopes = plan.op_scopes(self.runtime.scopes, scope)
+        for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
+            if scopes[op.index] is not session.scope:
+                session.move_to(scopes[op.index])
+            reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events,
+                                                                          plan.written_inputs)
+            # (live: each op's value is its own, measured and noted as an eager op's would be)
+            lands = None if events is None or op.lands is None else events.get(op.lands)
+            event = pipeline.op(op.op, metas, op.site, value=None if values is None else values[offset],
+                                stats=None if stats is None else stats[op.index], reads=reads,
+                                kept=None if kept is None else kept[op.index], group=op.label, lands=lands)
+            if events is not None:
+                events[op.index] = event
+
+    # -- live mode ------------------------------------------------------------------------------
+
+    def start_live(self, graph, args, scope: Scope) -> None:
+        plan = graph.plan
+        concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
+        self._live[graph] = _LiveCall(concrete, scope, args, {})
+
+    def emit_live(self, graph, index: int, value) -> None:
+        """Record op `index` of `graph`, which just completed (live mode)."""
+        call = self._live[graph]
+        self.add_plan_ops(graph.plan, call.scope, call.concrete, index, index + 1, values=[value], args=call.args,
+                          events=call.events)
+
+    def live_narrated(self, graph) -> int:
+        """How many of `graph`'s ops this call has narrated so far (live mode)."""
+        events = self._live[graph].events if graph in self._live else {}
+        return max(events) + 1 if events else 0
+
+    def end_live(self, graph, out) -> None:
+        """A live graph call returned `out`."""
+        if graph in self._live:
+            self.graph_outputs(graph.plan, self._live.pop(graph).events, out)
+
+    def graph_fed_autograd(self, first: int, out) -> None:
+        """With `backward=True`: a fused graph call recorded its ops from `session.events[first]` on
+        and returned `out`; the autograd nodes of its outputs (one per call under inductor) stand
+        for the whole call."""
+        if self.roots is None or out is None:
+            return
+        ops = [event for event in self.session.events[first:] if event.is_op]
+        if not ops:
+            return
+        path = ops[-1].scope.path
+        forward = f"the compiled graph of #{ops[0].ordinal}..#{ops[-1].ordinal}" + (f" @{path}" if path else "")
+        self.roots.note(ops[-1], out if isinstance(out, (tuple, list)) else (out,), forward, tuple(ops))
+
+    def graph_outputs(self, plan: GraphPlan, events: dict, out) -> None:
+        """With tracking: the graph's outputs were produced by these ops (code after the graph,
+        or the next graph, reads them)."""
+        if self.pipeline.tracker is None or out is None:
+            return
+        for index, value in zip(plan.outputs, out if isinstance(out, (tuple, list)) else (out,)):
+            if index is not None and index in events and isinstance(value, torch.Tensor):
+                self.pipeline.produced(events[index], value)
+
+    # -- ending -----------------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Dynamo's cleanup for the call: end the pass as the call ended. Never raises."""
+        try:
+            succeeded, result, exc = dynamo_seams.call_outcome()
+        except Exception as inner:
+            internal_error("reading how a compiled call ended", inner)
+            succeeded, result, exc = False, None, RuntimeError("torchlens could not read how the compiled call ended")
+        self.end(succeeded, result, exc)
+
+    def abandon(self) -> None:
+        """End a pass whose call ended without its cleanup: what it recorded is kept as is."""
+        self.end(True, None, notes=(UNFINISHED_NOTE,))
+
+    def end(self, succeeded: bool, result=None, exc: Optional[BaseException] = None, notes=()) -> None:
+        """The one way a compiled pass ends: finished with the call's `result`, or failed with
+        `exc`; the recording becomes the runtime's latest. Never raises."""
+        try:
+            with self.own_work():
+                self.pop_mode()
+                recording: Optional[Recording]
+                if succeeded:
+                    recording = self.finish(
+                        result, lambda: (*notes, compiled_run_note(self.graph_calls, self.gaps.ops)))
+                else:
+                    assert exc is not None  # (a failed call ends with its exception: `call_outcome`)
+                    if dynamo_seams.raised_while_tracing(exc):
+                        locate_while_tracing(self, exc)
+                    else:
+                        place_python_failure(self, exc)
+                    recording = self.fail(exc)
+                self.runtime.keep_latest(recording, self.graph_calls)
+        except Exception as inner:
+            internal_error("ending a compiled forward", inner)
+        finally:
+            self.close()
+
+    def pop_mode(self) -> None:
+        if self.mode_pushed:
+            self.mode_pushed = False
+            remove_mode(self.mode)
+
+    def close(self) -> None:
+        self.pop_mode()
+        # The call is over: its wrapper's frame links the caller's whole stack (a pass kept after
+        # its call, by a recording or a backward, must not keep every caller's locals alive) and
+        # holds the cleanup bound to this pass (a reference cycle): let go, the pass is freed as it ends.
+        self.call = _NO_CALL
+        if self._fast_paths_kept:
+            self._fast_paths_kept = False
+            release_fast_paths()
+        make_inactive(self)
+        self._live.clear()
+        super().close()
+
+
+_NO_CALL = dynamo_seams.CompiledCall(None, None, (), {})
+
+
+class _LiveCall(NamedTuple):
+    """A live graph call in progress: its concrete sizes, the module it runs in, its arguments,
+    and its events so far by op index."""
+
+    concrete: Optional[Tuple]
+    scope: Scope
+    args: tuple
+    events: Dict[int, Event]
+
+
+def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
+    """A plan op's reads in this call: the events of the ops it read, or what the graph inputs it
+    read came from (an op before the graph, a forward input, a parameter). A graph input the graph
+    writes into, first met now (after the call), is a source whose values are not what was read."""
+    refs, carried = static
+    resolved = []
+    for ref in refs:
+        if ref is None:
+            continue
+        if ref[0] == "op":
+            event = events.get(ref[1])
+            if event is not None:
+                resolved.append(event)
+        elif ref[1] < len(args) and isinstance(args[ref[1]], torch.Tensor):
+            tensor, written = args[ref[1]], ref[1] in written_inputs
+            known = tracker.provenance.sources_of((tensor,)) if written else None
+            resolved.extend(tracker.origin_of(tensor))
+            if written:
+                tracker.provenance.met_after_writing((tensor,), known)
+    return tuple(resolved), carried
+
+
+def _numel(shape) -> Optional[int]:
+    """Element count of a concrete shape (None when a size is only known symbolically)."""
+    count = 1
+    for size in shape:
+        if not isinstance(size, int):
+            return None
+        count *= size
+    return count
