@@ -1,5 +1,5 @@
-"""Compiled statistics on the CPU: the graph hands each output to measure to the eager meter as it
-runs (`torchlens::observe`), and keeps none of them past its call. Lines read as eager's."""
+"""Compiled statistics on the CPU: the graph returns the outputs to measure, the eager meter measures
+them after the call. Results stay bitwise those of plain `torch.compile`, lines read as eager's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from helpers import op_lines
 from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchlens as tl
 from torchlens.fx_backend import stats_pass
@@ -31,13 +30,13 @@ class Holes(nn.Module):
 
 @pytest.fixture
 def strategy(monkeypatch):
-    """Which way each graph measured ("observed", "returned", "fused"), one entry per graph compiled."""
+    """Which way each graph measured: "after_call" or "fused", one entry per graph compiled."""
     seen = []
     original = stats_pass.add_stats_output
 
     def spy(*args, **kwargs):
         layout = original(*args, **kwargs)
-        seen.append(layout.way)
+        seen.append("after_call" if layout.after_call else "fused")
         return layout
 
     monkeypatch.setattr(stats_pass, "add_stats_output", spy)
@@ -60,7 +59,7 @@ def test_inductor_outputs_stay_at_float_rounding_of_plain_with_exact_stats_and_t
     plain = plain if isinstance(plain, torch.Tensor) else plain.last_hidden_state
     out = out if isinstance(out, torch.Tensor) else out.last_hidden_state
     assert torch.allclose(out, plain, rtol=1e-6, atol=1e-7)
-    assert strategy and set(strategy) == {"observed"}
+    assert strategy and set(strategy) == {"after_call"}
 
 
 @pytest.mark.parametrize("make, inputs", [(conv_net, lambda: images(2)), (tiny_gpt, tokens)])
@@ -81,7 +80,7 @@ def test_a_compiled_tensor_with_nonfinite_values_shows_its_finite_summary_and_co
     last = [line for line in lines if line.startswith("#") and " mul " in line][-1]
     assert last.endswith("| min=16 max=18 mean=17 sd=1.414 nan=3 +inf=2 -inf=3")
     assert body("\n".join(lines)) == body(tl.record(Holes(), x, value_stats="exact", on_nonfinite="track").narrate())
-    assert strategy == ["observed"]
+    assert strategy == ["after_call"]
 
 
 @pytest.mark.parametrize("through", ["itself", "a view", "an unrelated tensor"])
@@ -105,36 +104,9 @@ def test_an_output_changed_in_place_later_in_the_graph_is_measured_as_its_op_lef
     assert mul.op == "mul" and (mul.stats.min, mul.stats.max, mul.stats.mean) == (0, 6, 3)
 
 
-def test_an_observed_graph_keeps_no_output_it_measured_past_its_call(monkeypatch, strategy):
-    """The outputs are measured inside the graph and freed where the graph frees them: none is
-    alive once the call returns but what the model returns (holding all of them until after the
-    call made the allocator give their memory back and fault it in again, each call)."""
-    measured, alive_after_call = [], []
-    record, add_plan = stats_pass.Observations.record, tl.fx_backend.compiled_pass.CompiledPass.add_plan
-
-    def spy_record(self, op, outputs):
-        measured.extend((StorageWeakRef(t.untyped_storage()), t.data_ptr()) for t in outputs)
-        return record(self, op, outputs)
-
-    def spy_add_plan(self, *args, **kwargs):
-        alive_after_call.extend(pointer for storage, pointer in measured if not storage.expired())
-        return add_plan(self, *args, **kwargs)
-
-    monkeypatch.setattr(stats_pass.Observations, "record", spy_record)
-    monkeypatch.setattr(tl.fx_backend.compiled_pass.CompiledPass, "add_plan", spy_add_plan)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
-    compiled = tl.compile(model, value_stats="exact", on_nonfinite="track", compiler="eager")
-    with torch.no_grad():
-        out = compiled(torch.randn(8, 16))
-    assert strategy == ["observed"] and len(measured) == 5
-    assert alive_after_call == [out.data_ptr()]  # the model's output, and nothing else
-    ops = compiled.torchlens.last_recording.ops
-    assert ops and {e.stats.kind for e in ops} == {"exact"}
-
-
 @pytest.mark.slow
-def test_on_an_accelerator_a_graph_fuses_its_statistics(monkeypatch, strategy):
-    monkeypatch.setattr(stats_pass.meter, "READ_NOW", set())  # no device read at once: an accelerator's way
+def test_past_the_memory_budget_a_graph_fuses_its_statistics(monkeypatch, strategy):
+    monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 100)  # less than the model's outputs hold
     x = torch.arange(10.0)
     lines = []
     tl.compile(Holes(), narrate=lines.append, value_stats="exact", on_nonfinite="track")(x)
@@ -143,7 +115,7 @@ def test_on_an_accelerator_a_graph_fuses_its_statistics(monkeypatch, strategy):
     assert last.endswith("| nan=3 +inf=2 -inf=3")  # fused: the counts, as an accelerator's deferred vector
 
 
-def test_dynamic_sizes_are_observed_with_no_padded_vector(strategy):
+def test_dynamic_sizes_are_measured_after_the_call_with_no_padded_vector(strategy):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     compiled = tl.compile(model, value_stats="exact", dynamic=True, compiler="eager")
     for rows in (3, 5, 7):
@@ -153,7 +125,7 @@ def test_dynamic_sizes_are_observed_with_no_padded_vector(strategy):
             eager = tl.record(model, x, value_stats="exact")
         got = [str(e.stats) for e in compiled.torchlens.last_recording.ops]
         assert got == [str(e.stats) for e in eager.ops], rows
-    assert strategy and set(strategy) == {"observed"}
+    assert strategy and set(strategy) == {"after_call"}
 
 
 def test_empty_dynamic_outputs_say_so():

@@ -140,12 +140,12 @@ def exact_texts(trace) -> list:
     return [expected_text(trace.values[event.ordinal][0].reshape(-1).tolist()) for event in trace.ops]
 
 
-@pytest.mark.parametrize("way", ["observed", "fused"])
+@pytest.mark.parametrize("way", ["after_call", "fused"])
 def test_compiled_integer_statistics_are_exact(way, monkeypatch):
-    """Measured as the graph runs (the CPU's way) or fused into the graph (an accelerator's),
+    """Measured after the graph call (the CPU's way) or fused into the graph (an accelerator's),
     the statistics are the exact ones, as eager's are."""
     if way == "fused":
-        monkeypatch.setattr(stats_pass.meter, "READ_NOW", set())
+        monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 0)
     for model, x in ((TokenHasher(), IDS), (Widths(), WIDE[:5])):
         sink = io.StringIO()
         compiled = tl.compile(model, value_stats="exact", compiler="eager",
@@ -160,7 +160,7 @@ def test_a_dynamic_size_fused_in_a_graph_is_exact_and_an_empty_one_says_so(monke
         def forward(self, x):
             return x[x > 0] + (2**62 + 1)
 
-    monkeypatch.setattr(stats_pass.meter, "READ_NOW", set())  # an accelerator's way: fused
+    monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 0)
     sink = io.StringIO()
     compiled = tl.compile(Kept(), value_stats="exact", compiler="eager", dynamic=True,
                           narrate=tl.options.NarrationOptions(sink=sink))
@@ -173,7 +173,7 @@ def test_a_dynamic_size_fused_in_a_graph_is_exact_and_an_empty_one_says_so(monke
 
 @pytest.mark.slow
 def test_inductor_integer_statistics_are_exact_fused_in_the_graph(monkeypatch):
-    monkeypatch.setattr(stats_pass.meter, "READ_NOW", set())  # an accelerator's way: fused
+    monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 0)
     sink = io.StringIO()
     tl.compile(TokenHasher(), value_stats="exact", narrate=tl.options.NarrationOptions(sink=sink))(IDS)
     trace, _ = narrated_trace(TokenHasher(), IDS)

@@ -25,7 +25,7 @@ from .active import make_active, make_inactive
 from .failures import locate_while_tracing, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan
-from .stats_pass import measured_stats, read_stats
+from .stats_pass import measure_returned, read_stats
 
 __all__ = ["CompiledPass"]
 
@@ -117,15 +117,14 @@ class CompiledPass(ForwardPass):
         plan.remember(key, session.events[start:], session.ordinal, session.scope)
 
     def _read_stats(self, plan: GraphPlan, concrete, vector, layout):
-        """The graph's statistics: what its ops measured as it ran (`vector` is then the call's
-        `Observations`), its returned outputs measured now, or its fused vector read to the host
-        once, with what was measured since the last graph."""
+        """The graph's statistics: its returned outputs measured now, or its fused vector read to the
+        host once, with what was measured since the last graph."""
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
         meter = self.pipeline.meter
         assert meter is not None  # (a graph returns what statistics need only when they are measured)
-        if layout.way != "fused":
-            return measured_stats(layout.slots, vector, meter, numels)
+        if layout.after_call:
+            return measure_returned(layout.slots, vector, meter, numels)
         values = meter.read_along(vector)
         return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
 

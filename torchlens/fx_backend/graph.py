@@ -12,7 +12,6 @@ fails, the call's result is returned all the same.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import Callable, List, Optional
 
@@ -28,7 +27,7 @@ from .failures import graph_failed
 from .plan import GraphPlan, build_plan
 from .replay import untouched_copy
 from .runtime import CompiledRuntime
-from .stats_pass import Observations, StatsLayout, add_stats_output, module_outputs
+from .stats_pass import StatsLayout, add_stats_output, module_outputs
 from .values_pass import add_value_outputs, split_values
 
 __all__ = ["compile_graph"]
@@ -63,17 +62,15 @@ class CompiledGraph:
         # Inside an eager capture's forward, a graph computing statistics or kept copies runs
         # unseen by that capture: those are not the model's ops (with inductor none are seen).
         hidden = run.nested and (self.stats is not None or self.kept_counts is not None)
-        observing = self._observations(run) if prepared is not None else None
         with run.graph_running():  # the capture of code between graphs steps aside for all of this
             try:
-                with own_work(hidden), observing or contextlib.nullcontext():
+                with own_work(hidden):
                     out = self.fn(*args)
             except Exception as exc:
                 if prepared is not None:
                     graph_failed(run, self, args, prepared, exc)
                 raise
             out, vector, kept = self._split_outputs(out)
-            vector = observing if observing is not None else vector
             run.pipeline.returned(out)  # (code after the graph may view what it returned)
             if prepared is not None and self.live:
                 with run.own_work():
@@ -98,12 +95,6 @@ class CompiledGraph:
             contain(exc, "preparing to narrate a compiled graph", run.session.mark_incomplete,
                     "an internal error narrating a compiled graph")
             return None
-
-    def _observations(self, run: CompiledPass) -> Optional[Observations]:
-        """Where this call's observed statistics go (`stats_pass.Observations`), if it observes any."""
-        if self.stats is None or not self.stats.observed:
-            return None
-        return Observations(run.pipeline.meter, len(self.plan.ops))
 
     def _split_outputs(self, out):
         """The graph's own outputs, what its statistics outputs hold, and its kept values (per plan op)."""

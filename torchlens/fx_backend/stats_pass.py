@@ -1,32 +1,27 @@
-"""Statistics of compiled graphs: what each op's output holds, measured as the graph runs, after it, or fused into it.
+"""Statistics of compiled graphs: what each op's output holds, measured after the call or fused into it.
 
-Three ways, chosen per graph at compile time:
+Two ways, chosen per graph at compile time:
 
-- **Observed** (the CPU, every measured output a plain tensor): right after each measured op the
-  graph calls `torchlens::observe` with its outputs, which the eager meter
-  (`torchlens.measure.meter`) measures there and then: a one-sum screen for tracking, exact
-  statistics from sums. The op is opaque to the compiler, so the graph gains no reduction and
-  compiles about as fast as plain; an output is measured before anything later in the graph can
-  change it (no copy is needed), and is freed where plain `torch.compile` frees it. (Returning the
-  outputs to measure after the call kept them all alive at once, tens of MiB for a resnet18, which
-  the allocator gave back to the system after each call and faulted in again on the next.)
-- **Returned** (the CPU, some output a DTensor or a nested tensor, whose code knows no
-  `torchlens::observe`; within `AFTER_CALL_BYTES`): the outputs to measure become extra graph
-  outputs, measured by the same meter when the call returns; an output that a later in-place op of
-  the graph would change is copied right after its op.
-- **Fused** (accelerators, or past that budget): the same vectors the eager meter reads once per
-  forward (`torchlens.measure.recipes`) are traced into the graph right after each op's node and
+- **After the call** (every measured output on the CPU, `meter.READ_NOW`, and within
+  `AFTER_CALL_BYTES`): the outputs to measure become extra graph outputs and are measured when the
+  call returns, by the eager meter (`torchlens.measure.meter`): on the CPU a one-sum screen for tracking,
+  exact statistics from sums.
+  The graph gains no reduction, so it compiles about as fast as plain and its own outputs are
+  computed as plain `torch.compile` computes them; an output that a later in-place op of the graph
+  would change is copied right after its op. The price is memory: those outputs live until the
+  call returns (hence the budget).
+- **Fused** (accelerators, or more bytes than the budget): the same vectors the eager meter reads
+  once per forward (`torchlens.measure.recipes`) are traced into the graph right after each op's node and
   concatenated into one extra output, read once per graph call. Inductor fuses the reductions into
   the kernels that produce the tensors; the device is read once.
 
 Fused into a graph a sample is not cheaper than the full reduction, so `value_stats="sampled"`
-measures every element there and says so with `=`; observed or returned, it samples as eager does.
+measures every element there and says so with `=`; measured after the call, it samples as eager does.
 """
 
 from __future__ import annotations
 
 import operator
-import threading
 from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
@@ -36,7 +31,7 @@ from torch.fx.proxy import GraphAppendingTracer
 from ..core.collectives import is_functional_collective, is_wait
 from ..events import Stats, StatsGroup
 from ..measure import meter
-from ..measure.memory import is_plain, node_writes, same_elements, storage_key, tensors_of
+from ..measure.memory import node_writes, same_elements, storage_key, tensors_of
 from ..measure.recipes import Recipe, not_applicable, recipe
 from ..measure.stats import as_float, value_kind, vector_dtype
 from ..measure.tracking import UNINITIALIZED
@@ -45,17 +40,17 @@ from ..torch_internals.node_meta import example_value
 from .plan import GraphPlan
 from .values_pass import append_outputs
 
-__all__ = ["Observations", "StatsLayout", "add_stats_output", "measured_stats", "module_outputs", "read_stats"]
+__all__ = ["StatsLayout", "add_stats_output", "measure_returned", "module_outputs", "read_stats"]
 
 
 class Slot(NamedTuple):
     """How one plan op is measured: a recipe per tensor output (fused), how many of its outputs
-    the graph measures as it runs or returns to be measured after the call (`measured`), or
-    (`same_as`) the index of an earlier op whose statistics it shares (the same elements)."""
+    the graph returns to be measured after the call (`returned`), or (`same_as`) the index of an
+    earlier op whose statistics it shares (the same elements)."""
 
     recipes: Tuple[Recipe, ...] = ()
     same_as: Optional[int] = None
-    measured: int = 0
+    returned: int = 0
 
 
 # Per plan op: None (no statistics), else its `Slot`.
@@ -63,85 +58,23 @@ Slots = List[Optional[Slot]]
 
 
 class StatsLayout(NamedTuple):
-    """What a graph's extra statistics outputs are, by `way`: "observed", one empty marker per
-    observed op (what keeps each `torchlens::observe` call in the graph; an `Observations` holds
-    the statistics); "returned", the outputs to measure after the call; "fused", one vector. The
-    first two are the last `extra` outputs, the vector the last one."""
+    """What a graph's extra statistics outputs are: one fused vector (the last output), or
+    `returned` tensors measured after the call (the last `returned` outputs)."""
 
     slots: Slots
-    way: str
-    extra: int = 0
-
-    @property
-    def observed(self) -> bool:
-        return self.way == "observed"
+    after_call: bool
+    returned: int = 0
 
     def split(self, out):
-        """(the graph's own outputs, its statistics outputs: the fused vector, the returned
-        outputs, or None for markers)."""
-        if self.way == "fused":
-            return out[:-1], out[-1]
-        own, extra = out[:len(out) - self.extra], tuple(out[len(out) - self.extra:])
-        return own, (extra if self.way == "returned" else None)
+        """(the graph's own outputs, what its statistics outputs hold)."""
+        if self.after_call:
+            return out[:len(out) - self.returned], tuple(out[len(out) - self.returned:])
+        return out[:-1], out[-1]
 
 
-# Outputs returned to be measured after the call live until it returns: at most this many bytes of
-# them per call (static sizes, or dynamic ones' hints); past it the graph fuses its statistics.
+# Outputs measured after the call live until it returns: at most this many bytes of them per call
+# (static sizes, or dynamic ones' hints); past it the graph fuses its statistics instead.
 AFTER_CALL_BYTES = 1 << 30
-
-
-class Observations:
-    """The statistics one call of an observed graph measured as it ran, by plan op index. While the
-    call runs (`with observations:`), they are this thread's current ones, which each
-    `torchlens::observe` call of the graph fills."""
-
-    __slots__ = ("meter", "stats", "_outer")
-
-    def __init__(self, meter, ops: int):
-        self.meter = meter
-        self.stats: List[Optional[Union[Stats, StatsGroup]]] = [None] * ops
-        self._outer: Optional[Observations] = None
-
-    def record(self, op: int, outputs: Sequence[torch.Tensor]) -> None:
-        """Measure op `op`'s outputs now. Unshared: the compiler may reuse one buffer for several
-        ops' outputs without bumping its version counter, so statistics kept by identity could
-        stand for elements since overwritten."""
-        self.stats[op] = self.meter.measure_output(outputs[0] if len(outputs) == 1 else outputs, False,
-                                                   share=False)
-
-    def __enter__(self) -> "Observations":
-        self._outer, _COLLECTING.current = _COLLECTING.current, self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _COLLECTING.current, self._outer = self._outer, None
-
-
-class _Collecting(threading.local):
-    current: Optional[Observations] = None
-
-
-_COLLECTING = _Collecting()
-
-
-def _observe(outputs: List[torch.Tensor], op: int) -> torch.Tensor:
-    """`torchlens::observe`: measure op `op`'s outputs into the current call's `Observations` (a
-    graph called outside a narrated call measures nothing); an empty marker comes back."""
-    observations = _COLLECTING.current
-    if observations is not None:
-        observations.record(op, outputs)
-    return outputs[0].new_empty(0)
-
-
-def _marker(outputs, op):
-    return outputs[0].new_empty(0)
-
-
-_LIBRARY = torch.library.Library("torchlens", "DEF")
-_LIBRARY.define("observe(Tensor[] outputs, int op) -> Tensor")
-_LIBRARY.impl("observe", _observe, "CompositeExplicitAutograd")
-torch.library.register_fake("torchlens::observe", _marker, lib=_LIBRARY)
-_OBSERVE = torch.ops.torchlens.observe.default
 
 
 def module_outputs(plan: GraphPlan) -> List[int]:
@@ -155,24 +88,19 @@ def module_outputs(plan: GraphPlan) -> List[int]:
 
 
 def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None) -> StatsLayout:
-    """Make `gm` measure its ops' outputs: observed as it runs when they are plain tensors on the
-    CPU; returned to be measured after the call when some are not plain (a DTensor, a nested
-    tensor: the compiler knows no `torchlens::observe` for them) and fit the budget; else with
-    fused statistics vectors."""
+    """Make `gm` return what its ops' statistics need: the outputs themselves, measured after the
+    call, when they are on the CPU and within the budget; else fused statistics vectors."""
     chosen = set(range(len(plan.ops)) if only is None else only)
     nodes = {node.name: node for node in gm.graph.nodes}
     held = [example_value(nodes[op.value]) for op in plan.ops if op.index in chosen]
     tensors = tensors_of(held)
-    if all(t.device.type in meter.READ_NOW for t in tensors):
-        if all(map(is_plain, tensors)):
-            slots, markers = _observe_outputs(gm, plan, rung, chosen)
-            return StatsLayout(slots, "observed", markers)
-        sizes = [_bytes(t) for t in tensors]
-        known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
-        if len(known) == len(sizes) and sum(known) <= AFTER_CALL_BYTES:
-            slots, returned = _return_outputs(gm, plan, rung, chosen)
-            return StatsLayout(slots, "returned", returned)
-    return StatsLayout(_fuse_stats(gm, plan, rung, chosen), "fused")
+    sizes = [_bytes(t) for t in tensors]
+    known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
+    on_host = all(t.device.type in meter.READ_NOW for t in tensors)
+    if on_host and len(known) == len(sizes) and sum(known) <= AFTER_CALL_BYTES:
+        slots, returned = _return_outputs(gm, plan, rung, chosen)
+        return StatsLayout(slots, True, returned)
+    return StatsLayout(_fuse_stats(gm, plan, rung, chosen), False)
 
 
 def _bytes(fake: torch.Tensor) -> Optional[int]:
@@ -232,34 +160,6 @@ def _fake(argument):
     return example_value(argument) if isinstance(argument, fx.Node) else argument
 
 
-def _observe_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
-    """Call `torchlens::observe` right after each chosen op with its tensor outputs (detached: the
-    measuring is no part of autograd's graph), and return its markers; views of an output measured
-    just before share its statistics and observe nothing."""
-    graph = gm.graph
-    slots: Slots = [None] * len(plan.ops)
-    markers: List[fx.Node] = []
-    measured: Dict[fx.Node, int] = {}  # node -> index of its op, for views of it measured just after
-    for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
-        if isinstance(value, torch.Tensor) and not _measured(value, rung):
-            slots[op.index] = Slot((recipe(value_kind(value.dtype), rung),))  # nothing to read
-            continue
-        with graph.inserting_before(node.next):
-            if isinstance(value, torch.Tensor):
-                parts = [holder]
-            else:
-                parts = [graph.call_function(operator.getitem, (holder, i))
-                         for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
-            if parts:
-                detached = [graph.call_method("detach", (part,)) for part in parts]
-                markers.append(graph.call_function(_OBSERVE, (detached, op.index)))
-        slots[op.index] = Slot(measured=len(parts))
-        if holder is node and isinstance(value, torch.Tensor):
-            measured[node] = op.index
-    append_outputs(gm, markers)
-    return slots, len(markers)
-
-
 def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
     """Append the chosen ops' tensor outputs to the graph's outputs (a copy taken right after the op
     where a later in-place op of the graph could change it); views of an output measured just
@@ -283,7 +183,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
                          for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
                 outputs = [graph.call_function(torch.clone, (part,)) for part in parts] if copy else parts
         returned.extend(outputs)
-        slots[op.index] = Slot(measured=len(outputs))
+        slots[op.index] = Slot(returned=len(outputs))
         if holder is node and isinstance(value, torch.Tensor):
             measured[node] = op.index
     append_outputs(gm, returned)
@@ -422,26 +322,22 @@ def _vector_for(output, fake: torch.Tensor, rung: str):
     return chosen, chosen.build(values, dtype, numel, fake.dim(), fake.dtype)
 
 
-def measured_stats(slots: Slots, measured, measurer, numels) -> List:
-    """The statistics of one call of a graph that measures on the CPU: a `Stats`, a `StatsGroup`
-    or None per plan op, from its `Observations` (observed) or by measuring the outputs it
-    returned (`measured` is then a tuple of them); `numels[i]` are the element counts of op i's
-    outputs in this call."""
+def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, numels) -> List:
+    """Measure the outputs a graph call returned for it (see `StatsLayout`): a `Stats`, a
+    `StatsGroup` or None per plan op; `numels[i]` are the element counts of op i's outputs."""
     position = 0
     result: List[Optional[Union[Stats, StatsGroup]]] = []
-    for index, (slot, counts) in enumerate(zip(slots, numels)):
+    for slot, counts in zip(slots, numels):
         if slot is None:
             result.append(None)
         elif slot.same_as is not None:
             result.append(result[slot.same_as])  # the same elements, measured once
-        elif not slot.measured:
+        elif not slot.returned:
             parts = [recipe_.stats(numel) for recipe_, numel in zip(slot.recipes, counts)]
             result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
-        elif isinstance(measured, Observations):
-            result.append(measured.stats[index])
         else:
-            mine = measured[position:position + slot.measured]
-            position += slot.measured
+            mine = tensors[position:position + slot.returned]
+            position += slot.returned
             result.append(measurer.measure_output(mine[0] if len(mine) == 1 else mine, False))
     return result
 

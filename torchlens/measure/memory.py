@@ -14,7 +14,6 @@ compiled narration disagree on what an op read, wrote or shares:
   `memory_span`, `covers`): what a view addresses, so that statistics are shared between views of
   the same elements and a write is known to have replaced all of another view;
 - **which tensors** a value holds (`tensors_of`, `held_tensors`): an op's output, a call's arguments;
-  and whether one is an ordinary tensor (`is_plain`);
 - **which arguments a call writes** (`call_writes`, `node_writes`): read from torch's operator
   schemas in `torchlens.measure.writes`, which owns that table.
 """
@@ -31,8 +30,8 @@ from .stats import shareable, unwrapped
 from .writes import call_writes, may_return_an_alias, node_writes
 
 __all__ = ["Versions", "call_writes", "concrete", "covers", "element_key", "element_layout", "elements_identity",
-           "held_tensors", "is_plain", "may_return_an_alias", "memory_span", "node_writes", "same_elements",
-           "storage_key", "storage_keys", "storage_ref", "tensors_of", "version"]
+           "held_tensors", "may_return_an_alias", "memory_span", "node_writes", "same_elements", "storage_key",
+           "storage_keys", "storage_ref", "tensors_of", "version"]
 
 
 # -- which memory ---------------------------------------------------------------------------------
@@ -187,12 +186,6 @@ def tensors_of(value) -> List[torch.Tensor]:
     if isinstance(value, dict):
         return [tensor for item in value.values() for tensor in tensors_of(item)]
     return []
-
-
-def is_plain(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` (or the fake value a graph recorded for it) is an ordinary tensor: not
-    nested, not a wrapper subclass (a DTensor, a jagged tensor) that only its own code can read."""
-    return not tensor.is_nested and (tensor.__class__ is torch.Tensor or not is_traceable_wrapper_subclass(tensor))
 
 
 def held_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:

@@ -126,18 +126,15 @@ class Meter:
             return False
         return isinstance(value, torch.Tensor) and value.device.type in READ_NOW
 
-    def measure_output(self, out, live: bool, share: bool = True):
+    def measure_output(self, out, live: bool):
         """Stats of an output (a tensor, or a StatsGroup for several), read now if `live`: what
-        `observe` measures with, and what a compiled graph's `torchlens::observe` measures with
-        (`share=False`: see `measure`)."""
+        `observe` measures with, and the compiled path's outputs returned by a graph."""
         if isinstance(out, torch.Tensor):
-            return self.measure(out, live, share)
-        return StatsGroup([self.measure(t, live, share) for t in out if isinstance(t, torch.Tensor)])
+            return self.measure(out, live)
+        return StatsGroup([self.measure(t, live) for t in out if isinstance(t, torch.Tensor)])
 
-    def measure(self, tensor: torch.Tensor, live: bool, share: bool = True) -> Stats:
-        """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on.
-        `share=False`: neither reuse nor keep statistics by the elements' identity (a compiled
-        graph's buffers are rewritten without a version bump)."""
+    def measure(self, tensor: torch.Tensor, live: bool) -> Stats:
+        """Never raises: whatever cannot be measured says so ("n/a") and the capture goes on."""
         try:
             if tensor.__class__ is not _TENSOR and is_dtensor(tensor):
                 if self._whole_dtensors:
@@ -146,8 +143,8 @@ class Meter:
                 return _of_local_shard(self.measure(local, live))
             if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
                     and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
-                return self._measure_plain(tensor, share)
-            identity = elements_identity(tensor) if self._sharing and share else None
+                return self._measure_plain(tensor)
+            identity = elements_identity(tensor) if self._sharing else None
             known = self._shared(identity, live) if identity is not None else None
             if known is not None:
                 return known
@@ -209,11 +206,11 @@ class Meter:
 
     # -- read now: the tensor is at hand ------------------------------------------------------------
 
-    def _measure_plain(self, tensor: torch.Tensor, share: bool = True) -> Stats:
+    def _measure_plain(self, tensor: torch.Tensor) -> Stats:
         """`measure` for the common case on the CPU: a plain float32 or float64 tensor, screened or
         summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
         shared between views of the same elements (`memory.elements_identity`)."""
-        identity = elements_identity(tensor, plain=True) if share else None
+        identity = elements_identity(tensor, plain=True)
         known = self._shared(identity, True) if identity is not None else None
         if known is not None:
             return known
