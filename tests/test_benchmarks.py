@@ -55,6 +55,26 @@ def test_quick_side_by_side_benchmark_measures_every_mode_and_plots(tmp_path):
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_quick_compiled_statistics_benchmark_splits_each_mode_and_states_its_limit(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    report, done = quick_run("compiled_stats_bench.py", tmp_path, 900, env=env)
+    assert [r["model"] for r in report["results"]] == ["small-resnet-b1", "small-gpt2"]
+    for result in report["results"]:
+        rows = result["modes"]
+        assert set(rows) == {"eager", "compiled", "eager_exact", "compiled_exact", "eager_track", "compiled_track"}
+        assert all(row["ms"] > 0 and row["x"] > 0 and row["faults_per_call"] >= 0 for row in rows.values())
+        for mode in ("compiled_exact", "compiled_track"):
+            row = rows[mode]
+            # the graph's own call, then the measuring and the rest of the recording after it
+            assert 0 < row["graph_ms"] < row["ms"] and row["measure_ms"] > 0 and row["narrate_ms"] > 0, row
+            assert row["pass_ms"] > 0, row  # the rest of the call: each part lies inside it
+            # the limit: every measured output's bytes, read once here
+            assert row["limit"]["bytes"] > 0 and row["limit"]["sum_each_ms"] > 0, row
+        # tracking reads the floating-point outputs, exact statistics integers and booleans too
+        assert rows["compiled_exact"]["limit"]["bytes"] >= rows["compiled_track"]["limit"]["bytes"]
+        assert f"| {result['model']} | compiled_track |" in done.stdout
+
+
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
     report, _ = quick_run("backward_bench.py", tmp_path, 600)
     assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]

@@ -1,0 +1,304 @@
+"""Where statistics in compiled graphs spend their time, and how far that is from the limit.
+
+    python benchmarks/compiled_stats_bench.py                      # resnet18 b1 and b8, GPT-2 6 and 12 layers
+    python benchmarks/compiled_stats_bench.py --stable-allocator   # the same, glibc keeping freed memory
+    python benchmarks/compiled_stats_bench.py --cold               # also each mode's first call, empty cache
+    python benchmarks/compiled_stats_bench.py --quick              # small models, a few minutes
+
+For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
+`on_nonfinite="track"`, plain `torch.compile` (inductor) and `tl.compile` with the same two options
+(no narration on either side, so only the statistics differ). Every mode runs as a block of calls
+after a warm-up, rounds interleaved; a multiplier is the median of per-round ratios against plain
+eager or plain `torch.compile`. Each compiled statistics mode is split into its parts:
+
+- `graph +`: the compiled graph's own call, its measured outputs returned, less plain
+  `torch.compile`'s whole call: what instrumenting the graph costs (outputs it must now store,
+  copies of those written later in the graph);
+- `measure`: reading the returned outputs after the call (the meter's recipes: a sum each for
+  tracking, two reductions for exact statistics);
+- `narrate`: the rest of recording the graph's ops after the call (events, verdicts, provenance);
+- `pass`: the rest, outside the graph: the pass's start and end, dynamo's guards and wrapper.
+All in milliseconds per forward.
+
+Beside them, the limit: the bytes the statistics must read in one call (each measured output once)
+and what reading them costs on this machine, timed here on tensors of the same sizes (one sum
+each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
+floor). Minor page faults per call are counted for every mode: on this kind of machine the
+allocator's handling of memory freed between calls (glibc returning it to the system, then
+faulting it in again) can cost more than the statistics, and which modes it hits depends on the
+process's history. `--stable-allocator` runs each model with glibc told to keep freed memory
+(`MALLOC_TRIM_THRESHOLD_` and friends, for the child processes only), which separates that cost from
+the measuring's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import torchlens as tl
+from torchlens.fx_backend import compiled_pass
+from torchlens.fx_backend.graph import CompiledGraph
+
+MODELS = {  # name -> (what it is, batch)
+    "resnet18-b1": ("torchvision resnet18, 224x224", 1),
+    "resnet18-b8": ("torchvision resnet18, 224x224", 8),
+    "gpt2-6": ("GPT-2 width 768, 6 layers, 32 tokens", 1),
+    "gpt2-12": ("GPT-2 width 768, 12 layers, 32 tokens", 1),
+    "small-resnet-b1": ("a resnet layout at width 8, 32x32", 1),
+    "small-gpt2": ("GPT-2 width 64, 1 layer, 16 tokens", 1),
+}
+QUICK = ["small-resnet-b1", "small-gpt2"]
+FULL = ["resnet18-b1", "resnet18-b8", "gpt2-6", "gpt2-12"]
+STATS = {"exact": dict(value_stats="exact"), "track": dict(on_nonfinite="track")}
+STABLE_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+                    "MALLOC_TOP_PAD_": str(256 << 20)}
+
+
+def build(name: str):
+    """(model in eval mode, input) for a name of MODELS, random weights."""
+    torch.manual_seed(0)
+    if name.startswith("small-resnet"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from snoop_echo_bench import SmallResNet
+
+        return SmallResNet().eval(), torch.randn(1, 3, 32, 32)
+    if name.startswith("resnet18"):
+        import torchvision
+
+        return torchvision.models.resnet18(weights=None).eval(), torch.randn(MODELS[name][1], 3, 224, 224)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if name == "small-gpt2":
+        config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+        return transformers.GPT2Model(config).eval(), torch.randint(0, 512, (1, 16))
+    config = transformers.GPT2Config(n_layer=int(name.split("-")[1]))
+    return transformers.GPT2Model(config).eval(), torch.randint(0, config.vocab_size, (1, 32))
+
+
+class Parts:
+    """Where a compiled pass's time goes, summed over a block: the compiled graphs' own calls
+    (from `CompiledGraph._prepare` returning to `_split_outputs` being handed their outputs), the
+    whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`), and
+    the tensors measured."""
+
+    def __init__(self):
+        self.graph = self.after = self.measure = 0.0
+        self.sizes: List[tuple] = []  # (numel, dtype) of each tensor measured, the last call's
+        self._called = 0.0
+        plan, measured = compiled_pass.CompiledPass.add_plan, compiled_pass.measure_returned
+        prepare, split = CompiledGraph._prepare, CompiledGraph._split_outputs
+
+        def add_plan(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return plan(*args, **kwargs)
+            finally:
+                self.after += time.perf_counter() - start
+
+        def measure_returned(slots, tensors, measurer, numels):
+            start = time.perf_counter()
+            try:
+                return measured(slots, tensors, measurer, numels)
+            finally:
+                self.measure += time.perf_counter() - start
+                self.sizes = [(t.numel(), t.dtype) for t in tensors]
+
+        def timed_prepare(graph, *args):
+            try:
+                return prepare(graph, *args)
+            finally:
+                self._called = time.perf_counter()
+
+        def timed_split(graph, out):
+            self.graph += time.perf_counter() - self._called
+            return split(graph, out)
+
+        compiled_pass.CompiledPass.add_plan = add_plan
+        compiled_pass.measure_returned = measure_returned
+        CompiledGraph._prepare, CompiledGraph._split_outputs = timed_prepare, timed_split
+
+    def reset(self) -> None:
+        self.graph = self.after = self.measure = 0.0
+
+
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
+    """Bytes of `sizes` and the milliseconds reading them once takes here: one sum per tensor, and
+    one sum over a single buffer holding as many bytes."""
+    tensors = [torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.zeros(numel, dtype=dtype)
+               for numel, dtype in sizes]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.randn(max(1, total // 4))
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e3
+
+    per_tensor = timed(lambda: [t.sum() for t in tensors]) if tensors else 0.0
+    return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum)}
+
+
+def run_model(name: str, rounds: int, calls: int) -> Dict:
+    """All modes of one model, in this process: times, faults and the compiled modes' parts."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model, x = build(name)
+    parts = Parts()
+    plain = torch.compile(model)
+    modes: Dict[str, Callable[[], object]] = {"eager": lambda: model(x), "compiled": lambda: plain(x)}
+    for stat, keywords in STATS.items():
+        modes[f"eager_{stat}"] = (lambda kw: lambda: tl.record(model, x, **kw))(keywords)
+        modes[f"compiled_{stat}"] = (lambda c: lambda: c(x))(tl.compile(model, **keywords))
+    times: Dict[str, List[float]] = {mode: [] for mode in modes}
+    fault_counts: Dict[str, List[float]] = {mode: [] for mode in modes}
+    graph: Dict[str, List[float]] = {mode: [] for mode in modes}
+    after: Dict[str, List[float]] = {mode: [] for mode in modes}
+    measuring: Dict[str, List[float]] = {mode: [] for mode in modes}
+    sizes: Dict[str, List[tuple]] = {}
+    with torch.no_grad():
+        for run in modes.values():
+            for _ in range(3):
+                run()
+        for _ in range(rounds):
+            for mode, run in modes.items():
+                parts.reset()
+                before, start = faults(), time.perf_counter()
+                for _ in range(calls):
+                    run()
+                times[mode].append((time.perf_counter() - start) / calls * 1e3)
+                fault_counts[mode].append((faults() - before) / calls)
+                graph[mode].append(parts.graph / calls * 1e3)
+                after[mode].append(parts.after / calls * 1e3)
+                measuring[mode].append(parts.measure / calls * 1e3)
+                if parts.sizes:
+                    sizes[mode] = parts.sizes
+    rows = {}
+    for mode in modes:
+        base = "compiled" if mode.startswith("compiled") else "eager"
+        row = {"ms": statistics.median(times[mode]),
+               "x": statistics.median(a / b for a, b in zip(times[mode], times[base])),
+               "faults_per_call": statistics.median(fault_counts[mode])}
+        if mode.startswith("compiled_"):
+            row.update(graph_ms=statistics.median(graph[mode]),
+                       graph_extra_ms=statistics.median(g - c for g, c in zip(graph[mode], times["compiled"])),
+                       measure_ms=statistics.median(measuring[mode]),
+                       narrate_ms=statistics.median(a - m for a, m in zip(after[mode], measuring[mode])),
+                       pass_ms=statistics.median(t - g - a for t, g, a in zip(times[mode], graph[mode], after[mode])),
+                       limit=read_limit(sizes.get(mode, [])))
+        rows[mode] = row
+    return {"model": name, "what": MODELS[name][0], "modes": rows}
+
+
+def cold_first_call(name: str, mode: str) -> float:
+    """Seconds of one mode's first call, in this process (started with an empty inductor cache)."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model, x = build(name)
+    compiled = torch.compile(model) if mode == "compiled" else tl.compile(model, **STATS[mode.split("_")[1]])
+    with torch.no_grad():
+        start = time.perf_counter()
+        compiled(x)
+    return time.perf_counter() - start
+
+
+def child(arguments: List[str], env: Dict[str, str]) -> Dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, os.path.abspath(__file__), *arguments, "--child-json", out.name]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
+        if done.returncode != 0:
+            return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
+        return json.loads(open(out.name).read())
+
+
+def table(results: List[Dict]) -> str:
+    lines = ["| model | mode | ms | x | faults/call | graph + | measure | narrate | pass | bytes read | "
+             "read once: sum each / one pass | limit x |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for result in results:
+        if "error" in result:
+            lines.append(f"| {result['model']} | failed: {result['error']} |")
+            continue
+        plain = result["modes"]["compiled"]["ms"]
+        for mode, row in result["modes"].items():
+            cells = [result["model"], mode, f"{row['ms']:.1f}", f"{row['x']:.2f}", f"{row['faults_per_call']:.0f}"]
+            if "graph_ms" in row:
+                limit = row["limit"]
+                cells += [f"{row['graph_extra_ms']:+.2f}", f"{row['measure_ms']:.2f}", f"{row['narrate_ms']:.2f}",
+                          f"{row['pass_ms']:.2f}", f"{limit['bytes'] / 2 ** 20:.1f} MiB",
+                          f"{limit['sum_each_ms']:.2f} / {limit['one_pass_ms']:.2f}",
+                          f"{(plain + limit['sum_each_ms']) / plain:.2f}"]
+            else:
+                cells += [""] * 7
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(MODELS)}")
+    parser.add_argument("--quick", action="store_true", help="small models, fewer rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--calls", type=int, default=5, help="calls per block")
+    parser.add_argument("--stable-allocator", action="store_true", help="children keep freed memory (glibc)")
+    parser.add_argument("--cold", action="store_true", help="also time each mode's first call, empty cache")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-cold", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    names = args.models.split(",") if args.models else (QUICK if args.quick else FULL)
+    rounds = args.rounds or (3 if args.quick else 9)
+    if args.child_json:
+        if args.child_cold:
+            report: Dict = {"seconds": cold_first_call(names[0], args.child_cold)}
+        else:
+            report = run_model(names[0], rounds, args.calls)
+        with open(args.child_json, "w") as out:
+            json.dump(report, out)
+        return 0
+    env = dict(os.environ, **(STABLE_ALLOCATOR if args.stable_allocator else {}))
+    passed = ["--rounds", str(rounds), "--calls", str(args.calls)]
+    results = []
+    for name in names:
+        result = child(["--models", name, *passed], env)
+        result.setdefault("model", name)
+        if args.cold and "error" not in result:
+            result["cold_s"] = {}
+            for mode in ("compiled", "compiled_exact", "compiled_track"):
+                with tempfile.TemporaryDirectory() as cache:
+                    cold = child(["--models", name, "--child-cold", mode], dict(env, TORCHINDUCTOR_CACHE_DIR=cache))
+                result["cold_s"][mode] = cold.get("seconds")
+        results.append(result)
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    print(table(results))
+    for result in results:
+        if result.get("cold_s"):
+            print(f"{result['model']} cold first call (s): " +
+                  ", ".join(f"{mode} {s:.1f}" if s else f"{mode} failed" for mode, s in result["cold_s"].items()))
+    report = {"threads": int(os.environ.get("BENCH_THREADS", "2")), "stable_allocator": args.stable_allocator,
+              "torch": torch.__version__, "results": results}
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1)
+    return 0 if all("error" not in result for result in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
