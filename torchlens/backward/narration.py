@@ -21,7 +21,6 @@ from .run import BackwardRun
 __all__ = ["BackwardNarration", "BackwardStopped", "end_unseen_runs_everywhere"]
 
 
-
 class BackwardNarration:
     """The backwards of one entry point's passes (`Recorder`, a compiled model): their runs, the
     narrator they write to, and the watches whose hooks are still on a graph."""
@@ -231,7 +230,6 @@ def end_unseen_runs_everywhere() -> None:
     for narration in list(_OPEN):
         if narration.runs:
             narration.end_unseen_runs()
-
 
 
 class BackwardStopped(BaseException):

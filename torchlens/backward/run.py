@@ -233,6 +233,5 @@ class BackwardRun(EventLog):
                                record.forward, notes)
 
 
-
 def _versions(tensors) -> tuple:
     return tuple(map(version, tensors))
