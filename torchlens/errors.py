@@ -20,6 +20,7 @@ __all__ = [
     "RecorderStateError",
     "TraceBudgetError",
     "NonFiniteError",
+    "SpikeError",
     "CompareInputError",
     "TraceFileError",
     "ReproError",
@@ -63,6 +64,11 @@ class NonFiniteError(TorchlensError, FloatingPointError):
     """`on_nonfinite="raise"` stopped the forward at the first op with a non-finite output."""
 
     torchlens_stop = True
+
+
+class SpikeError(TorchlensError, ArithmeticError):
+    """`tl.watch(on_spike="raise")` stopped training at a loss spike, before the update; the
+    `Spike` is its `.spike`."""
 
 
 class CompareInputError(TorchlensError, TypeError):

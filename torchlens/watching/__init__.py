@@ -6,6 +6,8 @@
 - `updates`: what each optimizer update wrote into the parameters;
 - `agreement`: the ranks agreeing on a verdict, under a process group;
 - `replay`: the replay under tracking, the user's state put back around it, and the replays a fault gets;
+- `spikes`: when a finite loss or gradients' norm is a spike (`SpikeRule`), and the `Spike` caught;
+- `explain`: a spike replayed on its batch and the previous one: the batch or the weights, and where;
 - `judging`: a step's screens read, an alarm confirmed, the fault described and replayed;
 - `faults`: `Fault`, and what a fault leaves on disk;
 - `options`: what `tl.watch` takes, checked;
@@ -14,6 +16,7 @@
 """
 
 from .faults import Fault
+from .spikes import Spike, SpikeRule
 from .watch import Watch, watch
 
-__all__ = ["Fault", "Watch", "watch"]
+__all__ = ["Fault", "Spike", "SpikeRule", "Watch", "watch"]

@@ -1,22 +1,25 @@
-"""The cheap check a healthy step pays for: one sum per tensor, read once per step.
+"""The cheap check a healthy step pays for: one sum of squares per tensor, read once per step.
 
-A sum is non-finite when the tensor holds a NaN or an infinity, and, rarely, when finite values
-overflow it: a screen with false alarms and no misses. So a step whose screen is finite is
+A sum of squares is non-finite when the tensor holds a NaN or an infinity, and, rarely, when finite
+values overflow it: a screen with false alarms and no misses. So a step whose screen is finite is
 healthy, and a step whose screen is not is confirmed element by element (`nonfinite_positions`)
-before anything is called a fault. Sums are taken in float32 at least (a float16 gradient's sum
-overflows long before its elements do) and stay on the tensors' device: the only host read is the
-step's, of one number (`Screen.read`).
+before anything is called a fault. It costs what a plain sum costs (one read of the tensor, a dot
+product with itself), and it is also the tensor's norm squared: the gradients' norm, the outputs'
+and the weights' magnitudes, which the spike check judges (`spikes`), come with the screen. Sums
+are taken in float32 at least (a float16 gradient's sum overflows long before its elements do)
+and stay on the tensors' device: the only host read is the step's (`Screen.read`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import math
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Screen", "floating_leaves", "local", "nonfinite_counts", "nonfinite_positions", "same_sums",
-           "screen_sums"]
+__all__ = ["Screen", "ScreenRead", "floating_leaves", "local", "nonfinite_counts", "nonfinite_positions",
+           "same_screens", "screen_squares", "shares"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -32,6 +35,27 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def shares(tensors: Sequence[torch.Tensor], world: int) -> Optional[torch.Tensor]:
+    """What each tensor's sum of squares counts for in the norm of the whole, summed over `world`
+    ranks: 1 / the ranks that hold the same values. A plain tensor is replicated on every rank
+    (DDP's gradients after their all-reduce); a DTensor is split in as many shards as its mesh's
+    sharded dimensions make (FSDP2's, tensor parallel's). None in a single process (all 1)."""
+    if world <= 1:
+        return None
+    counts = []
+    for tensor in tensors:
+        placements = getattr(tensor, "placements", None) if type(tensor).__name__ == "DTensor" else None
+        if placements is None:
+            counts.append(world)
+            continue
+        mesh, shards = tensor.device_mesh, 1  # type: ignore[attr-defined]  # (a DTensor)
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                shards *= mesh.size(dim)
+        counts.append(max(world // shards, 1))
+    return 1.0 / torch.tensor(counts, dtype=torch.float32)
+
+
 def floating_leaves(value) -> List[torch.Tensor]:
     """The floating (and complex) tensors in a forward's output: tuples, lists, dicts and
     transformers' `ModelOutput`s (a pytree) opened, anything else a leaf of its own."""
@@ -39,50 +63,81 @@ def floating_leaves(value) -> List[torch.Tensor]:
             if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())]
 
 
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype is torch.float32 and tensor.layout is torch.strided and type(tensor) in _PLAIN:
-        return tensor.sum()  # (the common case, first: this runs for every gradient and weight of every step)
+def _squares(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of `tensor`'s elements (of their moduli, complex), in float32."""
+    if (tensor.dtype is torch.float32 and tensor.layout is torch.strided and type(tensor) in _PLAIN
+            and tensor.is_contiguous()):
+        flat = tensor.reshape(-1)  # (the common case, first: this runs for every gradient and weight of every step)
+        return torch.dot(flat, flat)
     tensor = local(tensor)
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     if tensor.dtype in _LOW_PRECISION:
-        return tensor.sum(dtype=torch.float32)
-    return tensor.sum().to(torch.float32) if tensor.dtype != torch.float32 else tensor.sum()
+        return torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(tensor).to(torch.float32).square()
 
 
-def screen_sums(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Each tensor's sum, stacked (float32, on their device); None for no tensors. Computed
-    under `no_grad`: the check builds no graph, whatever the mode it runs in."""
+def screen_squares(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Each tensor's sum of squares, stacked (float32, on their device); None for no tensors.
+    Computed under `no_grad`: the check builds no graph, whatever the mode it runs in."""
     if not tensors:
         return None
     with torch.no_grad():
-        sums = [_sum(t) for t in tensors]
+        sums = [_squares(t) for t in tensors]
         devices = {s.device for s in sums}
         if len(devices) > 1:  # tensors on several devices: gathered where the first one is
             sums = [s.to(sums[0].device) for s in sums]
         return torch.stack(sums)
 
 
-class Screen:
-    """The step's screens, summed into one number on the device and read once: sums (non-finite
-    when a tensor is) and counts of non-finite elements (exact, for the few small tensors counted)."""
+class ScreenRead(NamedTuple):
+    """What the step's one read says: whether anything screened is not finite (`alarm`), and the
+    two numbers the spike check judges: the step's loss (the one-number losses its backwards
+    started from, summed; under a process group, their mean over the ranks) and its gradients'
+    norm (all ranks' shards together). None where the step had none; an overflowed norm is inf."""
 
-    __slots__ = ("_parts", "_counts")
+    alarm: bool
+    loss: Optional[float]
+    grad_norm: Optional[float]
+
+
+class Screen:
+    """The step's screens, put together on the device and read once: sums of squares (non-finite
+    when a tensor is), counts of non-finite elements (exact, for the few small tensors counted),
+    the losses and the gradients' squares (see `ScreenRead`)."""
+
+    __slots__ = ("_parts", "_counts", "_losses", "_grads")
 
     def __init__(self):
         self._parts: List[torch.Tensor] = []
         self._counts: List[torch.Tensor] = []
+        self._losses: List[torch.Tensor] = []
+        self._grads: List[torch.Tensor] = []
 
-    def add(self, sums: Optional[torch.Tensor]) -> None:
-        if sums is not None:
-            self._parts.append(sums.sum())
+    def add(self, squares: Optional[torch.Tensor]) -> None:
+        if squares is not None:
+            self._parts.append(squares.sum())
 
     def add_count(self, count: torch.Tensor) -> None:
         self._counts.append(count)
 
-    def alarm(self) -> Optional[torch.Tensor]:
-        """1 (int64, on the device) when a sum is not finite or a count is not 0, else 0; None with
-        nothing screened."""
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """A one-number loss a backward started from (screened, and summed into the step's loss)."""
+        loss = loss.detach().reshape(()).to(torch.float32)
+        self._parts.append(loss)
+        self._losses.append(loss)
+
+    def add_grads(self, squares: Optional[torch.Tensor], shares: Optional[torch.Tensor] = None) -> None:
+        """The gradients' sums of squares; `shares`: what each counts for in the norm of the whole
+        (1 / the ranks holding the same values: a replicated gradient is summed once per rank)."""
+        if squares is None:
+            return
+        self._parts.append(squares.sum())
+        self._grads.append(squares.sum() if shares is None else (squares * shares.to(squares.device)).sum())
+
+    def read(self, total) -> Optional[ScreenRead]:
+        """The one read (`total`: `agreement.total`, summing over the ranks); None with nothing
+        screened."""
         if not self._parts and not self._counts:
             return None
         device = (self._parts or self._counts)[0].device
@@ -92,7 +147,13 @@ class Screen:
                 alarm = ~torch.isfinite(torch.stack([p.to(device) for p in self._parts]).sum())
             if self._counts:
                 alarm = alarm | (torch.stack([c.to(device) for c in self._counts]).sum() > 0)
-            return alarm.to(torch.int64)
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            loss = torch.stack([v.to(device) for v in self._losses]).double().sum() if self._losses else zero
+            grads = torch.stack([g.to(device) for g in self._grads]).double().sum() if self._grads else zero
+            had = (float(bool(self._losses)), float(bool(self._grads)))
+            row = torch.stack([alarm.double(), loss, zero + had[0], grads, zero + had[1]])
+        alarmed, loss_sum, losses, squares, graded = total(row)
+        return ScreenRead(alarmed > 0, loss_sum / losses if losses else None, math.sqrt(squares) if graded else None)
 
 
 def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -117,7 +178,7 @@ def _local_real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-def same_sums(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+def same_screens(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     """Whether two screens are bitwise the same, NaN equal to NaN (how a replay shows it
     recomputed the step's forward exactly)."""
     if a is None or b is None:

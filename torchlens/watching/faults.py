@@ -11,7 +11,7 @@ from ..errors import ReproError, warn_safely
 from ..narration.grammar import plural
 from .replay import Outcome
 
-__all__ = ["Fault", "MEASURED"]
+__all__ = ["Fault", "MEASURED", "attempt", "save_inputs"]
 
 # the phases a fault is named in without a replay: a loss the loop computed outside the model (on
 # its autograd graph), and an optimizer's update (the parameters it wrote, read after it ran)
@@ -146,13 +146,13 @@ class Fault:
         """Leave the replay's page, its trace, the one-op repro and the step's inputs in `directory`.
         A file that cannot be written is said, not raised: the fault itself is the news."""
         os.makedirs(directory, exist_ok=True)
-        self.inputs = _attempt("saving the step's inputs",
-                               lambda: _save_inputs(forwards, os.path.join(directory, "inputs.pt")))
+        self.inputs = attempt("saving the step's inputs",
+                               lambda: save_inputs(forwards, os.path.join(directory, "inputs.pt")))
         if self.recording is None:
             return
-        self.html = _attempt("writing the replay's page",
+        self.html = attempt("writing the replay's page",
                              lambda: self.recording.to_html(os.path.join(directory, "replay.html")))
-        self.trace = _attempt("saving the replay", lambda: self.recording.save(os.path.join(directory, "replay.tl")))
+        self.trace = attempt("saving the replay", lambda: self.recording.save(os.path.join(directory, "replay.tl")))
         if self.phase == "forward":
             try:
                 self.repro = os.path.dirname(self.recording.repro(os.path.join(directory, "repro")))
@@ -172,13 +172,13 @@ def _location(event, text: str) -> str:
     return (" " + " ".join(parts)) if parts else ""
 
 
-def _save_inputs(forwards, path: str) -> str:
+def save_inputs(forwards, path: str) -> str:
     torch.save([{"args": f.args, "kwargs": f.kwargs, "rng_cpu": f.rng.cpu, "rng_cuda": f.rng.cuda}
                 for f in forwards], path)
     return path
 
 
-def _attempt(what: str, write):
+def attempt(what: str, write):
     try:
         return write()
     except Exception as exc:

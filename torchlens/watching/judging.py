@@ -13,8 +13,8 @@ import torch
 
 from ..narration.ranks import rank_and_world_size
 from . import roots, updates
-from .agreement import agree, first_rank_text, flag
-from .checks import Screen, nonfinite_positions, screen_sums
+from .agreement import agree, first_rank_text, flag, total
+from .checks import Screen, ScreenRead, nonfinite_positions, screen_squares, shares
 from .faults import Fault
 from .replay import Replays
 from .steps import StepRecord
@@ -32,7 +32,7 @@ class _Confirmed:
     def __init__(self, step: StepRecord, grads: List[int]):
         self.grads = grads
         self.forwards = [f.number for f in step.forwards
-                         if f.sums is not None and not bool(torch.isfinite(f.sums).all())]
+                         if f.squares is not None and not bool(torch.isfinite(f.squares).all())]
         self.roots = [root for root in step.roots if root.bad]
         self.loss_first = bool(self.roots) and not self.forwards
         self.loss_reads_inside = self.loss_first and any(root.ops.unscreened for root in self.roots)
@@ -52,20 +52,24 @@ class StepJudge:
         self.out, self.scaler = out, scaler
         self.false_alarms = 0
         self._collapsed = False  # the scale is below 1, a fault said once until it recovers
+        self.read: Optional[ScreenRead] = None  # what the last step's read said (for the spike check)
 
     def step_fault(self, step: StepRecord, number: int, outputs_only: bool) -> Optional[Fault]:
-        """Step `number`'s screens read as one number; on an alarm, the fault confirmed, then
+        """Step `number`'s screens read once (`read`); on an alarm, the fault confirmed, then
         replayed or, for a loss that went non-finite outside the model, named on the loss's graph."""
+        self.read = None
         if not step.forwards:
             return None
         grads = [] if outputs_only else [(i, p) for i, p in enumerate(self.params) if p.grad is not None]
         screen = Screen()
         for forward in step.forwards:
-            screen.add(forward.sums)
+            screen.add(forward.squares)
         for root in step.roots:
             root.screen(screen)
-        screen.add(screen_sums([p.grad for _, p in grads if p.grad is not None]))  # (all: `grads` has them)
-        if not agree(screen.alarm()):
+        gradients = [p.grad for _, p in grads if p.grad is not None]  # (all: `grads` has them)
+        screen.add_grads(screen_squares(gradients), shares(gradients, rank_and_world_size()[1]))
+        self.read = screen.read(total)
+        if self.read is None or not self.read.alarm:
             return None
         bad = _Confirmed(step, [grads[i][0] for i in nonfinite_positions([p.grad for _, p in grads
                                                                           if p.grad is not None])])
@@ -84,7 +88,7 @@ class StepJudge:
                 mine = bad.loss_first and fault.reproduced is not True
                 self._blame_loss(fault, bad.roots[0] if mine else None, replayed=True)
             elif fault.reproduced is False and not bad.grads and self.replays.false_output_alarm:
-                self.false_alarms += 1  # the outputs' sums overflowed; the exact replay saw finite outputs
+                self.false_alarms += 1  # the outputs' screen overflowed; the exact replay saw finite outputs
                 return None
         else:  # the loss went non-finite first, outside the model: nothing in the model to replay
             self._blame_loss(fault, bad.roots[0] if bad.loss_first else None, replayed=False)
@@ -134,8 +138,9 @@ class StepJudge:
         the rank that did."""
         check = self.updates
         assert check is not None  # (its hook is registered only with the update check)
-        indices, sums = check.screen(optimizer)
-        if not agree(None if sums is None else ~torch.isfinite(sums.sum())):
+        indices, squares = check.screen(optimizer)
+        check.screened(optimizer, max(steps - 1, 0), indices, squares)
+        if not agree(None if squares is None else ~torch.isfinite(squares.sum())):
             check.checked(optimizer)
             return None
         written = check.written(optimizer, indices)
@@ -158,10 +163,18 @@ class StepJudge:
         return fault
 
     def _write(self, fault: Fault, step: StepRecord) -> Fault:
-        """Leave the fault's files in `out`/step-N (under rank-R/ under a process group)."""
-        rank, world = rank_and_world_size()
-        fault.write(os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{fault.step}"), step.forwards)
+        fault.write(self.directory(fault.step), step.forwards)
         return fault
+
+    def directory(self, step: int) -> str:
+        """Where step `step`'s files go: `out`/step-N (under rank-R/ under a process group)."""
+        rank, world = rank_and_world_size()
+        return os.path.join(self.out, f"rank-{rank}" if world > 1 else "", f"step-{step}")
+
+    @property
+    def rank(self) -> Optional[int]:
+        """This process's rank under a process group of several, else None."""
+        return _this_rank()
 
 
 def _this_rank() -> Optional[int]:

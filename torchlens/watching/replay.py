@@ -11,7 +11,7 @@ it was: the parameters' gradients (set aside, not copied), the generators' state
 and written back after) and the modules' training flags.
 
 The replay shows it was exact where it can: each forward's outputs are screened as the step's
-were, and the sums must match bit for bit (NaN equal to NaN); an argument the caller changed in
+were, and the screens must match bit for bit (NaN equal to NaN); an argument the caller changed in
 place after the forward is counted. What does not match is said, never assumed.
 """
 
@@ -32,10 +32,10 @@ from ..narration.ranks import rank_and_world_size
 from ..options import NarrationOptions
 from ..recording import Recorder
 from .agreement import agree, flag
-from .checks import floating_leaves, nonfinite_positions, same_sums, screen_sums
+from .checks import floating_leaves, nonfinite_positions, same_screens, screen_squares
 from .steps import StepRecord, WatchedForward, autocast_as
 
-__all__ = ["Outcome", "Replays", "replay_step"]
+__all__ = ["Outcome", "Replays", "replay_step", "run_forwards", "user_state_kept"]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -90,7 +90,7 @@ def _backward_plan(forwards: List[WatchedForward]) -> Dict[int, List[Tuple[int, 
 
 
 @contextlib.contextmanager
-def _user_state_kept(model: nn.Module, params: List[torch.Tensor], modules: List[nn.Module]):
+def user_state_kept(model: nn.Module, params: List[torch.Tensor], modules: List[nn.Module]):
     """Set the gradients aside for the replay's own; afterwards put back the gradients, the
     generators' states, the buffers' values and the training flags."""
     grads = [p.grad for p in params]
@@ -121,31 +121,21 @@ def replay_step(model: nn.Module, forwards: List[WatchedForward], params: List[t
     if changed:
         outcome.notes.append(f"{plural(changed, 'input tensor')} changed in place after "
                              f"the step's forward: the replay ran on the changed values")
-    plan = _backward_plan(forwards)
-    last_forward = {task: max(index for index, _, _ in entries) for task, entries in plan.items()}
     inexact = 0
-    with _user_state_kept(model, params, modules):
+    with user_state_kept(model, params, modules):
         # narrated nowhere, with sites: the recordings render (page, trace) with each op's file:line
         quiet = NarrationOptions(sink=_discard, sites=True)
         recorder = Recorder(model, narrate=quiet, backward=True, on_nonfinite="track") if compiled is None else None
         with (recorder if recorder is not None else contextlib.nullcontext()):
-            outputs: List[List[torch.Tensor]] = []
-            for index, forward in enumerate(forwards):
-                for module, training in zip(modules, forward.modes):
-                    module.training = training
-                forward.rng.restore()
-                with autocast_as(forward.autocast), torch.enable_grad():
-                    output = (compiled if compiled is not None else model)(*forward.args, **forward.kwargs)
+            for index, leaves in enumerate(run_forwards(compiled if compiled is not None else model, forwards,
+                                                        modules)):
+                forward = forwards[index]
                 if compiled is not None:
                     outcome.recordings.append(compiled.torchlens.last_recording)
-                leaves = floating_leaves(output)
-                outputs.append(leaves)
-                if not same_sums(screen_sums(leaves), forward.sums):
+                if not same_screens(screen_squares(leaves), forward.squares):
                     inexact += 1
                 if nonfinite_positions(leaves):
                     outcome.nonfinite_outputs += 1
-                for task in [t for t, last in last_forward.items() if last == index]:
-                    _run_backward(plan[task], outputs)
         if recorder is not None:
             outcome.recordings, outcome.recorder = list(recorder.recordings), recorder
         grads = [p.grad for p in params if p.grad is not None]
@@ -157,10 +147,32 @@ def replay_step(model: nn.Module, forwards: List[WatchedForward], params: List[t
     missing = [f.dropped for f in forwards if f.dropped]
     if missing:
         outcome.notes.append(f"the backward was not replayed in full: {missing[0]}")
-    elif forwards and not plan:
+    elif forwards and not any(f.received for f in forwards):
         outcome.notes.append("no backward reached the model's outputs in the step: only the forwards were replayed")
     outcome.find(prefer)
     return outcome
+
+
+def run_forwards(model, forwards: List[WatchedForward], modules: List[nn.Module], backward: bool = True):
+    """Run the step's `forwards` again through `model`, each as it began (training flags, random
+    generators' states, autocast), on its own argument objects, yielding each one's floating
+    outputs; with `backward`, after each, the backwards that finished with it, fed the gradients
+    the step's own backwards sent into the outputs. The caller keeps the user's state
+    (`user_state_kept`)."""
+    plan = _backward_plan(forwards) if backward else {}
+    last_forward = {task: max(index for index, _, _ in entries) for task, entries in plan.items()}
+    outputs: List[List[torch.Tensor]] = []
+    for index, forward in enumerate(forwards):
+        for module, training in zip(modules, forward.modes):
+            module.training = training
+        forward.rng.restore()
+        with autocast_as(forward.autocast), torch.enable_grad():
+            output = model(*forward.args, **forward.kwargs)
+        leaves = floating_leaves(output)
+        outputs.append(leaves)
+        yield leaves
+        for task in [t for t, last in last_forward.items() if last == index]:
+            _run_backward(plan[task], outputs)
 
 
 def _discard(line: str) -> None:

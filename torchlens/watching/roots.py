@@ -107,7 +107,7 @@ class Root:
     def screen(self, screen: Screen) -> None:
         """Add this to the step's screen."""
         if self.value is not None:
-            screen.add(self.value.reshape(1).float())
+            screen.add_loss(self.value)
         else:
             assert self.count is not None  # (kept whenever the value is not)
             screen.add_count(self.count)

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.generators import RandomState
 from ..measure.memory import version
-from .checks import floating_leaves, screen_sums
+from .checks import floating_leaves, screen_squares
 
 __all__ = ["GradsSeen", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
 
@@ -56,7 +56,7 @@ def tensor_versions(value) -> Tuple[Tuple[torch.Tensor, Optional[int]], ...]:
 class WatchedForward:
     """One forward of a step, as the replay needs it (see the module's docstring)."""
 
-    __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "sums", "received",
+    __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "squares", "sizes", "received",
                  "received_bytes", "dropped", "loss_fed", "nodes", "output_nodes", "_first", "__weakref__")
 
     def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...], first_node: Optional[int]):
@@ -72,7 +72,8 @@ class WatchedForward:
         self.rng = RandomState()
         self.autocast = autocast_state()
         self.modes = modes
-        self.sums: Optional[torch.Tensor] = None  # the outputs' screen
+        self.squares: Optional[torch.Tensor] = None  # the outputs' screen (their sums of squares)
+        self.sizes: Tuple[int, ...] = ()  # the outputs' element counts (with `squares`: their RMS)
         # graph task id -> {output position: the gradient it received} (a dict: insertion is run order)
         self.received: Dict[int, Dict[int, torch.Tensor]] = {}
         self.received_bytes = 0
@@ -93,7 +94,8 @@ class WatchedForward:
                 self.nodes = (self._first, next_node)
             except Exception:  # (torch no longer numbers its nodes so: the loss's ops go unnamed)
                 self.nodes = None
-        self.sums = screen_sums(leaves)
+        self.squares = screen_squares(leaves)
+        self.sizes = tuple(leaf.numel() for leaf in leaves)
         return leaves
 
 
@@ -111,9 +113,11 @@ class StepRecord:
     backward (to tell, at the next forward, that they were reset without an optimizer step: a step
     a GradScaler skipped, or a `zero_grad` before a step was taken)."""
 
-    __slots__ = ("forwards", "after_backward", "backwards", "roots")
+    __slots__ = ("forwards", "after_backward", "backwards", "roots", "number", "grad_norm")
 
     def __init__(self):
+        self.number: Optional[int] = None  # the training step it was, once judged
+        self.grad_norm: Optional[float] = None  # its gradients' norm, as its read said
         self.forwards: List[WatchedForward] = []
         self.roots: list = []  # `roots.Root`: what each backward into the model started from
         self.after_backward: Optional[GradsSeen] = None
@@ -141,6 +145,11 @@ class StepRecord:
         """The bytes of the gradients into the outputs the step keeps, all its forwards together
         (what the watch's `max_bytes` bounds)."""
         return sum(f.received_bytes for f in self.forwards)
+
+    @property
+    def batch_bytes(self) -> int:
+        """The bytes of the tensors among its forwards' arguments (its batch)."""
+        return sum(t.numel() * t.element_size() for f in self.forwards for t, _ in f.versions)
 
     @property
     def held_bytes(self) -> int:

@@ -19,12 +19,13 @@ before the update (docs/watch.md says so).
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..measure.memory import version
-from .checks import local, nonfinite_positions, screen_sums
+from .checks import local, nonfinite_positions, screen_squares
 
 __all__ = ["UpdateCheck", "Written", "describe", "origins"]
 
@@ -63,9 +64,17 @@ class UpdateCheck:
         self._before: Dict[int, Tuple[List[int], Optional[torch.Tensor]]] = {}
         # the first check, when the watch is made (not in a step): one sum each, one read
         self.versions: List[Optional[int]] = [version(p) for p in self.params]  # as of the last check
-        sums = screen_sums(self.params)
-        if sums is not None and not bool(torch.isfinite(sums.sum())):
+        squares = screen_squares(self.params)
+        if squares is not None and not bool(torch.isfinite(squares.sum())):
             self.held.update((i, "") for i in nonfinite_positions(self.params))
+        # per optimizer, the screen after its last update (the first: the watch's own check), and the
+        # one of the weights the last healthy step ran on (`mark_healthy`), each as (the step whose
+        # update it followed, None for the watch's check; the parameters; their sums of squares)
+        self.last: Dict[int, Tuple[Optional[int], List[int], torch.Tensor]] = {}
+        self.healthy: Dict[int, Tuple[Optional[int], List[int], torch.Tensor]] = {}
+        for opt, indices in self.indices.items():
+            if squares is not None and indices:
+                self.last[opt] = (None, indices, squares[indices])
 
     def judged_grads(self, bad: Sequence[int]) -> None:
         """The step's own check found the gradients of parameters `bad` non-finite (none: a new step)."""
@@ -76,13 +85,45 @@ class UpdateCheck:
         changed = [i for i in self.indices.get(id(optimizer), ()) if self.versions[i] != version(self.params[i])]
         for i in changed:
             self.held.pop(i, None)  # (learned again from this screen)
-        self._before[id(optimizer)] = (changed, screen_sums([self.params[i] for i in changed]))
+        self._before[id(optimizer)] = (changed, screen_squares([self.params[i] for i in changed]))
 
     def screen(self, optimizer) -> Tuple[List[int], Optional[torch.Tensor]]:
-        """After `optimizer`'s update: (the parameters screened, their sums), leaving out those
+        """After `optimizer`'s update: (the parameters screened, their sums of squares), leaving out those
         known to hold non-finite values already."""
         indices = [i for i in self.indices.get(id(optimizer), ()) if i not in self.held]
-        return indices, screen_sums([self.params[i] for i in indices])
+        return indices, screen_squares([self.params[i] for i in indices])
+
+    def screened(self, optimizer, step: int, indices: List[int], squares: Optional[torch.Tensor]) -> None:
+        """Keep the screen taken after `optimizer`'s update of step `step` (for `changed_most`)."""
+        if squares is not None:
+            self.last[id(optimizer)] = (step, indices, squares)
+
+    def mark_healthy(self) -> None:
+        """A healthy step ran on the weights as last screened: what `changed_most` compares with."""
+        self.healthy = dict(self.last)
+
+    def changed_most(self, names: Sequence[str], count: int = 3) -> Tuple[Optional[Tuple[int, int]],
+                                                                          List[Tuple[str, float, float]]]:
+        """((the first, the last step) of the updates since the last healthy step's weights,
+        [(name, norm then, norm now)]) for the `count` parameters whose norm they changed most, by
+        ratio (a host read: a spike's question); (None, []) when no update ran since."""
+        found: List[Tuple[float, str, float, float]] = []
+        span: Optional[Tuple[int, int]] = None
+        for key, (step, indices, after) in self.last.items():
+            if key not in self.healthy or step is None or self.healthy[key][2] is after:
+                continue
+            since, before_indices, before = self.healthy[key]
+            first = 0 if since is None else since + 1
+            span = (first, step) if span is None else (min(span[0], first), max(span[1], step))
+            position = {i: k for k, i in enumerate(before_indices)}
+            old, new = before.tolist(), after.tolist()
+            for k, i in enumerate(indices):
+                if i in position:
+                    a, b = math.sqrt(old[position[i]]), math.sqrt(new[k])
+                    ratio = max(a, b) / min(a, b) if min(a, b) > 0 else math.inf
+                    found.append((ratio, names[i], a, b))
+        found.sort(key=lambda item: -item[0])
+        return span, [(name, a, b) for _, name, a, b in found[:count]]
 
     def checked(self, optimizer) -> None:
         """The check of this update is done: note each parameter's version counter."""

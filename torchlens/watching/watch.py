@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import List, Literal, Protocol, Set, Union
+from typing import List, Literal, Optional, Protocol, Set, Union
 
 import torch
 from torch import nn
@@ -38,16 +38,18 @@ from torch import nn
 from ..core.guard import internal_error, is_stop
 from ..core.sites import find_user_site
 from ..core.structure import check_model
-from ..errors import NonFiniteError, OptionTypeError
+from ..errors import NonFiniteError, OptionTypeError, SpikeError
 from ..narration.grammar import plural
 from ..narration.sinks import checked_sink, open_sink
 from ..options import check_choice
 from ..torch_internals.engine import graph_task_id, queue_final_callback
 from . import options, roots, updates
 from .checks import floating_leaves
+from .explain import explain, record_step
 from .faults import Fault
 from .judging import StepJudge
 from .replay import Replays
+from .spikes import DEFAULT_RULE, Spike, SpikeCheck, SpikeRule
 from .steps import StepRecord, WatchedForward
 
 __all__ = ["Watch", "watch"]
@@ -56,7 +58,7 @@ __all__ = ["Watch", "watch"]
 
 def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str = "raise", check: str = "grads",
           narrate=True, replays: int = 2, max_bytes: int = options.DEFAULT_MAX_BYTES, scaler=None,
-          compiler="inductor") -> "Watch":
+          compiler="inductor", on_spike: Optional[str] = "report", spike: SpikeRule = DEFAULT_RULE) -> "Watch":
     """Watch every training step of `model` stepped by `optimizer` (one, or a list of them).
 
     ::
@@ -81,9 +83,15 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
     `max_bytes` bounds the gradients a step keeps (all its micro-batches) for a loss computed outside the model;
     `scaler` (a `GradScaler`) lets a collapsing scale count as a fault; `compiler` is what
     replays a compiled model whose eager replays find nothing.
+
+    A finite loss or gradients' norm far above its recent level (`spike`, a `SpikeRule`) is a
+    spike: replayed before the update, on its own batch and on the previous step's, it is called
+    the batch's or the weights' (the last update's), or transient, with the first module out of
+    range; `on_spike` decides as `on_fault` does ("raise": `tl.errors.SpikeError`), None to not
+    judge spikes. Its line goes to `narrate`, its batch, page and traces to `out`/step-N/.
     """
     return Watch(model, optimizer, out=out, on_fault=on_fault, check=check, narrate=narrate, replays=replays,
-                 max_bytes=max_bytes, scaler=scaler, compiler=compiler)
+                 max_bytes=max_bytes, scaler=scaler, compiler=compiler, on_spike=on_spike, spike=spike)
 
 
 class _Removable(Protocol):
@@ -105,9 +113,15 @@ class Watch:
 
     def __init__(self, model: nn.Module, optimizer, *, out="torchlens-watch", on_fault="raise", check="grads",
                  narrate=True, replays=2, max_bytes=options.DEFAULT_MAX_BYTES, scaler=None, compiler="inductor",
-                 step_hook: bool = True, close_on_raise: bool = False):
+                 on_spike: Optional[str] = "report", spike: SpikeRule = DEFAULT_RULE, step_hook: bool = True,
+                 close_on_raise: bool = False):
         check_model(model, "tl.watch")
         self.on_fault = check_choice("tl.watch on_fault", on_fault, options.ON_FAULT, takes="")
+        self.on_spike = (None if on_spike is None
+                         else check_choice("tl.watch on_spike", on_spike, options.ON_FAULT, takes="None or "))
+        if not isinstance(spike, SpikeRule):
+            raise OptionTypeError(f"tl.watch spike= takes a tl.watching.SpikeRule(window=, warmup=, rtol=, atol=, "
+                                  f"grad_rtol=), got {type(spike).__name__}")
         self.check = check_choice("tl.watch check", check, options.CHECKS, takes="")
         self.replays = options.check_count("replays", replays, 1)
         self.max_bytes = options.check_count("max_bytes", max_bytes, 0)
@@ -125,7 +139,11 @@ class Watch:
         self._modules = list(eager.modules())
         self._params, names = options.watched_parameters(self.optimizers, eager)
         self.faults: List[Fault] = []
+        self.spikes: List[Spike] = []
         self.steps = 0
+        self._spike_check = SpikeCheck(spike) if self.on_spike is not None else None
+        self._names = names
+        self._previous: Optional[StepRecord] = None  # the last healthy step, replayed against a spike
         self._step = StepRecord()
         self._open: Union[WatchedForward, _Unwatched, None] = None  # the forward running now
         self._depth = 0  # nested calls of the model inside its own forward
@@ -174,18 +192,22 @@ class Watch:
             handle.remove()
         self._handles = []
         self._step = StepRecord()
+        self._previous = None
         self._open = None
         if self._sink is not None:
             self._sink.close()
 
     @property
     def held_bytes(self) -> int:
-        """What the current step keeps alive that plain training would have freed (bytes)."""
-        return self._step.held_bytes
+        """What the watch keeps alive that plain training would have freed (bytes): the current
+        step's references, and, judging spikes, the previous step's, its batch counted whole."""
+        previous = self._previous
+        return self._step.held_bytes + (previous.held_bytes + previous.batch_bytes if previous is not None else 0)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<Watch {state}: {plural(self.steps, 'step')}, {plural(len(self.faults), 'fault')}>"
+        return (f"<Watch {state}: {plural(self.steps, 'step')}, {plural(len(self.faults), 'fault')}, "
+                f"{plural(len(self.spikes), 'spike')}>")
 
     # -- the hooks: what the step keeps, and where it ends --------------------------------------
 
@@ -346,9 +368,60 @@ class Watch:
             if is_stop(exc):
                 raise
             self._fail("checking the step", exc)
-        self.steps += 1
+        number, self.steps = self.steps, self.steps + 1
+        step.number = number
         if fault is not None:
             self._act(fault, clear=self.on_fault == "skip" and not skipped)
+            return
+        spike = None
+        if self._spike_check is not None and not skipped:
+            try:
+                spike = self._judge_spike(step, number)
+            except Exception as exc:
+                if is_stop(exc):
+                    raise
+                self._fail("checking the step for a spike", exc)
+                return
+        if spike is not None:
+            self._act_on_spike(spike)
+        elif self._spike_check is not None and not skipped:
+            self._previous = step
+            if self._updates is not None:
+                self._updates.mark_healthy()
+
+    def _judge_spike(self, step: StepRecord, number: int) -> Optional[Spike]:
+        """Step `number` (healthy) is a spike when its read says so; it is then explained by replay."""
+        check = self._spike_check
+        assert check is not None  # (called only when spikes are judged)
+        read = self._judge.read
+        step.grad_norm = read.grad_norm if read is not None else None
+        signal = check.judge(read)
+        if signal is None:
+            return None
+        spike = Spike(number, signal, self._judge.rank, check.rule.window)
+        updates = self._updates
+        self._replays.running = True
+        try:
+            explain(spike, step, self._previous, self._replays.eager, self._params, self._modules, check.rule,
+                    (lambda: updates.changed_most(self._names)) if updates is not None else (lambda: (None, [])))
+            recordings = self._recorded(step)
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            spike.why = f"the replay raised {type(exc).__name__}: {exc}"
+            recordings = []
+        finally:
+            self._replays.running = False
+        spike.write(self._judge.directory(number), step.forwards, recordings)
+        return spike
+
+    def _recorded(self, step: StepRecord) -> list:
+        """The spiking step and the previous one replayed under a `Recorder` with exact statistics,
+        for their saved traces."""
+        found = [("spike", record_step(self._replays.eager, step, self._params, self._modules))]
+        if self._previous is not None and not any(f.changed_inputs() for f in self._previous.forwards):
+            found.append(("healthy", record_step(self._replays.eager, self._previous, self._params, self._modules)))
+        return [(name, recording) for name, recording in found if recording is not None]
 
     def _after_update(self, optimizer, args, kwargs):
         """`optimizer`'s update has run: screen the parameters it holds (one sum each, one read)."""
@@ -384,6 +457,23 @@ class Watch:
             error = NonFiniteError(f"torchlens watch: {fault}")
             # (an attribute the watch gives the error it raises: `errors`, below `watching`, cannot name Fault)
             error.fault = fault  # type: ignore[attr-defined]
+            if self._close_on_raise:
+                self.close()
+            raise error
+
+    def _act_on_spike(self, spike: Spike) -> None:
+        self.spikes.append(spike)
+        if self._sink is not None:
+            try:
+                self._sink.write(f"!! watch: {spike}")
+            except Exception as exc:
+                internal_error("writing the watch's line", exc)
+        if self.on_spike == "skip":  # the update then changes nothing: no parameter has a gradient to apply
+            for p in self._params:
+                p.grad = None
+        elif self.on_spike == "raise":
+            error = SpikeError(f"torchlens watch: {spike}")
+            error.spike = spike  # type: ignore[attr-defined]
             if self._close_on_raise:
                 self.close()
             raise error

@@ -1,0 +1,289 @@
+"""A spike explained by replay, before the update: the batch or the weights, and where.
+
+Two replays on the weights the spiking step saw (the optimizer has not run), each with every
+module's output and output gradient measured (`Probe`: their RMS, one read at the end):
+
+1. **the spiking step itself.** If its outputs (or, for a gradients' spike, its gradients' norm)
+   do not come out as the step's did, the spike did not reproduce: **transient** (a
+   nondeterministic kernel, a race, the hardware), and its batch is saved;
+2. **the previous, healthy step's batch.** The watch kept its references (arguments, generators'
+   states, the gradients sent into its outputs), as it keeps the current step's. If these weights
+   give that batch the outputs it had when it ran (each within the rule's `factor`, either way;
+   a loss the model returns is one of them), the weights are sound and **the batch** made the
+   spike; then the first module, in the order the values were computed, whose output (for a
+   gradients' spike: whose gradient) on the spiking batch is out of that factor of the healthy
+   batch's is named, with both RMS. If they do not, **the weights** made it: the last update, with
+   the parameters whose norm it changed most (the norms come from the update check's screens,
+   sums of squares taken after every update, so nothing is copied to know them).
+
+A replay that cannot be the step (an input changed in place since) is said, not used.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..narration.ranks import rank_and_world_size
+from .agreement import agree, flag, values_by_rank
+from .checks import floating_leaves, screen_squares
+from .replay import run_forwards, user_state_kept
+from .spikes import Spike, SpikeRule, local_loss, number
+from .steps import StepRecord
+
+__all__ = ["Magnitudes", "Probe", "explain", "record_step"]
+
+# how close a replayed output's RMS must be to the step's to be the step's (a compiled step is
+# replayed eagerly: its outputs differ by rounding, far below any spike)
+_SAME = 1e-3
+
+
+class Magnitudes(NamedTuple):
+    """Per-module RMS in one replay: `outputs` [(module, RMS)] in the order the modules returned,
+    `gradients` [(module, RMS)] in the order their output gradients arrived. A module called more
+    than once is named once per call (`blocks.0 (call 2)`)."""
+
+    outputs: List[Tuple[str, float]]
+    gradients: List[Tuple[str, float]]
+    types: Dict[str, str]  # module -> its class's name
+
+
+class Probe:
+    """Forward hooks on every module of `model` while open: each call's floating outputs' sum of
+    squares (and their gradients', as they arrive), kept on the device until `magnitudes()`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._outputs: List[Tuple[str, torch.Tensor, int]] = []
+        self._grads: Dict[str, List] = {}  # module -> [squares, numel], in arrival order
+        self._calls: collections.Counter = collections.Counter()
+        self._types: Dict[str, str] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "Probe":
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_hook(functools.partial(self._returned, name or "(model)")))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _returned(self, name: str, module, args, output) -> None:
+        leaves = floating_leaves(output)
+        if not leaves:
+            return
+        self._calls[name] += 1
+        key = name if self._calls[name] == 1 else f"{name} (call {self._calls[name]})"
+        self._types[key] = type(module).__name__
+        squares = screen_squares(leaves)
+        assert squares is not None  # (there are leaves)
+        self._outputs.append((key, squares.sum(), sum(leaf.numel() for leaf in leaves)))
+        for leaf in leaves:
+            if leaf.requires_grad:
+                leaf.register_hook(functools.partial(self._gradient, key))
+
+    def _gradient(self, key: str, grad: torch.Tensor) -> None:
+        squares = screen_squares([grad])
+        assert squares is not None  # (one tensor)
+        entry = self._grads.setdefault(key, [torch.zeros((), device=squares.device), 0])
+        entry[0] = entry[0] + squares[0]
+        entry[1] += grad.numel()
+
+    def magnitudes(self) -> Magnitudes:
+        """The RMS of each module's outputs and gradients (one host read)."""
+        parts = [s for _, s, _ in self._outputs] + [entry[0] for entry in self._grads.values()]
+        values = torch.stack([p.to(parts[0].device).float() for p in parts]).tolist() if parts else []
+        sizes = [n for _, _, n in self._outputs] + [entry[1] for entry in self._grads.values()]
+        rms = [math.sqrt(v / n) if n else 0.0 for v, n in zip(values, sizes)]
+        count = len(self._outputs)
+        return Magnitudes([(key, r) for (key, _, _), r in zip(self._outputs, rms[:count])],
+                          list(zip(self._grads, rms[count:])), dict(self._types))
+
+
+class _Replayed(NamedTuple):
+    """One probed replay: the magnitudes, each forward's outputs' RMS, the gradients' norm."""
+
+    magnitudes: Magnitudes
+    outputs: List[List[Tuple[float, bool]]]  # per forward: (RMS, whether it is a one-number loss)
+    grad_norm: Optional[float]
+
+
+def _replay(model: nn.Module, step: StepRecord, params: List[torch.Tensor], modules: List[nn.Module]) -> _Replayed:
+    outputs: List[List[Tuple[float, bool]]] = []
+    with user_state_kept(model, params, modules), Probe(model) as probe:
+        kept = []
+        for leaves in run_forwards(model, step.forwards, modules):
+            kept.append((screen_squares(leaves), [(leaf.numel(), leaf.dim() == 0) for leaf in leaves]))
+        grads = [p.grad for p in params if p.grad is not None]
+        squares = screen_squares(grads)
+        norm = math.sqrt(float(squares.sum())) if squares is not None else None
+    for squares, shapes in kept:
+        values = squares.tolist() if squares is not None else []
+        outputs.append([(math.sqrt(v / n) if n else 0.0, loss) for v, (n, loss) in zip(values, shapes)])
+    return _Replayed(probe.magnitudes(), outputs, norm)
+
+
+def _as_run(step: StepRecord) -> List[List[float]]:
+    """Each forward's outputs' RMS as the step computed them (from its screens: one read)."""
+    found = []
+    for forward in step.forwards:
+        values = forward.squares.tolist() if forward.squares is not None else []
+        sizes = forward.sizes
+        found.append([math.sqrt(v / n) if n else 0.0 for v, n in zip(values, sizes)])
+    return found
+
+
+def _outputs_text(rms: float, is_loss: bool) -> str:
+    return f"the loss it returns {number(rms)}" if is_loss else f"output RMS {number(rms)}"
+
+
+def _first_apart(replayed: List[List[Tuple[float, bool]]], reference: List[List[float]],
+                 close: Callable[[float, float], bool]) -> Optional[Tuple[float, bool, float]]:
+    """The first output of `replayed` that is not `close` to `reference`'s: (its RMS, whether a
+    loss, the reference's RMS); None when all are."""
+    for outputs, ref in zip(replayed, reference):
+        for (rms, is_loss), expected in zip(outputs, ref):
+            if not close(rms, expected):
+                return rms, is_loss, expected
+    return None
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= _SAME * max(abs(a), abs(b)) or (math.isnan(a) and math.isnan(b))
+
+
+def _within(factor: float) -> Callable[[float, float], bool]:
+    def close(a: float, b: float) -> bool:
+        if a == b:
+            return True
+        if not (math.isfinite(a) and math.isfinite(b)) or a <= 0 or b <= 0:
+            return False
+        return max(a / b, b / a) <= factor
+
+    return close
+
+
+def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], model: nn.Module,
+            params: List[torch.Tensor], modules: List[nn.Module], rule: SpikeRule,
+            changed_most: Callable[[], Tuple[Optional[Tuple[int, int]], list]]) -> None:
+    """Replay `step` and `previous` (see the module) and tell `spike` what they found."""
+    world = rank_and_world_size()[1]
+    if world > 1 and "loss" in spike.which:
+        losses = values_by_rank(local_loss(step.roots))
+        if any(v is not None for v in losses):
+            spike.batch_rank = max((v, r) for r, v in enumerate(losses) if v is not None)[1]
+    spiked = _replay(model, step, params, modules)
+    _transient(spike, spiked, step, grads=spike.which == "gradients" and world == 1)
+    # (every rank asks, whatever its own answer: under FSDP2 the replays are collectives)
+    cannot = _cannot_compare(previous)
+    if agree(flag(cannot)):
+        if spike.verdict is None:
+            spike.why = cannot or "another rank cannot replay its previous step"
+        spike.magnitudes = (spiked.magnitudes, None)
+        return
+    assert previous is not None  # (`_cannot_compare` says so otherwise)
+    healthy = _replay(model, previous, params, modules)
+    spike.magnitudes = (spiked.magnitudes, healthy.magnitudes)
+    if spike.verdict == "transient":
+        return
+    if not _weights(spike, healthy, previous, rule, world, changed_most):
+        spike.verdict = "batch"
+        first = healthy.outputs[0][0] if healthy.outputs and healthy.outputs[0] else None
+        ran = _as_run(previous)
+        spike.evidence = (f"the same weights give step {previous.number}'s batch what it had"
+                          + (f" ({_outputs_text(first[0], first[1])} against {number(ran[0][0])})" if first else ""))
+        _where(spike, spiked.magnitudes, healthy.magnitudes, rule.factor, spike.which == "gradients")
+
+
+def _transient(spike: Spike, spiked: _Replayed, step: StepRecord, grads: bool) -> None:
+    """Call `spike` transient when its replay does not give the step's outputs (with `grads`: nor
+    its gradients' norm)."""
+    apart = _first_apart(spiked.outputs, _as_run(step), _same)
+    if apart is not None:
+        rms, is_loss, expected = apart
+        spike.verdict = "transient"
+        spike.evidence = (f"its replay gives {_outputs_text(rms, is_loss)} against the step's {number(expected)} "
+                          f"(a nondeterministic kernel, a race or the hardware)")
+    elif grads and spiked.grad_norm is not None and spike.grad_norm and not _same(spiked.grad_norm, spike.grad_norm):
+        spike.verdict = "transient"
+        spike.evidence = (f"its replay gives the gradients' norm {number(spiked.grad_norm)} against the step's "
+                          f"{number(spike.grad_norm)}")
+
+
+def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: SpikeRule, world: int,
+             changed_most) -> bool:
+    """Whether the weights made `spike`: they do not give the previous step's batch what it had
+    (its outputs; for a gradients' spike in one process, its gradients' norm). If so, `spike` is
+    told, with the updates since and the parameters whose norm they changed most."""
+    off = _first_apart(healthy.outputs, _as_run(previous), _within(rule.factor))
+    then = previous.grad_norm
+    grads_off = (spike.which == "gradients" and world == 1 and rule.grad_rtol is not None and then is not None
+                 and healthy.grad_norm is not None and not _within(1 + rule.grad_rtol)(healthy.grad_norm, then))
+    if off is None and not grads_off:
+        return False
+    spike.verdict = "weights"
+    if off is not None:
+        rms, is_loss, expected = off
+        spike.evidence = (f"the same weights give step {previous.number}'s batch {_outputs_text(rms, is_loss)} "
+                          f"against {number(expected)} when it ran")
+    else:
+        spike.evidence = (f"the same weights give step {previous.number}'s batch the gradients' norm "
+                          f"{number(healthy.grad_norm)} against {number(then)} when it ran")
+    span, spike.parameters = changed_most()
+    if span is not None:
+        spike.evidence += (f": the update of step {span[0]} made them so" if span[0] == span[1]
+                           else f": the updates of steps {span[0]}-{span[1]} made them so")
+    else:
+        spike.notes.append("no update was screened since that step: the parameters that changed are not known")
+    return True
+
+
+def record_step(model: nn.Module, step: StepRecord, params: List[torch.Tensor], modules: List[nn.Module]):
+    """`step` replayed under `Recorder(backward=True, value_stats="exact")`, narrated nowhere: the
+    `Recording` of its (first) forward, for its saved trace."""
+    from ..options import NarrationOptions
+    from ..recording import Recorder
+
+    quiet = NarrationOptions(sink=_discard, sites=True)
+    with user_state_kept(model, params, modules):
+        with Recorder(model, narrate=quiet, backward=True, value_stats="exact") as recorder:
+            for _ in run_forwards(model, step.forwards, modules):
+                pass
+    return recorder.recordings[0] if recorder.recordings else None
+
+
+def _discard(line: str) -> None:
+    """The traces' sink: their lines are rendered again from the recordings when asked for."""
+
+
+def _cannot_compare(previous: Optional[StepRecord]) -> Optional[str]:
+    """Why the previous step cannot be replayed, or None."""
+    if previous is None or not previous.forwards:
+        return "no healthy step before it was kept to compare with"
+    changed = sum(f.changed_inputs() for f in previous.forwards)
+    if changed:
+        return f"the previous step's batch was changed in place since ({changed} input tensors): its replay is not it"
+    return None
+
+
+def _where(spike: Spike, spiked: Magnitudes, healthy: Magnitudes, factor: float, gradients: bool) -> None:
+    """Name the first module, in the order computed, whose RMS on the spiking batch is out of
+    `factor` of the healthy batch's (outputs; for a gradients' spike, gradients)."""
+    measured = "gradient" if gradients else "output"
+    values, reference = (spiked.gradients, dict(healthy.gradients)) if gradients else (spiked.outputs,
+                                                                                      dict(healthy.outputs))
+    close = _within(factor)
+    for module, rms in values:
+        if module in reference and not close(rms, reference[module]):
+            spike.module, spike.measured, spike.value, spike.healthy = module, measured, rms, reference[module]
+            spike.module_type = spiked.types.get(module)
+            return
+    spike.notes.append(f"no module's {measured} left the range the previous batch gives: what spiked is what the "
+                       f"loss reads besides the model's outputs (its labels, say)")

@@ -1,0 +1,251 @@
+"""Loss spikes: a finite loss, or gradients' norm, far above its recent level.
+
+The step's one read already brings both numbers (`checks.ScreenRead`: the losses its backwards
+started from, and the norm of its gradients, which the sums of squares of the screen give for
+nothing more), so judging them costs a comparison on the host. Each is judged against the median
+of its last `window` values (a median: one earlier spike in the window does not move it), once
+`warmup` steps have been seen. A loss spikes when it exceeds that level by more than `rtol` times
+the level's size and by more than `atol` (Lightning's `SpikeDetection` words: `rtol=2` is three
+times the level); the gradients' norm when it exceeds its level by more than `grad_rtol` times it
+(their norm is noisier than the loss in healthy training). Every finite value enters its window,
+a spike's too, so that a lasting change of level stops being called a spike once it is the median.
+
+What a spike is found to be (the batch, the weights, a transient) is `explain`'s work.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import statistics
+from typing import Deque, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from ..errors import OptionTypeError, OptionValueError
+from .checks import ScreenRead
+from .faults import attempt, save_inputs
+
+__all__ = ["DEFAULT_RULE", "Signal", "Spike", "SpikeCheck", "SpikeRule", "local_loss", "number"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeRule:
+    """When a step's loss or gradients' norm is a spike (`tl.watch(spike=SpikeRule(...))`).
+
+    - `window`: the steps whose median is the level a value is judged against (20);
+    - `warmup`: the steps seen before any is judged (20: the first steps' fall is no spike);
+    - `rtol`, `atol`: a loss spikes when `loss - level > max(rtol * |level|, atol)` (2.0, 0.0);
+    - `grad_rtol`: the gradients' norm spikes when `norm - level > grad_rtol * level` (9.0: ten
+      times its level), None to judge the loss alone.
+    """
+
+    window: int = 20
+    warmup: int = 20
+    rtol: float = 2.0
+    atol: float = 0.0
+    grad_rtol: Optional[float] = 9.0
+
+    def __post_init__(self):
+        for name in ("window", "warmup"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise OptionTypeError(f"SpikeRule {name}= takes an integer, got {value!r}")
+            if value < 1:
+                raise OptionValueError(f"SpikeRule {name}={value}: it must be at least 1")
+        for name in ("rtol", "atol", "grad_rtol"):
+            value = getattr(self, name)
+            if value is None and name == "grad_rtol":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise OptionTypeError(f"SpikeRule {name}= takes a number, got {value!r}")
+            if not value >= 0 or math.isinf(value):
+                raise OptionValueError(f"SpikeRule {name}={value}: it must be a finite number, 0 or more")
+
+    @property
+    def factor(self) -> float:
+        """How far a module's magnitude may be from the healthy replay's, either way, and still be
+        in its range (the loss's relative tolerance, as a ratio: 3 by default)."""
+        return 1.0 + self.rtol
+
+
+DEFAULT_RULE = SpikeRule()
+
+
+class Signal(NamedTuple):
+    """What spiked at a step: the loss and its level, the gradients' norm and its level (None
+    where not judged), and `which`: "loss", "gradients" or "loss and gradients"."""
+
+    loss: Optional[float]
+    loss_level: Optional[float]
+    grad_norm: Optional[float]
+    grad_level: Optional[float]
+    which: str
+
+
+class _Level:
+    """The last `window` finite values of one number, and their median."""
+
+    def __init__(self, window: int):
+        self.values: Deque[float] = collections.deque(maxlen=window)
+        self.seen = 0
+
+    def median(self) -> Optional[float]:
+        return statistics.median(self.values) if self.values else None
+
+    def add(self, value: Optional[float]) -> None:
+        if value is not None and math.isfinite(value):
+            self.values.append(value)
+            self.seen += 1
+
+
+class SpikeCheck:
+    """The spike rule applied step by step: `judge(read)` gives the step's `Signal` when it spiked."""
+
+    def __init__(self, rule: SpikeRule):
+        self.rule = rule
+        self.loss = _Level(rule.window)
+        self.grads = _Level(rule.window)
+
+    def judge(self, read: Optional[ScreenRead]) -> Optional[Signal]:
+        """Judge a step's read (then add its values to their windows)."""
+        if read is None:
+            return None
+        rule = self.rule
+        loss_level, grad_level = self.loss.median(), self.grads.median()
+        loss_spiked = (read.loss is not None and loss_level is not None and self.loss.seen >= rule.warmup
+                       and read.loss - loss_level > max(rule.rtol * abs(loss_level), rule.atol))
+        grad_spiked = (rule.grad_rtol is not None and read.grad_norm is not None and grad_level is not None
+                       and self.grads.seen >= rule.warmup and not math.isnan(read.grad_norm)
+                       and read.grad_norm - grad_level > rule.grad_rtol * grad_level)
+        self.loss.add(read.loss)
+        self.grads.add(read.grad_norm)
+        if not (loss_spiked or grad_spiked):
+            return None
+        which = "loss and gradients" if loss_spiked and grad_spiked else "loss" if loss_spiked else "gradients"
+        return Signal(read.loss, loss_level, read.grad_norm, grad_level, which)
+
+
+def number(value: Optional[float]) -> str:
+    """A magnitude as a line shows it: 3 significant digits."""
+    if value is None:
+        return "?"
+    return f"{value:.3g}"
+
+
+class Spike:
+    """One spike the watch caught, and what its replays found.
+
+    - `step`: the training step (counted from 0), `rank`: this process's rank under a process group;
+    - `loss`, `loss_level`, `grad_norm`, `grad_level`: the step's values and their levels (the
+      medians of their windows); `which`: what spiked ("loss", "gradients", "loss and gradients");
+    - `verdict`: "batch" (the same weights give the previous step's batch what it had), "weights"
+      (they do not: the last update made them so), "transient" (the replay of the step does not
+      spike), or None when the replays could not tell (`why` says why);
+    - `evidence`: the comparison the verdict rests on, in words;
+    - `module`, `measured`, `value`, `healthy`, `ratio`: the first module whose output
+      (`measured="output"`) or gradient (`"gradient"`), in the order it was computed, left the range
+      the previous step's batch gives on the same weights: its RMS on this batch and on that one;
+    - `parameters`: for a "weights" verdict, (name, norm before, norm after) of the parameters whose
+      norm the last update changed most;
+    - `batch_rank`: under a process group, the rank whose loss spiked most (its batch);
+    - `notes`; `inputs`, `html`, `traces`: paths under `out/step-N/` (the batch, the page, the
+      replays' saved traces).
+    """
+
+    def __init__(self, step: int, signal: Signal, rank: Optional[int], window: int):
+        self.step, self.rank, self.window = step, rank, window
+        self.loss, self.loss_level = signal.loss, signal.loss_level
+        self.grad_norm, self.grad_level = signal.grad_norm, signal.grad_level
+        self.which = signal.which
+        self.verdict: Optional[str] = None
+        self.why: Optional[str] = None
+        self.evidence: Optional[str] = None
+        self.module: Optional[str] = None
+        self.module_type: Optional[str] = None
+        self.measured: Optional[str] = None
+        self.value: Optional[float] = None
+        self.healthy: Optional[float] = None
+        self.parameters: List[Tuple[str, float, float]] = []
+        self.batch_rank: Optional[int] = None
+        self.notes: List[str] = []
+        self.inputs: Optional[str] = None
+        self.html: Optional[str] = None
+        self.traces: List[str] = []
+        # (`explain.Magnitudes` of the spike's batch, of the healthy one or None), for the page
+        self.magnitudes: Optional[tuple] = None
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.value is None or self.healthy is None:
+            return None
+        return self.value / self.healthy if self.healthy else math.inf
+
+    def seen(self) -> str:
+        """What the check saw: the values against their levels."""
+        parts = []
+        if "loss" in self.which:
+            parts.append(f"loss {number(self.loss)} against {number(self.loss_level)}")
+        if "gradients" in self.which:
+            parts.append(f"gradients' norm {number(self.grad_norm)} against {number(self.grad_level)}")
+        return " and ".join(parts) + f" (the median of the last {self.window} steps)"
+
+    def where(self) -> Optional[str]:
+        if self.module is None:
+            return None
+        kind = f" ({self.module_type})" if self.module_type else ""
+        return (f"first out of range: {self.module}{kind}: {self.measured} RMS {number(self.value)} against "
+                f"{number(self.healthy)} (x{number(self.ratio)})")
+
+    def __str__(self) -> str:
+        rank = f"rank {self.rank} " if self.rank is not None else ""
+        text = f"{rank}step {self.step}: a {self.which} spike: {self.seen()}"
+        if self.verdict == "transient":
+            text += f"; transient: {self.evidence}"
+        elif self.verdict is not None:
+            whose = f" of rank {self.batch_rank}" if self.verdict == "batch" and self.batch_rank not in (
+                None, self.rank) else ""
+            text += f"; the {self.verdict}{whose}: {self.evidence}"
+        else:
+            text += f"; not explained: {self.why}"
+        if self.where():
+            text += f"; {self.where()}"
+        if self.parameters:
+            text += "; the norms that changed most since: " + ", ".join(
+                f"{name} {number(before)} -> {number(after)}" for name, before, after in self.parameters)
+        for note in self.notes:
+            text += f"; {note}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"<Spike step={self.step} {self.which} verdict={self.verdict} module={self.module}>"
+
+    def write(self, directory: str, forwards, recordings) -> None:
+        """Leave the batch (`torch.load`), the page and the replays' traces in `directory`; a file
+        that cannot be written is said, not raised."""
+        from ..view.spike_page import spike_page
+
+        os.makedirs(directory, exist_ok=True)
+        self.inputs = attempt("saving the spike's batch", lambda: save_inputs(forwards, os.path.join(directory,
+                                                                                                    "inputs.pt")))
+        for name, recording in recordings:
+            path = attempt(f"saving the {name} replay",
+                            lambda: recording.save(os.path.join(directory, f"{name}.tl")))  # noqa: B023
+            if path is not None:
+                self.traces.append(path)
+        self.html = attempt("writing the spike's page", lambda: _write_text(os.path.join(directory, "spike.html"),
+                                                                            spike_page(self)))
+
+
+def _write_text(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text)
+    return path
+
+
+def local_loss(roots) -> Optional[float]:
+    """This rank's loss of the step (its one-number roots summed; a host read: a spike's question)."""
+    values = [root.value for root in roots if root.value is not None]
+    return float(torch.stack([v.float().reshape(()) for v in values]).sum()) if values else None
