@@ -252,3 +252,61 @@ def test_ddp_ranks_stop_together_at_a_nan_loss_or_an_update_one_rank_made_and_na
     assert "on rank 1: NaN loss" in results[0]["loss"]["text"] and "on rank" not in results[1]["loss"]["text"]
     assert results[0]["update"]["text"].startswith("rank 0 step 3: non-finite values written by an update on "
                                                    "another rank; on rank 1: inf in fc.")
+
+
+class SpikyNet(nn.Module):
+    """A small MLP without normalization: a batch 1000x its scale reaches the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x))).pow(2).mean()
+
+
+def _spike_scenario(rank: int, workdir: str, wrap: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchlens.watching import SpikeRule
+
+    torch.manual_seed(0)
+    model = SpikyNet()
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.fc)
+        model = fully_shard(model)
+    else:
+        model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(100 + rank)
+    with tl.watch(model, optimizer, out=workdir, on_spike="skip", narrate=None,
+                  spike=SpikeRule(window=8, warmup=8)) as watch:
+        for step in range(12):
+            x = torch.randn(6, 4, generator=generator) * (1000 if step == 10 and rank == 1 else 1)
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    replicas_equal = None
+    if wrap == "ddp":  # (FSDP2's shards differ in size from rank to rank: nothing to compare)
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        gathered = [torch.zeros_like(weights) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, weights)
+        replicas_equal = all(torch.equal(gathered[0], g) for g in gathered)
+    return {"spikes": [(s.step, s.verdict, s.batch_rank, s.module) for s in watch.spikes],
+            "text": [str(s) for s in watch.spikes], "steps": watch.steps, "replicas_equal": replicas_equal}
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_a_spike_on_one_rank_is_judged_at_the_same_step_on_every_rank_and_its_batch_named(tmp_path, wrap):
+    results = run_ranks(_spike_scenario, 2, tmp_path, wrap)
+    for rank, result in enumerate(results):
+        [(step, verdict, batch_rank, module)] = result["spikes"]
+        assert (step, verdict, batch_rank) == (10, "batch", 1), result
+        assert result["steps"] == 12, result
+    assert results[1]["spikes"][0][3] == "fc", "the rank whose batch it was names the first module that saw it"
+    assert "the batch of rank 1" in results[0]["text"][0], results[0]["text"]
+    if wrap == "ddp":
+        assert results[0]["replicas_equal"], "both ranks skipped the spiking step's update together"

@@ -1,0 +1,267 @@
+"""`tl.watch` on loss spikes: a finite loss (or gradients' norm) far above its recent level is
+caught before the update, replayed on its own batch and on the previous step's, and called the
+batch's (with the first module out of range), the weights' (with the update and the parameters it
+changed most) or transient; `on_spike` decides what happens next."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchlens as tl
+from torchlens.errors import OptionTypeError, OptionValueError, SpikeError
+from torchlens.watching import SpikeRule
+
+RULE = SpikeRule(window=10, warmup=10)
+
+
+class ConvNet(nn.Module):
+    """A small conv net without normalization: an input 1000x its scale reaches the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3)
+        self.body = nn.Sequential(nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)))
+
+
+def _train(model, optimizer, steps: int, plant=None, tmp_path=None, compiled=False, **watch_keywords):
+    """Train `model` on random images for `steps` steps under a watch; `plant(step, x, optimizer)`
+    may change a batch or the learning rate. Returns (watch, losses, the narrated lines)."""
+    generator = torch.Generator().manual_seed(1)
+    log = io.StringIO()
+    runner = torch.compile(model, backend="eager") if compiled else model
+    losses = []
+    watch_keywords.setdefault("spike", RULE)
+    with tl.watch(runner, optimizer, out=tmp_path, narrate=log, **watch_keywords) as watch:
+        for step in range(steps):
+            x, y = torch.randn(4, 3, 12, 12, generator=generator), torch.randint(0, 5, (4,), generator=generator)
+            if plant is not None:
+                x = plant(step, x, optimizer)
+            loss = F.cross_entropy(runner(x), y)
+            losses.append(float(loss.detach()))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return watch, losses, log.getvalue()
+
+
+def _inputs_times_1000(at: int):
+    return lambda step, x, optimizer: x * 1000 if step == at else x
+
+
+def _learning_rate_times_1000(at: int):
+    def plant(step, x, optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * 1000 if step == at else 0.01
+        return x
+
+    return plant
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_batch_1000x_its_scale_is_called_the_batch_and_the_first_module_that_sees_it_is_named(tmp_path, compiled):
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch, losses, log = _train(model, optimizer, 16, _inputs_times_1000(13), tmp_path, compiled=compiled)
+    [spike] = watch.spikes
+    assert spike.step == 13 and "loss" in spike.which and spike.loss == pytest.approx(losses[13], rel=1e-5)
+    assert spike.verdict == "batch", spike
+    assert (spike.module, spike.module_type, spike.measured) == ("stem", "Conv2d", "output")
+    assert 500 < spike.ratio < 2000  # (the bias keeps it just off 1000)
+    assert "the batch: the same weights give step 12's batch what it had" in log and "first out of range: stem" in log
+    saved = torch.load(spike.inputs, weights_only=False)
+    assert torch.equal(saved[0]["args"][0], torch.load(spike.inputs, weights_only=False)[0]["args"][0])
+    assert float(saved[0]["args"][0].abs().max()) > 500, "the saved batch is the spiking one"
+    page = open(spike.html, encoding="utf-8").read()
+    assert "<svg" in page and "stem" in page and "the spiking batch" in page
+    names = sorted(os.path.basename(p) for p in spike.traces)
+    assert names == ["healthy.tl", "spike.tl"]
+    trace = tl.load(spike.traces[0])
+    assert any(event.is_op for event in trace.events)
+    assert watch.faults == [] and watch.steps == 16
+
+
+def test_a_learning_rate_1000x_for_one_step_is_called_the_weights_and_its_update_named(tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch, losses, log = _train(model, optimizer, 14, _learning_rate_times_1000(12), tmp_path)
+    spike = watch.spikes[0]
+    assert spike.step == 13, "the update of step 12 is what the loss of step 13 reads"
+    assert spike.verdict == "weights", spike
+    assert "the update of step 12 made them so" in spike.evidence
+    name, before, after = spike.parameters[0]
+    assert after / before > 2 or before / after > 2, spike.parameters
+    assert name in dict(model.named_parameters())
+
+
+def test_on_spike_raise_stops_before_the_update_and_skip_trains_on_without_it(tmp_path):
+    def run(on_spike):
+        torch.manual_seed(0)
+        model = ConvNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        seen = {}
+
+        def plant(step, x, optimizer):
+            if step == 13:
+                seen["before"] = [p.detach().clone() for p in model.parameters()]
+            if step == 14:
+                seen["after"] = [p.detach().clone() for p in model.parameters()]
+            return x * 1000 if step == 13 else x
+
+        try:
+            watch, _, log = _train(model, optimizer, 16, plant, tmp_path / str(on_spike), on_spike=on_spike)
+        except SpikeError as error:
+            return error, seen, model
+        return watch, seen, log
+
+    error, seen, model = run("raise")
+    assert isinstance(error, SpikeError) and error.spike.step == 13 and error.spike.verdict == "batch"
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], model.parameters())), "raised before the update"
+    watch, seen, _ = run("skip")
+    assert [s.step for s in watch.spikes] == [13] and watch.steps == 16
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["after"])), "skip: no update at the spike"
+    watch, seen, _ = run("report")
+    assert not all(torch.equal(a, b) for a, b in zip(seen["before"], seen["after"])), "report: the update ran"
+    watch, _, log = run(None)
+    assert watch.spikes == [] and log == ""
+
+
+class Flaky(nn.Module):
+    """Multiplies its output by 1000 at one call only: a glitch no replay repeats."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, h):
+        self.calls += 1
+        return h * 1000 if self.calls == self.at else h
+
+
+def test_a_spike_no_replay_repeats_is_called_transient_and_its_batch_saved(tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet()
+    model.body.insert(1, Flaky(at=14))  # (the 14th forward: step 13)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch, _, log = _train(model, optimizer, 16, None, tmp_path, on_spike="skip")
+    [spike] = watch.spikes
+    assert spike.step == 13 and spike.verdict == "transient", spike
+    assert "its replay gives output RMS" in spike.evidence and "against the step's" in spike.evidence
+    assert os.path.exists(spike.inputs)
+
+
+class SqrtNet(nn.Module):
+    """`sqrt` of a ReLU: a batch of tiny positive values makes its gradient huge while the loss
+    stays where it was (a spike of the gradients alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)).add(1e-30).sqrt())
+
+
+def test_a_spike_of_the_gradients_alone_is_judged_on_the_gradients_and_its_module_named(tmp_path):
+    torch.manual_seed(0)
+    model = SqrtNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE) as watch:
+        for step in range(14):
+            x = torch.rand(8, 4, generator=generator) + 0.5
+            if step == 12:  # a batch whose every pre-activation is about 1e-6: sqrt's slope there is 500
+                with torch.no_grad():
+                    target = torch.full((4,), 1e-6) - model.fc.bias
+                    x = torch.linalg.solve(model.fc.weight, target).expand(8, 4).clone()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    spike = watch.spikes[0]
+    assert spike.step == 12 and spike.which == "gradients", watch.spikes
+    assert spike.grad_norm > 10 * spike.grad_level
+    assert spike.verdict == "batch", spike
+    assert (spike.module, spike.measured) == ("fc", "gradient") and spike.ratio > 10, spike
+
+
+def test_healthy_noisy_training_of_a_transformers_model_reports_no_spike_at_the_defaults(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses, norms = [], []
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None) as watch:
+        for _ in range(300):
+            ids = torch.randint(0, 128, (2, 16), generator=generator)
+            loss = model(input_ids=ids, labels=ids).loss
+            losses.append(float(loss.detach()))
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert watch.spikes == [] and watch.faults == [] and watch.steps == 300
+    # the run is noisy: the rule saw variation it let pass
+    assert max(losses[20:]) / min(losses[20:]) > 1.04 and max(norms[20:]) / min(norms[20:]) > 1.5, (losses, norms)
+    assert not list(tmp_path.iterdir())
+
+
+def _gpt2_pattern_run(tmp_path, compiled: bool):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                 n_positions=64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    embed = model.get_input_embeddings()
+    runner = torch.compile(model, backend="eager") if compiled else model
+    generator = torch.Generator().manual_seed(0)
+    with tl.watch(runner, optimizer, out=tmp_path, narrate=None, spike=RULE) as watch:
+        for step in range(192):  # it learns to count: each next token is this one + 1
+            ids = (torch.randint(0, 64, (4, 1), generator=generator) + torch.arange(16)) % 64
+            embeddings = embed(ids).detach() * (1000 if step == 190 else 1)
+            runner(inputs_embeds=embeddings, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return watch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True])
+def test_on_gpt2_a_batch_of_embeddings_1000x_is_the_batch_and_the_first_module_after_them_is_named(
+        tmp_path, compiled):
+    watch = _gpt2_pattern_run(tmp_path, compiled)
+    [spike] = watch.spikes
+    assert spike.step == 190 and spike.verdict == "batch", spike
+    assert spike.module == "transformer.drop" and spike.ratio > 100, spike
+    assert spike.loss > 10 * spike.loss_level
+
+
+def test_bad_spike_options_are_typed_errors_that_name_the_fix():
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(OptionValueError, match="report"):
+        tl.watch(model, optimizer, on_spike="reprot")
+    with pytest.raises(OptionTypeError, match="SpikeRule"):
+        tl.watch(model, optimizer, spike={"window": 5})
+    with pytest.raises(OptionValueError, match="window=0"):
+        SpikeRule(window=0)
+    with pytest.raises(OptionTypeError, match="rtol"):
+        SpikeRule(rtol="2")
+    with pytest.raises(OptionValueError, match="atol"):
+        SpikeRule(atol=math.nan)
