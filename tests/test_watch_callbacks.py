@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchlens as tl
-from torchlens.errors import NonFiniteError
+from torchlens.errors import NonFiniteError, SpikeError
+from torchlens.watching import SpikeRule
 from torchlens.watching.callbacks import LightningWatch, TrainerWatch
 
 VOCAB = 48
@@ -263,3 +264,58 @@ def test_the_lightning_callback_raises_from_the_update_that_writes_nan(tmp_path)
     fault = caught.value.fault
     assert fault.step == 0 and fault.phase == "update" and "net.embed.weight (nan=" in fault.finding, fault.finding
     assert watch.faults == [fault] and not module._forward_hooks
+
+
+def test_the_transformers_callback_takes_the_spike_keywords_and_names_weights_written_outside_the_optimizer(
+        tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    class ScaleHead(transformers.TrainerCallback):
+        """At step 6, the output head's weights multiplied by 100 in place (not by the optimizer)."""
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 6:
+                with torch.no_grad():
+                    model.lm_head.weight.mul_(100)
+
+    watch = TrainerWatch(out=tmp_path / "watch", narrate=None, on_spike="raise", spike=SpikeRule(window=4, warmup=4))
+    trainer, model = _hf_trainer(tmp_path, watch, plant_at=-1, steps=8)
+    trainer.add_callback(ScaleHead())
+    with pytest.raises(SpikeError) as caught:
+        trainer.train()
+    spike = caught.value.spike
+    assert spike.step == 6 and spike.verdict == "weights", spike
+    assert "written outside the optimizer since its last update: lm_head.weight" in spike.evidence, spike
+    assert watch.spikes == [spike] and not model._forward_hooks, "the watch closes when training stops"
+
+
+def test_the_lightning_callback_takes_the_spike_keywords_and_names_the_batch_and_its_first_module(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.fc(x)))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 4, generator=generator), torch.randn(24, 1, generator=generator)
+    x[20:22] *= 1000  # batch 10
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2, shuffle=False)
+    watch = LightningWatch(out=tmp_path / "watch", narrate=None, on_spike="skip", spike=SpikeRule(window=6, warmup=6))
+    trainer = pl.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[watch])
+    trainer.fit(Module(), data)
+    [spike] = watch.spikes
+    assert spike.step == 10 and spike.verdict == "batch" and spike.module == "fc", spike

@@ -265,3 +265,25 @@ def test_bad_spike_options_are_typed_errors_that_name_the_fix():
         SpikeRule(rtol="2")
     with pytest.raises(OptionValueError, match="atol"):
         SpikeRule(atol=math.nan)
+
+
+def _judged(values, rule=SpikeRule()):
+    from torchlens.watching.checks import ScreenRead
+    from torchlens.watching.spikes import SpikeCheck
+
+    check = SpikeCheck(rule)
+    return [i for i, v in enumerate(values) if check.judge(ScreenRead(False, v, None)) is not None]
+
+
+def test_the_rule_flags_a_value_far_above_its_window_and_lets_skewed_noise_and_a_new_level_pass():
+    generator = torch.Generator().manual_seed(0)
+    steady = (2.0 + 0.1 * torch.randn(200, generator=generator)).tolist()
+    assert _judged(steady) == []
+    assert _judged(steady[:120] + [20.0] + steady[120:]) == [120]
+    assert _judged(steady[:5] + [20.0] + steady[5:]) == [], "nothing is judged during the warmup"
+    # small batches' losses are skewed: three times the median is ordinary, and not a spike
+    skewed = torch.empty(400).exponential_(generator=generator).tolist()
+    assert max(v / sorted(skewed)[200] for v in skewed) > 3 and _judged(skewed) == []
+    # a lasting change of level is called a spike until it is the window's median
+    shifted = _judged(steady[:100] + [v * 5 for v in steady[100:]])
+    assert shifted and shifted[0] == 100 and max(shifted) < 100 + SpikeRule().window

@@ -51,6 +51,10 @@ class _Watching:
     def faults(self):
         return self.watch.faults if self.watch is not None else []
 
+    @property
+    def spikes(self):
+        return self.watch.spikes if self.watch is not None else []
+
 
 @functools.lru_cache(maxsize=None)
 def _trainer_class():

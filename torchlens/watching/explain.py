@@ -172,7 +172,7 @@ def _within(factor: float) -> Callable[[float, float], bool]:
 
 def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], model: nn.Module,
             params: List[torch.Tensor], modules: List[nn.Module], rule: SpikeRule,
-            changed_most: Callable[[], Tuple[Optional[Tuple[int, int]], list]]) -> None:
+            changed_most: Callable[[], Tuple[Optional[Tuple[int, int]], list, List[str]]]) -> None:
     """Replay `step` and `previous` (see the module) and tell `spike` what they found."""
     world = rank_and_world_size()[1]
     if world > 1 and "loss" in spike.which:
@@ -236,8 +236,11 @@ def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: Spike
     else:
         spike.evidence = (f"the same weights give step {previous.number}'s batch the gradients' norm "
                           f"{number(healthy.grad_norm)} against {number(then)} when it ran")
-    span, spike.parameters = changed_most()
-    if span is not None:
+    span, spike.parameters, outside = changed_most()
+    if outside:
+        shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
+        spike.evidence += f": written outside the optimizer since its last update: {shown}"
+    elif span is not None:
         spike.evidence += (f": the update of step {span[0]} made them so" if span[0] == span[1]
                            else f": the updates of steps {span[0]}-{span[1]} made them so")
     else:

@@ -5,9 +5,12 @@ started from, and the norm of its gradients, which the sums of squares of the sc
 nothing more), so judging them costs a comparison on the host. Each is judged against the median
 of its last `window` values (a median: one earlier spike in the window does not move it), once
 `warmup` steps have been seen. A loss spikes when it exceeds that level by more than `rtol` times
-the level's size and by more than `atol` (Lightning's `SpikeDetection` words: `rtol=2` is three
-times the level); the gradients' norm when it exceeds its level by more than `grad_rtol` times it
-(their norm is noisier than the loss in healthy training). Every finite value enters its window,
+the level's size, by more than `atol` (Lightning's `SpikeDetection` words: `rtol=2` is three times
+the level) and by more than `spread` times the window's own spread (its median absolute deviation,
+scaled to a normal's standard deviation): the losses of small batches are skewed, and a loss
+three times its median is ordinary there, while a spike is far outside what the window has seen.
+The gradients' norm spikes when it exceeds its level by more than `grad_rtol` times it and
+`spread` times its spread. Every finite value enters its window,
 a spike's too, so that a lasting change of level stops being called a spike once it is the median.
 
 What a spike is found to be (the batch, the weights, a transient) is `explain`'s work.
@@ -35,17 +38,20 @@ __all__ = ["DEFAULT_RULE", "Signal", "Spike", "SpikeCheck", "SpikeRule", "local_
 class SpikeRule:
     """When a step's loss or gradients' norm is a spike (`tl.watch(spike=SpikeRule(...))`).
 
-    - `window`: the steps whose median is the level a value is judged against (20);
-    - `warmup`: the steps seen before any is judged (20: the first steps' fall is no spike);
-    - `rtol`, `atol`: a loss spikes when `loss - level > max(rtol * |level|, atol)` (2.0, 0.0);
-    - `grad_rtol`: the gradients' norm spikes when `norm - level > grad_rtol * level` (9.0: ten
-      times its level), None to judge the loss alone.
+    - `window`: the steps whose median is the level a value is judged against (50);
+    - `warmup`: the steps seen before any is judged (50: the first steps' fall is no spike, and
+      a window's median and spread need that many values to be steady);
+    - `rtol`, `atol`, `spread`: a loss spikes when `loss - level` is over `rtol * |level|`, `atol`
+      and `spread` times the window's spread (2.0, 0.0, 10.0);
+    - `grad_rtol`: the gradients' norm spikes when `norm - level` is over `grad_rtol * level` (9.0:
+      ten times its level) and `spread` times its spread; None to judge the loss alone.
     """
 
-    window: int = 20
-    warmup: int = 20
+    window: int = 50
+    warmup: int = 50
     rtol: float = 2.0
     atol: float = 0.0
+    spread: float = 10.0
     grad_rtol: Optional[float] = 9.0
 
     def __post_init__(self):
@@ -55,7 +61,7 @@ class SpikeRule:
                 raise OptionTypeError(f"SpikeRule {name}= takes an integer, got {value!r}")
             if value < 1:
                 raise OptionValueError(f"SpikeRule {name}={value}: it must be at least 1")
-        for name in ("rtol", "atol", "grad_rtol"):
+        for name in ("rtol", "atol", "spread", "grad_rtol"):
             value = getattr(self, name)
             if value is None and name == "grad_rtol":
                 continue
@@ -95,6 +101,13 @@ class _Level:
     def median(self) -> Optional[float]:
         return statistics.median(self.values) if self.values else None
 
+    def spread(self) -> float:
+        """The median absolute deviation from the median, as a normal's standard deviation."""
+        if len(self.values) < 2:
+            return 0.0
+        middle = statistics.median(self.values)
+        return 1.4826 * statistics.median(abs(v - middle) for v in self.values)
+
     def add(self, value: Optional[float]) -> None:
         if value is not None and math.isfinite(value):
             self.values.append(value)
@@ -116,10 +129,12 @@ class SpikeCheck:
         rule = self.rule
         loss_level, grad_level = self.loss.median(), self.grads.median()
         loss_spiked = (read.loss is not None and loss_level is not None and self.loss.seen >= rule.warmup
-                       and read.loss - loss_level > max(rule.rtol * abs(loss_level), rule.atol))
+                       and read.loss - loss_level > max(rule.rtol * abs(loss_level), rule.atol,
+                                                        rule.spread * self.loss.spread()))
         grad_spiked = (rule.grad_rtol is not None and read.grad_norm is not None and grad_level is not None
                        and self.grads.seen >= rule.warmup and not math.isnan(read.grad_norm)
-                       and read.grad_norm - grad_level > rule.grad_rtol * grad_level)
+                       and read.grad_norm - grad_level > max(rule.grad_rtol * grad_level,
+                                                             rule.spread * self.grads.spread()))
         self.loss.add(read.loss)
         self.grads.add(read.grad_norm)
         if not (loss_spiked or grad_spiked):

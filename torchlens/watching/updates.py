@@ -125,6 +125,11 @@ class UpdateCheck:
         found.sort(key=lambda item: -item[0])
         return span, [(name, a, b) for _, name, a, b in found[:count]]
 
+    def written_outside(self, names: Sequence[str]) -> List[str]:
+        """The parameters something other than an optimizer's update wrote since it was last
+        screened (their version counters moved; a write through `.data` does not move them)."""
+        return [names[i] for i, p in enumerate(self.params) if self.versions[i] != version(p)]
+
     def checked(self, optimizer) -> None:
         """The check of this update is done: note each parameter's version counter."""
         for i in self.indices.get(id(optimizer), ()):

@@ -403,7 +403,8 @@ class Watch:
         self._replays.running = True
         try:
             explain(spike, step, self._previous, self._replays.eager, self._params, self._modules, check.rule,
-                    (lambda: updates.changed_most(self._names)) if updates is not None else (lambda: (None, [])))
+                    (lambda: (*updates.changed_most(self._names), updates.written_outside(self._names)))
+                    if updates is not None else (lambda: (None, [], [])))
             recordings = self._recorded(step)
         except Exception as exc:
             if is_stop(exc):
