@@ -5,8 +5,10 @@
     python benchmarks/watch_bench.py --models gpt2 --modes plain,watch   # one model, two modes
 
 One step is the whole of a training step: `zero_grad`, forward, loss, backward and an AdamW
-update. The modes: plain (the baseline); `tl.watch(check="outputs")`; `tl.watch` (outputs and
-gradients, the default); `torch.autograd.detect_anomaly()`; transformers' `DebugUnderflowOverflow`
+update. The modes: plain (the baseline); `tl.watch(check="outputs")`; `tl.watch` (outputs,
+gradients and updates, the default, with spikes judged from a block's second step:
+`spike=SpikeRule(warmup=1)`, since each block makes its own watch); `tl.watch(on_spike=None)`
+(the same without the spike check); `torch.autograd.detect_anomaly()`; transformers' `DebugUnderflowOverflow`
 (forward hooks on every module); and `tl.recording.Recorder(backward=True, on_nonfinite="track")`,
 what the watch replays a faulty step under. All modes of a model run in one process on the same
 model and optimizer: after a warm-up, each mode runs a block of steps in turn (its watch, Recorder
@@ -38,7 +40,8 @@ MODES = [
     # name, description
     ("plain", "plain training step (baseline)"),
     ("watch_outputs", "tl.watch(check='outputs')"),
-    ("watch", "tl.watch() (outputs and gradients)"),
+    ("watch", "tl.watch() (outputs, gradients, updates, spikes)"),
+    ("watch_no_spikes", "tl.watch(on_spike=None)"),
     ("anomaly", "torch.autograd.detect_anomaly()"),
     ("underflow_overflow", "transformers DebugUnderflowOverflow"),
     ("track", "Recorder(backward=True, on_nonfinite='track')"),
@@ -126,7 +129,9 @@ def mode_context(mode: str, model: nn.Module, optimizer, out: str):
     if mode == "watch_outputs":
         return tl.watch(model, optimizer, check="outputs", out=out, narrate=None)
     if mode == "watch":
-        return tl.watch(model, optimizer, out=out, narrate=None)
+        return tl.watch(model, optimizer, out=out, narrate=None, spike=tl.watching.SpikeRule(warmup=1))
+    if mode == "watch_no_spikes":
+        return tl.watch(model, optimizer, out=out, narrate=None, on_spike=None)
     if mode == "anomaly":
         return torch.autograd.detect_anomaly()
     if mode == "underflow_overflow":
@@ -157,7 +162,8 @@ def bench_model(name, model, args, kwargs, loss_of, rounds: int, block: int, war
                 step(probe)
             seconds = time.perf_counter() - start
             if isinstance(context, tl.watching.Watch):
-                faults[mode] = faults.get(mode, 0) + len(context.faults) + context.false_alarms
+                # (what would make a block not a healthy step's cost: a fault, a false alarm, a spike)
+                faults[mode] = faults.get(mode, 0) + len(context.faults) + context.false_alarms + len(context.spikes)
         return seconds
 
     for mode, _ in chosen:

@@ -108,13 +108,16 @@ def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_
     assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]
     for result in report:
         rows = {row["mode"]: row for row in result["modes"]}
-        assert set(rows) == {"plain", "watch_outputs", "watch", "anomaly", "underflow_overflow", "track"}
+        assert set(rows) == {"plain", "watch_outputs", "watch", "watch_no_spikes", "anomaly", "underflow_overflow",
+                             "track"}
         assert all(0 < row["min_ms"] <= row["median_ms"] and row["multiplier"] > 0 for row in rows.values())
-        for mode in ("watch_outputs", "watch"):
-            # healthy steps: no fault, no false alarm, and what a step holds is the generators'
-            # states and the loss's scalar gradient, not a copy of the inputs or activations
+        for mode in ("watch_outputs", "watch", "watch_no_spikes"):
+            # healthy steps: no fault, no false alarm, no spike, and what a step holds is the
+            # generators' states and the loss's scalar gradient, not a copy of the activations
+            # (judging spikes, the previous step's too, and its batch: 12 KB on these models)
             assert rows[mode]["faults"] == 0, rows[mode]
             assert 0 < rows[mode]["held_bytes"] < 16 * 1024, rows[mode]
+        assert rows["watch_no_spikes"]["held_bytes"] < rows["watch"]["held_bytes"], "no previous step without spikes"
         assert rows["plain"]["held_bytes"] is None and rows["plain"]["multiplier"] == 1.0
 
 

@@ -302,8 +302,8 @@ def _spike_scenario(rank: int, workdir: str, wrap: str) -> dict:
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_a_spike_on_one_rank_is_judged_at_the_same_step_on_every_rank_and_its_batch_named(tmp_path, wrap):
     results = run_ranks(_spike_scenario, 2, tmp_path, wrap)
-    for rank, result in enumerate(results):
-        [(step, verdict, batch_rank, module)] = result["spikes"]
+    for result in results:
+        [(step, verdict, batch_rank, _)] = result["spikes"]
         assert (step, verdict, batch_rank) == (10, "batch", 1), result
         assert result["steps"] == 12, result
     assert results[1]["spikes"][0][3] == "fc", "the rank whose batch it was names the first module that saw it"

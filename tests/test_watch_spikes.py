@@ -267,11 +267,11 @@ def test_bad_spike_options_are_typed_errors_that_name_the_fix():
         SpikeRule(atol=math.nan)
 
 
-def _judged(values, rule=SpikeRule()):
+def _judged(values, rule=None):
     from torchlens.watching.checks import ScreenRead
     from torchlens.watching.spikes import SpikeCheck
 
-    check = SpikeCheck(rule)
+    check = SpikeCheck(rule or SpikeRule())
     return [i for i, v in enumerate(values) if check.judge(ScreenRead(False, v, None)) is not None]
 
 
@@ -287,3 +287,69 @@ def test_the_rule_flags_a_value_far_above_its_window_and_lets_skewed_noise_and_a
     # a lasting change of level is called a spike until it is the window's median
     shifted = _judged(steady[:100] + [v * 5 for v in steady[100:]])
     assert shifted and shifted[0] == 100 and max(shifted) < 100 + SpikeRule().window
+
+
+class NormedNet(nn.Module):
+    """BatchNorm (running statistics a replay would move) and dropout (masks a replay would draw)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_reported_spike_leaves_training_bitwise_what_it_is_without_the_watch(tmp_path):
+    def run(watched: bool):
+        torch.manual_seed(0)
+        model = NormedNet()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(3)
+        watch = tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE) if watched else None
+        for step in range(16):
+            x, y = torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+            for group in optimizer.param_groups:
+                group["lr"] = 10.0 if step == 12 else 1e-2
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if watch is not None:
+            watch.close()
+        state = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+        return state, torch.get_rng_state(), watch
+
+    plain, plain_rng, _ = run(False)
+    watched, watched_rng, watch = run(True)
+    assert watch.spikes and watch.spikes[0].step == 13, watch.spikes
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched)), "the replays changed the training"
+    assert torch.equal(plain_rng, watched_rng), "the replays drew from the global generator"
+
+
+class TwoInputs(nn.Module):
+    """Two inputs on two branches: a spike in the second is first seen by `side`, not by `main`."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.side, self.head = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x, z):
+        return self.head(torch.relu(self.main(x) + self.side(z)))
+
+
+def test_the_module_named_is_the_first_out_of_range_not_merely_the_first_that_ran(tmp_path):
+    torch.manual_seed(0)
+    model = TwoInputs()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE) as watch:
+        for step in range(14):
+            x, z = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
+            y = torch.randint(0, 3, (8,), generator=generator)
+            F.cross_entropy(model(x, z * (1000 if step == 12 else 1)), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [spike] = watch.spikes
+    assert (spike.step, spike.verdict, spike.module) == (12, "batch", "side"), spike
+    in_range = dict(spike.magnitudes[0].outputs)["main"] / dict(spike.magnitudes[1].outputs)["main"]
+    assert 1 / 3 < in_range < 3, "main ran first and stayed in range"

@@ -82,8 +82,8 @@ def _chart(series: Sequence[Tuple[str, float]], reference: dict, marked: Optiona
         lines.append(f'<circle cx="{x}" cy="{y}" r="5" fill="none" stroke="#c62828" stroke-width="2"/>')
         label = html.escape(marked)
         lines.append(f'<text x="{x}" y="{float(y) - 10:.1f}" font-size="12" fill="#c62828">{label}</text>')
-    axis = (f'<text x="4" y="{_PAD}" font-size="11">1e{high:.0f}</text>'
-            f'<text x="4" y="{_HEIGHT - _PAD}" font-size="11">1e{low:.0f}</text>'
+    axis = (f'<text x="4" y="{_PAD}" font-size="11">{10 ** high:.3g}</text>'
+            f'<text x="4" y="{_HEIGHT - _PAD}" font-size="11">{10 ** low:.3g}</text>'
             f'<text x="{_PAD}" y="{_HEIGHT - 12}" font-size="11">first module</text>'
             f'<text x="{_WIDTH - _PAD - 70}" y="{_HEIGHT - 12}" font-size="11">last module</text>'
             f'<text x="{_WIDTH - 260}" y="16" font-size="12"><tspan class="spike" fill="#c62828">the spiking batch'

@@ -405,7 +405,7 @@ class Watch:
             explain(spike, step, self._previous, self._replays.eager, self._params, self._modules, check.rule,
                     (lambda: (*updates.changed_most(self._names), updates.written_outside(self._names)))
                     if updates is not None else (lambda: (None, [], [])))
-            recordings = self._recorded(step)
+            recordings = self._recorded(step, healthy=spike.magnitudes is not None and spike.magnitudes[1] is not None)
         except Exception as exc:
             if is_stop(exc):
                 raise
@@ -416,11 +416,11 @@ class Watch:
         spike.write(self._judge.directory(number), step.forwards, recordings)
         return spike
 
-    def _recorded(self, step: StepRecord) -> list:
-        """The spiking step and the previous one replayed under a `Recorder` with exact statistics,
-        for their saved traces."""
+    def _recorded(self, step: StepRecord, healthy: bool) -> list:
+        """The spiking step and (`healthy`: when its probed replay ran, which the ranks agreed on)
+        the previous one replayed under a `Recorder` with exact statistics, for their saved traces."""
         found = [("spike", record_step(self._replays.eager, step, self._params, self._modules))]
-        if self._previous is not None and not any(f.changed_inputs() for f in self._previous.forwards):
+        if healthy and self._previous is not None:
             found.append(("healthy", record_step(self._replays.eager, self._previous, self._params, self._modules)))
         return [(name, recording) for name, recording in found if recording is not None]
 
