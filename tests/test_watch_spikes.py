@@ -349,7 +349,8 @@ def test_the_module_named_is_the_first_out_of_range_not_merely_the_first_that_ra
             F.cross_entropy(model(x, z * (1000 if step == 12 else 1)), y).backward()
             optimizer.step()
             optimizer.zero_grad()
-    [spike] = watch.spikes
+    spike, after = watch.spikes  # (reported: the spike's update ran, and the next step paid for it)
     assert (spike.step, spike.verdict, spike.module) == (12, "batch", "side"), spike
+    assert (after.step, after.verdict) == (13, "weights") and "the updates of steps 11-12" in after.evidence, after
     in_range = dict(spike.magnitudes[0].outputs)["main"] / dict(spike.magnitudes[1].outputs)["main"]
     assert 1 / 3 < in_range < 3, "main ran first and stayed in range"
