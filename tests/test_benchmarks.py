@@ -114,9 +114,10 @@ def test_quick_watch_benchmark_times_every_mode_and_the_watch_holds_no_copy(tmp_
         for mode in ("watch_outputs", "watch", "watch_no_spikes"):
             # healthy steps: no fault, no false alarm, no spike, and what a step holds is the
             # generators' states and the loss's scalar gradient, not a copy of the activations
-            # (judging spikes, the previous step's too, and its batch: 12 KB on these models)
+            # (judging spikes, the previous step's too, and its batch counted whole: the small conv
+            # net's 12 KB image; the activations would be hundreds of KB)
             assert rows[mode]["faults"] == 0, rows[mode]
-            assert 0 < rows[mode]["held_bytes"] < 16 * 1024, rows[mode]
+            assert 0 < rows[mode]["held_bytes"] < 32 * 1024, rows[mode]
         assert rows["watch_no_spikes"]["held_bytes"] < rows["watch"]["held_bytes"], "no previous step without spikes"
         assert rows["plain"]["held_bytes"] is None and rows["plain"]["multiplier"] == 1.0
 
