@@ -41,7 +41,8 @@ def _train(model, optimizer, steps: int, plant=None, tmp_path=None, compiled=Fal
     log = io.StringIO()
     runner = torch.compile(model, backend="eager") if compiled else model
     losses = []
-    watch_keywords.setdefault("spike", RULE)
+    if watch_keywords.get("on_spike", "report") is not None:
+        watch_keywords.setdefault("spike", RULE)
     with tl.watch(runner, optimizer, out=tmp_path, narrate=log, **watch_keywords) as watch:
         for step in range(steps):
             x, y = torch.randn(4, 3, 12, 12, generator=generator), torch.randint(0, 5, (4,), generator=generator)
@@ -259,6 +260,8 @@ def test_bad_spike_options_are_typed_errors_that_name_the_fix():
         tl.watch(model, optimizer, on_spike="reprot")
     with pytest.raises(OptionTypeError, match="SpikeRule"):
         tl.watch(model, optimizer, spike={"window": 5})
+    with pytest.raises(OptionValueError, match="on_spike=None"):
+        tl.watch(model, optimizer, on_spike=None, spike=SpikeRule(window=5))
     with pytest.raises(OptionValueError, match="window=0"):
         SpikeRule(window=0)
     with pytest.raises(OptionTypeError, match="rtol"):

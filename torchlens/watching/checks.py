@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["Screen", "ScreenRead", "floating_leaves", "local", "nonfinite_counts", "nonfinite_positions",
-           "same_screens", "screen_squares", "shares"]
+           "same_screens", "sample", "screen_squares", "shares"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -35,7 +35,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def shares(tensors: Sequence[torch.Tensor], world: int) -> Optional[torch.Tensor]:
+def shares(tensors: Sequence[torch.Tensor], world: int) -> Optional[List[float]]:
     """What each tensor's sum of squares counts for in the norm of the whole, summed over `world`
     ranks: 1 / the ranks that hold the same values. A plain tensor is replicated on every rank
     (DDP's gradients after their all-reduce); a DTensor is split in as many shards as its mesh's
@@ -53,7 +53,22 @@ def shares(tensors: Sequence[torch.Tensor], world: int) -> Optional[torch.Tensor
             if placement.is_shard():
                 shards *= mesh.size(dim)
         counts.append(max(world // shards, 1))
-    return 1.0 / torch.tensor(counts, dtype=torch.float32)
+    return [1.0 / count for count in counts]
+
+
+def sample(tensor: torch.Tensor, count: int = 64) -> torch.Tensor:
+    """Up to `count` of `tensor`'s values, at fixed places spread over every dimension (a strided
+    view, copied: a few dozen numbers, float32, on its device, no host read): what tells two
+    outputs of the same magnitude apart (a sign flipped, a direction changed)."""
+    with torch.no_grad():
+        tensor = local(tensor.detach())
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        if tensor.dim() == 0:
+            return tensor.reshape(1).float()
+        per_dim = max(2, round(count ** (1 / tensor.dim())))
+        view = tensor[tuple(slice(0, None, max(1, -(-size // per_dim))) for size in tensor.shape)]
+        return view.reshape(-1)[:count].float().clone()
 
 
 def floating_leaves(value) -> List[torch.Tensor]:
@@ -77,13 +92,16 @@ def _squares(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor).to(torch.float32).square()
 
 
-def screen_squares(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Each tensor's sum of squares, stacked (float32, on their device); None for no tensors.
-    Computed under `no_grad`: the check builds no graph, whatever the mode it runs in."""
+def screen_squares(tensors: Sequence[torch.Tensor], scales: Optional[Sequence[float]] = None) -> Optional[torch.Tensor]:
+    """Each tensor's sum of squares, stacked (float32, on their device), each times its `scales`
+    entry when given (a Python number: no copy to the device); None for no tensors. Computed
+    under `no_grad`: the check builds no graph, whatever the mode it runs in."""
     if not tensors:
         return None
     with torch.no_grad():
         sums = [_squares(t) for t in tensors]
+        if scales is not None:
+            sums = [s if scale == 1.0 else s * scale for s, scale in zip(sums, scales)]
         devices = {s.device for s in sums}
         if len(devices) > 1:  # tensors on several devices: gathered where the first one is
             sums = [s.to(sums[0].device) for s in sums]
@@ -127,18 +145,19 @@ class Screen:
         self._parts.append(loss)
         self._losses.append(loss)
 
-    def add_grads(self, squares: Optional[torch.Tensor], shares: Optional[torch.Tensor] = None) -> None:
-        """The gradients' sums of squares; `shares`: what each counts for in the norm of the whole
-        (1 / the ranks holding the same values: a replicated gradient is summed once per rank)."""
+    def add_grads(self, squares: Optional[torch.Tensor]) -> None:
+        """The gradients' sums of squares, each scaled by its share of the whole (`shares`)."""
         if squares is None:
             return
-        self._parts.append(squares.sum())
-        self._grads.append(squares.sum() if shares is None else (squares * shares.to(squares.device)).sum())
+        total = squares.sum()
+        self._parts.append(total)
+        self._grads.append(total)
 
     def read(self, total) -> Optional[ScreenRead]:
         """The one read (`total`: `agreement.total`, summing over the ranks); None with nothing
-        screened."""
-        if not self._parts and not self._counts:
+        screened here."""
+        if not self._parts and not self._counts:  # (the ranks still read together: one may have screens)
+            total(torch.zeros(5, dtype=torch.float64))
             return None
         device = (self._parts or self._counts)[0].device
         with torch.no_grad():

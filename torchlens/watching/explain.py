@@ -29,14 +29,17 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
+from ..core.guard import is_stop
+from ..narration.grammar import plural
 from ..narration.ranks import rank_and_world_size
 from .agreement import agree, flag, values_by_rank
-from .checks import floating_leaves, screen_squares
+from .checks import floating_leaves, sample, screen_squares
 from .replay import run_forwards, user_state_kept
 from .spikes import Spike, SpikeRule, local_loss, number
 from .steps import StepRecord
+from .updates import Weights
 
-__all__ = ["Magnitudes", "Probe", "explain", "record_step"]
+__all__ = ["Magnitudes", "Probe", "explain", "record_step", "recorded"]
 
 # how close a replayed output's RMS must be to the step's to be the step's (a compiled step is
 # replayed eagerly: its outputs differ by rounding, far below any spike)
@@ -108,26 +111,29 @@ class Probe:
 
 
 class _Replayed(NamedTuple):
-    """One probed replay: the magnitudes, each forward's outputs' RMS, the gradients' norm."""
+    """One probed replay: the magnitudes, each forward's outputs' RMS and samples, the gradients' norm."""
 
     magnitudes: Magnitudes
     outputs: List[List[Tuple[float, bool]]]  # per forward: (RMS, whether it is a one-number loss)
+    samples: List[List[torch.Tensor]]  # per forward: `checks.sample` of each output
     grad_norm: Optional[float]
 
 
 def _replay(model: nn.Module, step: StepRecord, params: List[torch.Tensor], modules: List[nn.Module]) -> _Replayed:
     outputs: List[List[Tuple[float, bool]]] = []
+    samples: List[List[torch.Tensor]] = []
     with user_state_kept(model, params, modules), Probe(model) as probe:
         kept = []
         for leaves in run_forwards(model, step.forwards, modules):
             kept.append((screen_squares(leaves), [(leaf.numel(), leaf.dim() == 0) for leaf in leaves]))
+            samples.append([sample(leaf) for leaf in leaves])
         grads = [p.grad for p in params if p.grad is not None]
         squares = screen_squares(grads)
         norm = math.sqrt(float(squares.sum())) if squares is not None else None
     for squares, shapes in kept:
         values = squares.tolist() if squares is not None else []
         outputs.append([(math.sqrt(v / n) if n else 0.0, loss) for v, (n, loss) in zip(values, shapes)])
-    return _Replayed(probe.magnitudes(), outputs, norm)
+    return _Replayed(probe.magnitudes(), outputs, samples, norm)
 
 
 def _as_run(step: StepRecord) -> List[List[float]]:
@@ -155,6 +161,23 @@ def _first_apart(replayed: List[List[Tuple[float, bool]]], reference: List[List[
     return None
 
 
+def _moved(replayed: List[List[torch.Tensor]], step: StepRecord) -> Optional[float]:
+    """How far the replayed outputs' samples are from the step's own, relative to the step's
+    (the largest over its outputs: 2 for a sign flipped); None when the step kept none."""
+    worst = None
+    for samples, forward in zip(replayed, step.forwards):
+        if forward.samples is None:
+            return None
+        for got, kept in zip(samples, forward.samples):
+            if got.shape != kept.shape:
+                continue
+            size = float(torch.linalg.vector_norm(kept))
+            apart = float(torch.linalg.vector_norm(got.to(kept.device) - kept))
+            distance = apart / size if size > 0 else (0.0 if apart == 0 else math.inf)
+            worst = distance if worst is None or not distance <= worst else worst
+    return worst
+
+
 def _same(a: float, b: float) -> bool:
     return abs(a - b) <= _SAME * max(abs(a), abs(b)) or (math.isnan(a) and math.isnan(b))
 
@@ -172,61 +195,109 @@ def _within(factor: float) -> Callable[[float, float], bool]:
 
 def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], model: nn.Module,
             params: List[torch.Tensor], modules: List[nn.Module], rule: SpikeRule,
-            changed_most: Callable[[], Tuple[Optional[Tuple[int, int]], list, List[str]]]) -> None:
-    """Replay `step` and `previous` (see the module) and tell `spike` what they found."""
+            weights: Callable[[], Weights]) -> None:
+    """Replay `step` and `previous` (see the module) and tell `spike` what they found. Under a
+    process group every rank asks each question the others ask, in the same order (the replays
+    are collectives under FSDP2), whatever its own answers."""
     world = rank_and_world_size()[1]
     if world > 1 and "loss" in spike.which:
         losses = values_by_rank(local_loss(step.roots))
         if any(v is not None for v in losses):
             spike.batch_rank = max((v, r) for r, v in enumerate(losses) if v is not None)[1]
-    spiked = _replay(model, step, params, modules)
-    _transient(spike, spiked, step, grads=spike.which == "gradients" and world == 1)
-    # (every rank asks, whatever its own answer: under FSDP2 the replays are collectives)
-    cannot = _cannot_compare(previous)
-    if agree(flag(cannot)):
-        if spike.verdict is None:
-            spike.why = cannot or "another rank cannot replay its previous step"
-        spike.magnitudes = (spiked.magnitudes, None)
+    if _stopped(spike, _changed(step, "the spiking step's")):
+        return
+    spiked, failed = _attempt(lambda: _replay(model, step, params, modules))
+    if _stopped(spike, failed):
+        return
+    assert spiked is not None  # (it did not fail)
+    spike.magnitudes = (spiked.magnitudes, None)
+    _transient(spike, spiked, step)
+    if _stopped(spike, _cannot_compare(previous)):
         return
     assert previous is not None  # (`_cannot_compare` says so otherwise)
-    healthy = _replay(model, previous, params, modules)
+    healthy, failed = _attempt(lambda: _replay(model, previous, params, modules))
+    if _stopped(spike, failed):
+        return
+    assert healthy is not None  # (it did not fail)
     spike.magnitudes = (spiked.magnitudes, healthy.magnitudes)
+    gradients = spike.which == "gradients"
     if spike.verdict == "transient":
         return
-    if not _weights(spike, healthy, previous, rule, world, changed_most):
+    if gradients and not (_backward_replayed(step) and _backward_replayed(previous)):
+        spike.why = ("the backward was not replayed in full (the gradient into the outputs was not kept: "
+                     "max_bytes, or no backward reached them), so the gradients were not measured")
+        return
+    if not _weights(spike, healthy, previous, rule, weights):
         spike.verdict = "batch"
         first = healthy.outputs[0][0] if healthy.outputs and healthy.outputs[0] else None
         ran = _as_run(previous)
         spike.evidence = (f"the same weights give step {previous.number}'s batch what it had"
                           + (f" ({_outputs_text(first[0], first[1])} against {number(ran[0][0])})" if first else ""))
-        _where(spike, spiked.magnitudes, healthy.magnitudes, rule.factor, spike.which == "gradients")
+        if gradients:
+            spike.notes.append("compared on the outputs: the step's gradients' norm was read after any clipping "
+                               "or unscaling, which a replay does not repeat")
+        _where(spike, spiked.magnitudes, healthy.magnitudes, rule.factor, gradients)
 
 
-def _transient(spike: Spike, spiked: _Replayed, step: StepRecord, grads: bool) -> None:
-    """Call `spike` transient when its replay does not give the step's outputs (with `grads`: nor
-    its gradients' norm)."""
+def _attempt(replay):
+    """(the replay's result, None) or (None, why it raised)."""
+    try:
+        return replay(), None
+    except Exception as exc:
+        if is_stop(exc):
+            raise
+        return None, f"the replay raised {type(exc).__name__}: {exc}"
+
+
+def _stopped(spike: Spike, why: Optional[str]) -> bool:
+    """Whether the explanation stops here, on every rank (one agrees: `why` on any rank)."""
+    if not agree(flag(why)):
+        return False
+    if spike.verdict is None:
+        spike.why = why or "the replay could not go on on another rank"
+    return True
+
+
+def _changed(step: StepRecord, whose: str) -> Optional[str]:
+    changed = sum(f.changed_inputs() for f in step.forwards)
+    if changed:
+        return (f"{whose} batch was changed in place after its forward ({plural(changed, 'input tensor')}): "
+                f"a replay would not be that step")
+    return None
+
+
+def _backward_replayed(step: StepRecord) -> bool:
+    return all(f.received and not f.dropped for f in step.forwards)
+
+
+def _transient(spike: Spike, spiked: _Replayed, step: StepRecord) -> None:
+    """Call `spike` transient when its replay does not give the step's outputs again (the ranks
+    agree: a rank whose own replay matched says on which rank it did not)."""
     apart = _first_apart(spiked.outputs, _as_run(step), _same)
     if apart is not None:
         rms, is_loss, expected = apart
         spike.verdict = "transient"
         spike.evidence = (f"its replay gives {_outputs_text(rms, is_loss)} against the step's {number(expected)} "
                           f"(a nondeterministic kernel, a race or the hardware)")
-    elif grads and spiked.grad_norm is not None and spike.grad_norm and not _same(spiked.grad_norm, spike.grad_norm):
-        spike.verdict = "transient"
-        spike.evidence = (f"its replay gives the gradients' norm {number(spiked.grad_norm)} against the step's "
-                          f"{number(spike.grad_norm)}")
+    if rank_and_world_size()[1] > 1:
+        ranks = [r for r, v in enumerate(values_by_rank(1.0 if apart is not None else None)) if v is not None]
+        if ranks and apart is None:
+            spike.verdict = "transient"
+            spike.evidence = f"the replay on rank {ranks[0]} does not give that rank's outputs again"
 
 
-def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: SpikeRule, world: int,
-             changed_most) -> bool:
+def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: SpikeRule, weights) -> bool:
     """Whether the weights made `spike`: they do not give the previous step's batch what it had
-    (its outputs; for a gradients' spike in one process, its gradients' norm). If so, `spike` is
-    told, with the updates since and the parameters whose norm they changed most."""
+    (each output's RMS within the rule's factor, and its samples within their own size of the
+    step's). If so, `spike` is told, with the updates since and the parameters whose norm they
+    changed most, or those written outside the optimizer."""
     off = _first_apart(healthy.outputs, _as_run(previous), _within(rule.factor))
-    then = previous.grad_norm
-    grads_off = (spike.which == "gradients" and world == 1 and rule.grad_rtol is not None and then is not None
-                 and healthy.grad_norm is not None and not _within(1 + rule.grad_rtol)(healthy.grad_norm, then))
-    if off is None and not grads_off:
+    moved = _moved(healthy.samples, previous)
+    if off is None and (moved is None or moved <= 1.0):
+        known = weights()
+        if known.outside:
+            spike.notes.append(f"written outside the optimizer since step {previous.number}: "
+                               f"{_names(known.outside)}; its outputs are as they were")
         return False
     spike.verdict = "weights"
     if off is not None:
@@ -234,18 +305,23 @@ def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: Spike
         spike.evidence = (f"the same weights give step {previous.number}'s batch {_outputs_text(rms, is_loss)} "
                           f"against {number(expected)} when it ran")
     else:
-        spike.evidence = (f"the same weights give step {previous.number}'s batch the gradients' norm "
-                          f"{number(healthy.grad_norm)} against {number(then)} when it ran")
-    span, spike.parameters, outside = changed_most()
-    if outside:
-        shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
-        spike.evidence += f": written outside the optimizer since its last update: {shown}"
-    elif span is not None:
-        spike.evidence += (f": the update of step {span[0]} made them so" if span[0] == span[1]
-                           else f": the updates of steps {span[0]}-{span[1]} made them so")
+        spike.evidence = (f"the same weights give step {previous.number}'s batch outputs that moved by "
+                          f"{number(moved)} times their size since it ran")
+    known = weights()
+    spike.parameters = known.changed
+    if known.outside:
+        spike.evidence += f": written outside the optimizer since that step: {_names(known.outside)}"
+    elif known.span is not None:
+        first, last = known.span
+        spike.evidence += (f": the update of step {first} made them so" if first == last
+                           else f": the updates of steps {first}-{last} made them so")
     else:
         spike.notes.append("no update was screened since that step: the parameters that changed are not known")
     return True
+
+
+def _names(names: List[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def record_step(model: nn.Module, step: StepRecord, params: List[torch.Tensor], modules: List[nn.Module]):
@@ -262,6 +338,24 @@ def record_step(model: nn.Module, step: StepRecord, params: List[torch.Tensor], 
     return recorder.recordings[0] if recorder.recordings else None
 
 
+def recorded(spike: Spike, model: nn.Module, step: StepRecord, previous: Optional[StepRecord],
+             params: List[torch.Tensor], modules: List[nn.Module]) -> list:
+    """[(name, `Recording`)]: the spiking step and the previous one replayed under `record_step`,
+    for their saved traces; each only where its probed replay ran (which the ranks agreed on),
+    and none after a rank failed to record (they record together)."""
+    replayed = spike.magnitudes or (None, None)
+    found = []
+    for name, ran, which in (("spike", replayed[0], step), ("healthy", replayed[1], previous)):
+        if ran is None or which is None:
+            break
+        recording, failed = _attempt(lambda: record_step(model, which, params, modules))  # noqa: B023
+        if agree(flag(failed)):
+            spike.notes.append(f"the {name} replay's trace was not recorded: {failed or 'it failed on another rank'}")
+            break
+        found.append((name, recording))
+    return [(name, recording) for name, recording in found if recording is not None]
+
+
 def _discard(line: str) -> None:
     """The traces' sink: their lines are rendered again from the recordings when asked for."""
 
@@ -270,10 +364,7 @@ def _cannot_compare(previous: Optional[StepRecord]) -> Optional[str]:
     """Why the previous step cannot be replayed, or None."""
     if previous is None or not previous.forwards:
         return "no healthy step before it was kept to compare with"
-    changed = sum(f.changed_inputs() for f in previous.forwards)
-    if changed:
-        return f"the previous step's batch was changed in place since ({changed} input tensors): its replay is not it"
-    return None
+    return _changed(previous, f"step {previous.number}'s")
 
 
 def _where(spike: Spike, spiked: Magnitudes, healthy: Magnitudes, factor: float, gradients: bool) -> None:

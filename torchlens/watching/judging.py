@@ -67,7 +67,7 @@ class StepJudge:
         for root in step.roots:
             root.screen(screen)
         gradients = [p.grad for _, p in grads if p.grad is not None]  # (all: `grads` has them)
-        screen.add_grads(screen_squares(gradients), shares(gradients, rank_and_world_size()[1]))
+        screen.add_grads(screen_squares(gradients, shares(gradients, rank_and_world_size()[1])))
         self.read = screen.read(total)
         if self.read is None or not self.read.alarm:
             return None

@@ -242,7 +242,8 @@ class Spike:
         that cannot be written is said, not raised."""
         from ..view.spike_page import spike_page
 
-        os.makedirs(directory, exist_ok=True)
+        if attempt("making the spike's directory", lambda: _made(directory)) is None:
+            return
         self.inputs = attempt("saving the spike's batch", lambda: save_inputs(forwards, os.path.join(directory,
                                                                                                     "inputs.pt")))
         for name, recording in recordings:
@@ -252,6 +253,11 @@ class Spike:
                 self.traces.append(path)
         self.html = attempt("writing the spike's page", lambda: _write_text(os.path.join(directory, "spike.html"),
                                                                             spike_page(self)))
+
+
+def _made(directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def _write_text(path: str, text: str) -> str:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..core.generators import RandomState
 from ..measure.memory import version
-from .checks import floating_leaves, screen_squares
+from .checks import floating_leaves, sample, screen_squares
 
 __all__ = ["GradsSeen", "StepRecord", "WatchedForward", "autocast_as", "autocast_state", "tensor_versions"]
 
@@ -56,8 +56,8 @@ def tensor_versions(value) -> Tuple[Tuple[torch.Tensor, Optional[int]], ...]:
 class WatchedForward:
     """One forward of a step, as the replay needs it (see the module's docstring)."""
 
-    __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "squares", "sizes", "received",
-                 "received_bytes", "dropped", "loss_fed", "nodes", "output_nodes", "_first", "__weakref__")
+    __slots__ = ("number", "args", "kwargs", "versions", "rng", "autocast", "modes", "squares", "sizes", "samples",
+                 "received", "received_bytes", "dropped", "loss_fed", "nodes", "output_nodes", "_first", "__weakref__")
 
     def __init__(self, number: int, args, kwargs, modes: Tuple[bool, ...], first_node: Optional[int]):
         self.number = number  # 1-based, within the step
@@ -74,6 +74,7 @@ class WatchedForward:
         self.modes = modes
         self.squares: Optional[torch.Tensor] = None  # the outputs' screen (their sums of squares)
         self.sizes: Tuple[int, ...] = ()  # the outputs' element counts (with `squares`: their RMS)
+        self.samples: Optional[List[torch.Tensor]] = None  # a few values of each output (`checks.sample`)
         # graph task id -> {output position: the gradient it received} (a dict: insertion is run order)
         self.received: Dict[int, Dict[int, torch.Tensor]] = {}
         self.received_bytes = 0
@@ -84,8 +85,9 @@ class WatchedForward:
         """How many of its argument tensors were modified in place after it ran."""
         return sum(1 for tensor, seen in self.versions if version(tensor) != seen)
 
-    def screen(self, output, next_node: Optional[int]) -> List[torch.Tensor]:
-        """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number)."""
+    def screen(self, output, next_node: Optional[int], samples: bool = False) -> List[torch.Tensor]:
+        """Screen its outputs, now it has returned (`next_node`: autograd's next sequence number);
+        with `samples`, keep a few of their values (what a spike's replay compares)."""
         leaves = floating_leaves(output)
         if self._first is not None and next_node is not None:
             try:
@@ -96,6 +98,8 @@ class WatchedForward:
                 self.nodes = None
         self.squares = screen_squares(leaves)
         self.sizes = tuple(leaf.numel() for leaf in leaves)
+        if samples:
+            self.samples = [sample(leaf) for leaf in leaves]
         return leaves
 
 

@@ -20,14 +20,14 @@ before the update (docs/watch.md says so).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..measure.memory import version
 from .checks import local, nonfinite_positions, screen_squares
 
-__all__ = ["UpdateCheck", "Written", "describe", "origins"]
+__all__ = ["UpdateCheck", "Weights", "Written", "describe", "origins"]
 
 
 class Written(NamedTuple):
@@ -43,6 +43,16 @@ class Written(NamedTuple):
     def born(self) -> bool:
         """Whether the update itself made the value: finite before, from a finite (or no) gradient."""
         return self.before == "finite" and self.grad != "non-finite"
+
+
+class Weights(NamedTuple):
+    """What the update check knows of the weights since the last healthy step: the updates since
+    ((first, last) step, or None), the parameters whose norm changed most ((name, then, now)),
+    and those written since by something other than the optimizer."""
+
+    span: Optional[Tuple[int, int]]
+    changed: List[Tuple[str, float, float]]
+    outside: List[str]
 
 
 class UpdateCheck:
@@ -72,6 +82,10 @@ class UpdateCheck:
         # update it followed, None for the watch's check; the parameters; their sums of squares)
         self.last: Dict[int, Tuple[Optional[int], List[int], torch.Tensor]] = {}
         self.healthy: Dict[int, Tuple[Optional[int], List[int], torch.Tensor]] = {}
+        # the parameters written by something other than an update since the last healthy step:
+        # their version counters moved between two checks, or (seen at a spike) their sums of
+        # squares no longer match the last update's screen (a write through `.data`)
+        self.outside: Set[int] = set()
         for opt, indices in self.indices.items():
             if squares is not None and indices:
                 self.last[opt] = (None, indices, squares[indices])
@@ -85,6 +99,7 @@ class UpdateCheck:
         changed = [i for i in self.indices.get(id(optimizer), ()) if self.versions[i] != version(self.params[i])]
         for i in changed:
             self.held.pop(i, None)  # (learned again from this screen)
+        self.outside.update(changed)
         self._before[id(optimizer)] = (changed, screen_squares([self.params[i] for i in changed]))
 
     def screen(self, optimizer) -> Tuple[List[int], Optional[torch.Tensor]]:
@@ -99,36 +114,42 @@ class UpdateCheck:
             self.last[id(optimizer)] = (step, indices, squares)
 
     def mark_healthy(self) -> None:
-        """A healthy step ran on the weights as last screened: what `changed_most` compares with."""
+        """A healthy step ran on the weights as last screened: what `since_healthy` compares with."""
         self.healthy = dict(self.last)
+        self.outside.clear()
 
-    def changed_most(self, names: Sequence[str], count: int = 3) -> Tuple[Optional[Tuple[int, int]],
-                                                                          List[Tuple[str, float, float]]]:
-        """((the first, the last step) of the updates since the last healthy step's weights,
-        [(name, norm then, norm now)]) for the `count` parameters whose norm they changed most, by
-        ratio (a host read: a spike's question); (None, []) when no update ran since."""
+    def since_healthy(self, names: Sequence[str], count: int = 3) -> Weights:
+        """What changed the weights since the last healthy step ran on them (a host read: a
+        spike's question): the updates since ((first, last) step, or None), the `count` parameters
+        whose norm changed most by ratio ((name, norm then, norm now), the norms now screened
+        afresh), and those written since by something other than the optimizer: their version
+        counters moved, or their sums of squares differ from the last update's screen (a write
+        through `.data`, which moves no counter)."""
         found: List[Tuple[float, str, float, float]] = []
+        self.outside.update(i for i, p in enumerate(self.params) if self.versions[i] != version(p))
         span: Optional[Tuple[int, int]] = None
         for key, (step, indices, after) in self.last.items():
-            if key not in self.healthy or step is None or self.healthy[key][2] is after:
+            if key not in self.healthy:
                 continue
             since, before_indices, before = self.healthy[key]
-            first = 0 if since is None else since + 1
-            span = (first, step) if span is None else (min(span[0], first), max(span[1], step))
+            now = screen_squares([self.params[i] for i in indices])
+            assert now is not None  # (indices is not empty: a screen was kept)
+            now_values, after_values = now.tolist(), after.tolist()
+            self.outside.update(i for k, i in enumerate(indices) if now_values[k] != after_values[k])
+            if step is not None and after is not before:
+                first = 0 if since is None else since + 1
+                span = (first, step) if span is None else (min(span[0], first), max(span[1], step))
             position = {i: k for k, i in enumerate(before_indices)}
-            old, new = before.tolist(), after.tolist()
+            old = before.tolist()
             for k, i in enumerate(indices):
                 if i in position:
-                    a, b = math.sqrt(old[position[i]]), math.sqrt(new[k])
-                    ratio = max(a, b) / min(a, b) if min(a, b) > 0 else math.inf
-                    found.append((ratio, names[i], a, b))
+                    a, b = math.sqrt(old[position[i]]), math.sqrt(now_values[k])
+                    ratio = max(a, b) / min(a, b) if min(a, b) > 0 else (1.0 if a == b else math.inf)
+                    if ratio > 1.0:
+                        found.append((ratio, names[i], a, b))
         found.sort(key=lambda item: -item[0])
-        return span, [(name, a, b) for _, name, a, b in found[:count]]
-
-    def written_outside(self, names: Sequence[str]) -> List[str]:
-        """The parameters something other than an optimizer's update wrote since it was last
-        screened (their version counters moved; a write through `.data` does not move them)."""
-        return [names[i] for i, p in enumerate(self.params) if self.versions[i] != version(p)]
+        changed = [(name, a, b) for _, name, a, b in found[:count]]
+        return Weights(span, changed, [names[i] for i in sorted(self.outside)])
 
     def checked(self, optimizer) -> None:
         """The check of this update is done: note each parameter's version counter."""

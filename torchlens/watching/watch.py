@@ -38,19 +38,20 @@ from torch import nn
 from ..core.guard import internal_error, is_stop
 from ..core.sites import find_user_site
 from ..core.structure import check_model
-from ..errors import NonFiniteError, OptionTypeError, SpikeError
+from ..errors import NonFiniteError, OptionTypeError, OptionValueError, SpikeError
 from ..narration.grammar import plural
 from ..narration.sinks import checked_sink, open_sink
 from ..options import check_choice
 from ..torch_internals.engine import graph_task_id, queue_final_callback
 from . import options, roots, updates
 from .checks import floating_leaves
-from .explain import explain, record_step
+from .explain import explain, recorded
 from .faults import Fault
 from .judging import StepJudge
 from .replay import Replays
 from .spikes import DEFAULT_RULE, Spike, SpikeCheck, SpikeRule
 from .steps import StepRecord, WatchedForward
+from .updates import Weights
 
 __all__ = ["Watch", "watch"]
 
@@ -121,7 +122,10 @@ class Watch:
                          else check_choice("tl.watch on_spike", on_spike, options.ON_FAULT, takes="None or "))
         if not isinstance(spike, SpikeRule):
             raise OptionTypeError(f"tl.watch spike= takes a tl.watching.SpikeRule(window=, warmup=, rtol=, atol=, "
-                                  f"grad_rtol=), got {type(spike).__name__}")
+                                  f"spread=, grad_rtol=), got {type(spike).__name__}")
+        if self.on_spike is None and spike is not DEFAULT_RULE:
+            raise OptionValueError("tl.watch spike= was given with on_spike=None, which judges no spike: pass "
+                                   "on_spike='report', 'skip' or 'raise' with it, or leave spike= out")
         self.check = check_choice("tl.watch check", check, options.CHECKS, takes="")
         self.replays = options.check_count("replays", replays, 1)
         self.max_bytes = options.check_count("max_bytes", max_bytes, 0)
@@ -245,7 +249,7 @@ class Watch:
         if sys.exc_info()[1] is not None:  # the forward raised: no step will use it
             return None
         try:
-            leaves = forward.screen(output, roots.next_node_number())
+            leaves = forward.screen(output, roots.next_node_number(), samples=self._spike_check is not None)
             self._step.forwards.append(forward)
             ref = weakref.ref(forward)
             for position, leaf in enumerate(leaves):
@@ -403,9 +407,9 @@ class Watch:
         self._replays.running = True
         try:
             explain(spike, step, self._previous, self._replays.eager, self._params, self._modules, check.rule,
-                    (lambda: (*updates.changed_most(self._names), updates.written_outside(self._names)))
-                    if updates is not None else (lambda: (None, [], [])))
-            recordings = self._recorded(step, healthy=spike.magnitudes is not None and spike.magnitudes[1] is not None)
+                    (lambda: updates.since_healthy(self._names)) if updates is not None
+                    else (lambda: Weights(None, [], [])))
+            recordings = recorded(spike, self._replays.eager, step, self._previous, self._params, self._modules)
         except Exception as exc:
             if is_stop(exc):
                 raise
@@ -415,14 +419,6 @@ class Watch:
             self._replays.running = False
         spike.write(self._judge.directory(number), step.forwards, recordings)
         return spike
-
-    def _recorded(self, step: StepRecord, healthy: bool) -> list:
-        """The spiking step and (`healthy`: when its probed replay ran, which the ranks agreed on)
-        the previous one replayed under a `Recorder` with exact statistics, for their saved traces."""
-        found = [("spike", record_step(self._replays.eager, step, self._params, self._modules))]
-        if healthy and self._previous is not None:
-            found.append(("healthy", record_step(self._replays.eager, self._previous, self._params, self._modules)))
-        return [(name, recording) for name, recording in found if recording is not None]
 
     def _after_update(self, optimizer, args, kwargs):
         """`optimizer`'s update has run: screen the parameters it holds (one sum each, one read)."""
