@@ -285,7 +285,7 @@ def test_the_transformers_callback_takes_the_spike_keywords_and_names_weights_wr
         trainer.train()
     spike = caught.value.spike
     assert spike.step == 6 and spike.verdict == "weights", spike
-    assert "written outside the optimizer since its last update: lm_head.weight" in spike.evidence, spike
+    assert "written outside the optimizer since that step: lm_head.weight" in spike.evidence, spike
     assert watch.spikes == [spike] and not model._forward_hooks, "the watch closes when training stops"
 
 

@@ -310,3 +310,44 @@ def test_a_spike_on_one_rank_is_judged_at_the_same_step_on_every_rank_and_its_ba
     assert "the batch of rank 1" in results[0]["text"][0], results[0]["text"]
     if wrap == "ddp":
         assert results[0]["replicas_equal"], "both ranks skipped the spiking step's update together"
+
+
+class _GlitchOnce(nn.Module):
+    """Multiplies by 1000 at one call on one rank only: a glitch no replay repeats."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, h):
+        self.calls += 1
+        return h * 1000 if self.calls == self.at else h
+
+
+def _transient_scenario(rank: int, workdir: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchlens.watching import SpikeRule
+
+    torch.manual_seed(0)
+    inner = SpikyNet()
+    inner.fc = nn.Sequential(inner.fc, _GlitchOnce(at=11 if rank == 1 else 0))
+    model = DDP(inner)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(100 + rank)
+    with tl.watch(model, optimizer, out=workdir, on_spike="skip", narrate=None,
+                  spike=SpikeRule(window=8, warmup=8)) as watch:
+        for _ in range(12):
+            model(torch.randn(6, 4, generator=generator)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"spikes": [(s.step, s.verdict, s.evidence) for s in watch.spikes]}
+
+
+def test_a_transient_spike_on_one_rank_is_called_transient_on_every_rank(tmp_path):
+    results = run_ranks(_transient_scenario, 2, tmp_path)
+    for result in results:
+        [(step, verdict, _)] = result["spikes"]
+        assert (step, verdict) == (10, "transient"), result
+    assert "the replay on rank 1 does not give that rank's outputs again" in results[0]["spikes"][0][2], results
+    assert "its replay gives" in results[1]["spikes"][0][2], results

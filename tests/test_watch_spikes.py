@@ -101,7 +101,7 @@ def test_a_learning_rate_1000x_for_one_step_is_called_the_weights_and_its_update
     spike = watch.spikes[0]
     assert spike.step == 13, "the update of step 12 is what the loss of step 13 reads"
     assert spike.verdict == "weights", spike
-    assert "the update of step 12 made them so" in spike.evidence
+    assert "since then, the update of step 12, and no other write seen" in spike.evidence
     name, before, after = spike.parameters[0]
     assert after / before > 2 or before / after > 2, spike.parameters
     assert name in dict(model.named_parameters())
@@ -357,3 +357,107 @@ def test_the_module_named_is_the_first_out_of_range_not_merely_the_first_that_ra
     assert (after.step, after.verdict) == (13, "weights") and "the updates of steps 11-12" in after.evidence, after
     in_range = dict(spike.magnitudes[0].outputs)["main"] / dict(spike.magnitudes[1].outputs)["main"]
     assert 1 / 3 < in_range < 3, "main ran first and stayed in range"
+
+
+def _gradient_spike_run(tmp_path, clip=None, max_bytes=None):
+    """SqrtNet, a batch at step 12 that puts every sqrt near 0 (see the test above)."""
+    torch.manual_seed(0)
+    model = SqrtNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    keywords = {} if max_bytes is None else {"max_bytes": max_bytes}
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE, **keywords) as watch:
+        for step in range(13):
+            x = torch.rand(8, 4, generator=generator) + 0.5
+            if step == 12:
+                with torch.no_grad():
+                    x = torch.linalg.solve(model.fc.weight, torch.full((4,), 1e-6) - model.fc.bias).expand(8, 4).clone()
+            model(x).pow(2).mean().backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return watch
+
+
+def test_a_clipped_gradients_spike_is_not_called_transient_for_the_norm_its_replay_cannot_clip(tmp_path):
+    [spike] = _gradient_spike_run(tmp_path, clip=8.0).spikes
+    assert spike.grad_norm == pytest.approx(8.0), "the norm judged is the one the optimizer saw, clipped"
+    assert (spike.verdict, spike.module, spike.measured) == ("batch", "fc", "gradient"), spike
+    assert any("after any clipping or unscaling" in note for note in spike.notes)
+
+
+def test_a_gradients_spike_whose_backward_was_not_kept_is_said_not_measured(tmp_path):
+    [spike] = _gradient_spike_run(tmp_path, max_bytes=0).spikes
+    assert spike.verdict is None and spike.module is None and "backward was not replayed" in spike.why, spike
+
+
+def test_a_spiking_batch_changed_in_place_after_its_forward_is_not_called_transient(tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    buffer = torch.empty(4, 3, 12, 12)  # a loader that refills one buffer
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE, on_spike="skip") as watch:
+        for step in range(14):
+            buffer.copy_(torch.randn(4, 3, 12, 12, generator=generator) * (1000 if step == 13 else 1))
+            loss = F.cross_entropy(model(buffer), torch.randint(0, 5, (4,), generator=generator))
+            loss.backward()
+            buffer.normal_(generator=generator)  # the next batch is loaded before the step
+            optimizer.step()
+            optimizer.zero_grad()
+    [spike] = watch.spikes
+    assert spike.verdict is None and "changed in place after its forward" in spike.why, spike
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("write", ["neg_", "data"])
+def test_weights_written_outside_the_optimizer_are_named_even_when_their_magnitude_is_unchanged(tmp_path, write):
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    teacher = nn.Linear(6, 4)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE, on_spike="skip") as watch:
+        for step in range(62):
+            x = torch.randn(16, 6, generator=generator)
+            y = teacher(x).argmax(-1).detach()
+            if step == 60:  # the head negated: the same magnitude, the opposite answers
+                with torch.no_grad():
+                    head = model.net[2]
+                    if write == "neg_":
+                        head.weight.neg_()
+                        head.bias.neg_()
+                    else:
+                        head.weight.data = -head.weight.data
+                        head.bias.data = -head.bias.data
+            F.cross_entropy(model(x), y).backward()  # a loss computed outside the model
+            optimizer.step()
+            optimizer.zero_grad()
+    spike = next(s for s in watch.spikes if s.step == 60)
+    assert spike.verdict == "weights" and "moved by" in spike.evidence, spike
+    if write == "neg_":  # (its version counter moved)
+        assert "written outside the optimizer since that step: net.2.weight, net.2.bias" in spike.evidence, spike
+    else:  # a write through .data moves no counter, and a sign flip keeps the sums of squares: not seen,
+        # so the update is named as what ran, not as what caused it
+        assert "since then, the update of step 59, and no other write seen" in spike.evidence, spike
+
+
+def test_a_spike_whose_files_cannot_be_written_still_raises(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(UserWarning, match="making the spike's directory"):
+        with pytest.raises(SpikeError) as caught:
+            _train(model, optimizer, 16, _inputs_times_1000(13), blocker, on_spike="raise")
+    assert caught.value.spike.verdict == "batch" and caught.value.spike.html is None

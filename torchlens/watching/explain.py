@@ -313,8 +313,10 @@ def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: Spike
         spike.evidence += f": written outside the optimizer since that step: {_names(known.outside)}"
     elif known.span is not None:
         first, last = known.span
-        spike.evidence += (f": the update of step {first} made them so" if first == last
-                           else f": the updates of steps {first}-{last} made them so")
+        # (what ran, not what caused: a write no counter or screen sees, a sign flipped through
+        # `.data`, would look the same)
+        spike.evidence += (f": since then, the update of step {first}, and no other write seen" if first == last
+                           else f": since then, the updates of steps {first}-{last}, and no other write seen")
     else:
         spike.notes.append("no update was screened since that step: the parameters that changed are not known")
     return True

@@ -157,8 +157,9 @@ class Spike:
     - `loss`, `loss_level`, `grad_norm`, `grad_level`: the step's values and their levels (the
       medians of their windows); `which`: what spiked ("loss", "gradients", "loss and gradients");
     - `verdict`: "batch" (the same weights give the previous step's batch what it had), "weights"
-      (they do not: the last update made them so), "transient" (the replay of the step does not
-      spike), or None when the replays could not tell (`why` says why);
+      (they do not: the updates since, or a write outside the optimizer, changed them),
+      "transient" (the replay of the step does not give its outputs again), or None when the
+      replays could not tell (`why` says why);
     - `evidence`: the comparison the verdict rests on, in words;
     - `module`, `measured`, `value`, `healthy`, `ratio`: the first module whose output
       (`measured="output"`) or gradient (`"gradient"`), in the order it was computed, left the range
