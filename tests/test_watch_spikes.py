@@ -196,6 +196,7 @@ def test_a_spike_of_the_gradients_alone_is_judged_on_the_gradients_and_its_modul
     assert spike.grad_norm > 10 * spike.grad_level
     assert spike.verdict == "batch", spike
     assert (spike.module, spike.measured) == ("fc", "gradient") and spike.ratio > 10, spike
+    assert not any("optimizer.step() saw" in note for note in spike.notes), "no clipping: the norms agree"
 
 
 def test_healthy_noisy_training_of_a_transformers_model_reports_no_spike_at_the_defaults(tmp_path):
@@ -384,7 +385,7 @@ def test_a_clipped_gradients_spike_is_not_called_transient_for_the_norm_its_repl
     [spike] = _gradient_spike_run(tmp_path, clip=8.0).spikes
     assert spike.grad_norm == pytest.approx(8.0), "the norm judged is the one the optimizer saw, clipped"
     assert (spike.verdict, spike.module, spike.measured) == ("batch", "fc", "gradient"), spike
-    assert any("after any clipping or unscaling" in note for note in spike.notes)
+    assert any("the one optimizer.step() saw (clipped or unscaled); its replay's is" in note for note in spike.notes)
 
 
 def test_a_gradients_spike_whose_backward_was_not_kept_is_said_not_measured(tmp_path):

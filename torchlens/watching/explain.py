@@ -3,20 +3,27 @@
 Two replays on the weights the spiking step saw (the optimizer has not run), each with every
 module's output and output gradient measured (`Probe`: their RMS, one read at the end):
 
-1. **the spiking step itself.** If its outputs (or, for a gradients' spike, its gradients' norm)
-   do not come out as the step's did, the spike did not reproduce: **transient** (a
-   nondeterministic kernel, a race, the hardware), and its batch is saved;
-2. **the previous, healthy step's batch.** The watch kept its references (arguments, generators'
-   states, the gradients sent into its outputs), as it keeps the current step's. If these weights
-   give that batch the outputs it had when it ran (each within the rule's `factor`, either way;
-   a loss the model returns is one of them), the weights are sound and **the batch** made the
-   spike; then the first module, in the order the values were computed, whose output (for a
-   gradients' spike: whose gradient) on the spiking batch is out of that factor of the healthy
-   batch's is named, with both RMS. If they do not, **the weights** made it: the last update, with
-   the parameters whose norm it changed most (the norms come from the update check's screens,
-   sums of squares taken after every update, so nothing is copied to know them).
+1. **the spiking step itself.** If its outputs do not come out as the step's did, the spike did
+   not reproduce: **transient** (a nondeterministic kernel, a race, the hardware), and its batch
+   is saved. Not for a compiled step, whose eager replay does not repeat the compiler's random
+   draws: there a difference is said, not judged;
+2. **the previous calm step's batch** (the last step well within the rule's margins: one just
+   under them may be the start of the trouble). The watch kept its references (arguments,
+   generators' states, the gradients sent into its outputs), as it keeps the current step's. If
+   these weights give that batch the outputs it had when it ran (each output's RMS within the
+   rule's `factor`, a loss the model returns included, and a sample of its values within their
+   own size of the step's: a sign flipped is not what it had), and, for a spike of the gradients
+   alone, gradients that differ from the spiking batch's somewhere, the verdict is **the batch**,
+   and the first module, in the order the values were computed, whose output (for a gradients'
+   spike: whose gradient) on the spiking batch is out of that factor of the healthy batch's is
+   named, with both RMS. Otherwise **the weights**: what changed them since that step is said as
+   far as it was seen (parameters written outside the optimizer, else the updates that ran), with
+   the parameters whose elements moved most (from the update check's screens, sums of squares
+   taken after every update, and one screen now: nothing is copied).
 
-A replay that cannot be the step (an input changed in place since) is said, not used.
+A replay that cannot be the step (a batch changed in place since its forward, a backward not
+kept) is said, not used. The step's gradients' norm is the one `optimizer.step()` saw (after any
+clipping or unscaling, which a replay does not repeat): replays are compared with replays.
 """
 
 from __future__ import annotations
@@ -146,18 +153,21 @@ def _as_run(step: StepRecord) -> List[List[float]]:
     return found
 
 
-def _outputs_text(rms: float, is_loss: bool) -> str:
-    return f"the loss it returns {number(rms)}" if is_loss else f"output RMS {number(rms)}"
+def _outputs_text(rms: float, is_loss: bool, which: str = "") -> str:
+    return f"the loss it returns {number(rms)}" if is_loss else f"{which}output RMS {number(rms)}"
 
 
 def _first_apart(replayed: List[List[Tuple[float, bool]]], reference: List[List[float]],
-                 close: Callable[[float, float], bool]) -> Optional[Tuple[float, bool, float]]:
+                 close: Callable[[float, float], bool]) -> Optional[Tuple[float, bool, float, str]]:
     """The first output of `replayed` that is not `close` to `reference`'s: (its RMS, whether a
-    loss, the reference's RMS); None when all are."""
-    for outputs, ref in zip(replayed, reference):
-        for (rms, is_loss), expected in zip(outputs, ref):
+    loss, the reference's RMS, which output it is in words when there are several); None when
+    all are."""
+    for number_, (outputs, ref) in enumerate(zip(replayed, reference), 1):
+        for position, ((rms, is_loss), expected) in enumerate(zip(outputs, ref), 1):
             if not close(rms, expected):
-                return rms, is_loss, expected
+                which = f"output {position} of {len(outputs)}'s " if len(outputs) > 1 else ""
+                which += f"(forward {number_} of {len(replayed)}) " if len(replayed) > 1 else ""
+                return rms, is_loss, expected, which
     return None
 
 
@@ -195,10 +205,11 @@ def _within(factor: float) -> Callable[[float, float], bool]:
 
 def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], model: nn.Module,
             params: List[torch.Tensor], modules: List[nn.Module], rule: SpikeRule,
-            weights: Callable[[], Weights]) -> None:
-    """Replay `step` and `previous` (see the module) and tell `spike` what they found. Under a
-    process group every rank asks each question the others ask, in the same order (the replays
-    are collectives under FSDP2), whatever its own answers."""
+            weights: Callable[[], Weights], compiled: bool = False) -> None:
+    """Replay `step` and `previous` (see the module) and tell `spike` what they found; `compiled`:
+    the step ran compiled, and the replays run eagerly. Under a process group every rank asks each
+    question the others ask, in the same order (the replays are collectives under FSDP2),
+    whatever its own answers."""
     world = rank_and_world_size()[1]
     if world > 1 and "loss" in spike.which:
         losses = values_by_rank(local_loss(step.roots))
@@ -211,7 +222,7 @@ def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], mode
         return
     assert spiked is not None  # (it did not fail)
     spike.magnitudes = (spiked.magnitudes, None)
-    _transient(spike, spiked, step)
+    _transient(spike, spiked, step, compiled)
     if _stopped(spike, _cannot_compare(previous)):
         return
     assert previous is not None  # (`_cannot_compare` says so otherwise)
@@ -220,22 +231,24 @@ def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], mode
         return
     assert healthy is not None  # (it did not fail)
     spike.magnitudes = (spiked.magnitudes, healthy.magnitudes)
-    gradients = spike.which == "gradients"
     if spike.verdict == "transient":
         return
-    if gradients and not (_backward_replayed(step) and _backward_replayed(previous)):
-        spike.why = ("the backward was not replayed in full (the gradient into the outputs was not kept: "
-                     "max_bytes, or no backward reached them), so the gradients were not measured")
-        return
-    if not _weights(spike, healthy, previous, rule, weights):
+    gradients = spike.which == "gradients"
+    if gradients:
+        if not (_backward_replayed(step) and _backward_replayed(previous)):
+            spike.why = ("the backward was not replayed in full (the gradient into the outputs was not kept: "
+                         "max_bytes, or no backward reached them), so the gradients were not measured")
+            return
+        if spiked.grad_norm is not None and spike.grad_norm is not None and not _same(spiked.grad_norm,
+                                                                                       spike.grad_norm):
+            spike.notes.append(f"the step's gradients' norm is the one optimizer.step() saw (clipped or unscaled); "
+                               f"its replay's is {number(spiked.grad_norm)}")
+    if not _weights(spike, spiked, healthy, previous, rule, weights):
         spike.verdict = "batch"
         first = healthy.outputs[0][0] if healthy.outputs and healthy.outputs[0] else None
         ran = _as_run(previous)
         spike.evidence = (f"the same weights give step {previous.number}'s batch what it had"
                           + (f" ({_outputs_text(first[0], first[1])} against {number(ran[0][0])})" if first else ""))
-        if gradients:
-            spike.notes.append("compared on the outputs: the step's gradients' norm was read after any clipping "
-                               "or unscaling, which a replay does not repeat")
         _where(spike, spiked.magnitudes, healthy.magnitudes, rule.factor, gradients)
 
 
@@ -270,14 +283,24 @@ def _backward_replayed(step: StepRecord) -> bool:
     return all(f.received and not f.dropped for f in step.forwards)
 
 
-def _transient(spike: Spike, spiked: _Replayed, step: StepRecord) -> None:
+def _transient(spike: Spike, spiked: _Replayed, step: StepRecord, compiled: bool) -> None:
     """Call `spike` transient when its replay does not give the step's outputs again (the ranks
-    agree: a rank whose own replay matched says on which rank it did not)."""
+    agree: a rank whose own replay matched says on which rank it did not). Not for a compiled
+    step: its eager replay does not repeat the compiler's random draws (dropout's masks), so a
+    difference there is not evidence of a transient."""
     apart = _first_apart(spiked.outputs, _as_run(step), _same)
+    if compiled:
+        if apart is not None:
+            rms, is_loss, expected, which = apart
+            spike.notes.append(f"replayed eagerly, the compiled step gives {_outputs_text(rms, is_loss, which)} "
+                               f"against its {number(expected)} (the compiler's random draws and rounding): "
+                               f"whether the spike is transient is not told")
+        return
     if apart is not None:
-        rms, is_loss, expected = apart
+        rms, is_loss, expected, which = apart
         spike.verdict = "transient"
-        spike.evidence = (f"its replay gives {_outputs_text(rms, is_loss)} against the step's {number(expected)} "
+        spike.evidence = (f"its replay gives {_outputs_text(rms, is_loss, which)} against the step's "
+                          f"{number(expected)} "
                           f"(a nondeterministic kernel, a race or the hardware)")
     if rank_and_world_size()[1] > 1:
         ranks = [r for r, v in enumerate(values_by_rank(1.0 if apart is not None else None)) if v is not None]
@@ -286,14 +309,18 @@ def _transient(spike: Spike, spiked: _Replayed, step: StepRecord) -> None:
             spike.evidence = f"the replay on rank {ranks[0]} does not give that rank's outputs again"
 
 
-def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: SpikeRule, weights) -> bool:
+def _weights(spike: Spike, spiked: _Replayed, healthy: _Replayed, previous: StepRecord, rule: SpikeRule,
+             weights) -> bool:
     """Whether the weights made `spike`: they do not give the previous step's batch what it had
     (each output's RMS within the rule's factor, and its samples within their own size of the
-    step's). If so, `spike` is told, with the updates since and the parameters whose norm they
-    changed most, or those written outside the optimizer."""
+    step's), or, for a spike of the gradients alone, they give that batch gradients as large as
+    the spiking batch's (no module's out of range). If so, `spike` is told, with what changed the
+    weights since, as far as it was seen."""
     off = _first_apart(healthy.outputs, _as_run(previous), _within(rule.factor))
     moved = _moved(healthy.samples, previous)
-    if off is None and (moved is None or moved <= 1.0):
+    alike = spike.which == "gradients" and _first_out(spiked.magnitudes.gradients,
+                                                      healthy.magnitudes.gradients, rule.factor) is None
+    if off is None and (moved is None or moved <= 1.0) and not alike:
         known = weights()
         if known.outside:
             spike.notes.append(f"written outside the optimizer since step {previous.number}: "
@@ -301,12 +328,15 @@ def _weights(spike: Spike, healthy: _Replayed, previous: StepRecord, rule: Spike
         return False
     spike.verdict = "weights"
     if off is not None:
-        rms, is_loss, expected = off
-        spike.evidence = (f"the same weights give step {previous.number}'s batch {_outputs_text(rms, is_loss)} "
+        rms, is_loss, expected, which = off
+        spike.evidence = (f"the same weights give step {previous.number}'s batch {_outputs_text(rms, is_loss, which)} "
                           f"against {number(expected)} when it ran")
-    else:
+    elif moved is not None and moved > 1.0:
         spike.evidence = (f"the same weights give step {previous.number}'s batch outputs that moved by "
                           f"{number(moved)} times their size since it ran")
+    else:
+        spike.evidence = (f"the same weights give step {previous.number}'s batch gradients like the spiking "
+                          f"batch's (every module's within {number(rule.factor)}x)")
     known = weights()
     spike.parameters = known.changed
     if known.outside:
@@ -369,17 +399,26 @@ def _cannot_compare(previous: Optional[StepRecord]) -> Optional[str]:
     return _changed(previous, f"step {previous.number}'s")
 
 
+def _first_out(values: List[Tuple[str, float]], reference: List[Tuple[str, float]],
+               factor: float) -> Optional[Tuple[str, float, float]]:
+    """The first module of `values` whose RMS is out of `factor` of `reference`'s: (module, RMS,
+    reference RMS); None when none is."""
+    known, close = dict(reference), _within(factor)
+    for module, rms in values:
+        if module in known and not close(rms, known[module]):
+            return module, rms, known[module]
+    return None
+
+
 def _where(spike: Spike, spiked: Magnitudes, healthy: Magnitudes, factor: float, gradients: bool) -> None:
     """Name the first module, in the order computed, whose RMS on the spiking batch is out of
     `factor` of the healthy batch's (outputs; for a gradients' spike, gradients)."""
     measured = "gradient" if gradients else "output"
-    values, reference = (spiked.gradients, dict(healthy.gradients)) if gradients else (spiked.outputs,
-                                                                                      dict(healthy.outputs))
-    close = _within(factor)
-    for module, rms in values:
-        if module in reference and not close(rms, reference[module]):
-            spike.module, spike.measured, spike.value, spike.healthy = module, measured, rms, reference[module]
-            spike.module_type = spiked.types.get(module)
-            return
-    spike.notes.append(f"no module's {measured} left the range the previous batch gives: what spiked is what the "
-                       f"loss reads besides the model's outputs (its labels, say)")
+    found = _first_out(spiked.gradients if gradients else spiked.outputs,
+                       healthy.gradients if gradients else healthy.outputs, factor)
+    if found is not None:
+        spike.module, spike.value, spike.healthy = found
+        spike.measured, spike.module_type = measured, spiked.types.get(found[0])
+        return
+    spike.notes.append(f"no module's {measured} left the range the previous batch gives: what spiked comes from "
+                       f"what the batch gives the loss besides the modules' inputs (its labels, say)")

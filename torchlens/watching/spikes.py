@@ -121,26 +121,40 @@ class SpikeCheck:
         self.rule = rule
         self.loss = _Level(rule.window)
         self.grads = _Level(rule.window)
+        self.calm = False  # whether the step judged last stayed well within its margins
 
     def judge(self, read: Optional[ScreenRead]) -> Optional[Signal]:
-        """Judge a step's read (then add its values to their windows)."""
+        """Judge a step's read (then add its values to their windows). `calm` says afterwards
+        whether the step stayed within half of each margin: a step a spike's replay may take as
+        the healthy reference (one just under the margin may be the start of the trouble)."""
+        self.calm = False
         if read is None:
             return None
         rule = self.rule
+        loss_over = self._over(self.loss, read.loss, rule.rtol, rule.atol)
+        grad_over = (self._over(self.grads, read.grad_norm, rule.grad_rtol, 0.0) if rule.grad_rtol is not None
+                     else None)
         loss_level, grad_level = self.loss.median(), self.grads.median()
-        loss_spiked = (read.loss is not None and loss_level is not None and self.loss.seen >= rule.warmup
-                       and read.loss - loss_level > max(rule.rtol * abs(loss_level), rule.atol,
-                                                        rule.spread * self.loss.spread()))
-        grad_spiked = (rule.grad_rtol is not None and read.grad_norm is not None and grad_level is not None
-                       and self.grads.seen >= rule.warmup and not math.isnan(read.grad_norm)
-                       and read.grad_norm - grad_level > max(rule.grad_rtol * grad_level,
-                                                             rule.spread * self.grads.spread()))
         self.loss.add(read.loss)
         self.grads.add(read.grad_norm)
+        self.calm = all(over is None or over <= 0.5 for over in (loss_over, grad_over))
+        loss_spiked, grad_spiked = (over is not None and over > 1.0 for over in (loss_over, grad_over))
         if not (loss_spiked or grad_spiked):
             return None
         which = "loss and gradients" if loss_spiked and grad_spiked else "loss" if loss_spiked else "gradients"
         return Signal(read.loss, loss_level, read.grad_norm, grad_level, which)
+
+    def _over(self, level: _Level, value: Optional[float], rtol: float, atol: float) -> Optional[float]:
+        """How far `value` is above its level, as a fraction of the margin a spike must pass (over 1:
+        a spike); None when it is not judged (no value, or still in the warmup)."""
+        middle = level.median()
+        if value is None or middle is None or level.seen < self.rule.warmup or math.isnan(value):
+            return None
+        margin = max(rtol * abs(middle), atol, self.rule.spread * level.spread())
+        excess = value - middle
+        if margin <= 0:
+            return math.inf if excess > 0 else 0.0
+        return excess / margin
 
 
 def number(value: Optional[float]) -> str:
@@ -165,7 +179,7 @@ class Spike:
       (`measured="output"`) or gradient (`"gradient"`), in the order it was computed, left the range
       the previous step's batch gives on the same weights: its RMS on this batch and on that one;
     - `parameters`: for a "weights" verdict, (name, norm before, norm after) of the parameters whose
-      norm the last update changed most;
+      elements moved most since the healthy step (the change of their RMS);
     - `batch_rank`: under a process group, the rank whose loss spiked most (its batch);
     - `notes`; `inputs`, `html`, `traces`: paths under `out/step-N/` (the batch, the page, the
       replays' saved traces).
@@ -229,7 +243,7 @@ class Spike:
         if self.where():
             text += f"; {self.where()}"
         if self.parameters:
-            text += "; the norms that changed most since: " + ", ".join(
+            text += "; the parameters that moved most since (norm then -> now): " + ", ".join(
                 f"{name} {number(before)} -> {number(after)}" for name, before, after in self.parameters)
         for note in self.notes:
             text += f"; {note}"

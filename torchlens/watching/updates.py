@@ -47,7 +47,7 @@ class Written(NamedTuple):
 
 class Weights(NamedTuple):
     """What the update check knows of the weights since the last healthy step: the updates since
-    ((first, last) step, or None), the parameters whose norm changed most ((name, then, now)),
+    ((first, last) step, or None), the parameters that moved most ((name, norm then, norm now)),
     and those written since by something other than the optimizer."""
 
     span: Optional[Tuple[int, int]]
@@ -121,8 +121,9 @@ class UpdateCheck:
     def since_healthy(self, names: Sequence[str], count: int = 3) -> Weights:
         """What changed the weights since the last healthy step ran on them (a host read: a
         spike's question): the updates since ((first, last) step, or None), the `count` parameters
-        whose norm changed most by ratio ((name, norm then, norm now), the norms now screened
-        afresh), and those written since by something other than the optimizer: their version
+        whose elements moved most on average (the change of their RMS: a near-zero bias that grew
+        500-fold moved less than a weight that doubled) as (name, norm then, norm now), the norms now
+        screened afresh, and those written since by something other than the optimizer: their version
         counters moved, or their sums of squares differ from the last update's screen (a write
         through `.data`, which moves no counter)."""
         found: List[Tuple[float, str, float, float]] = []
@@ -144,9 +145,9 @@ class UpdateCheck:
             for k, i in enumerate(indices):
                 if i in position:
                     a, b = math.sqrt(old[position[i]]), math.sqrt(now_values[k])
-                    ratio = max(a, b) / min(a, b) if min(a, b) > 0 else (1.0 if a == b else math.inf)
-                    if ratio > 1.0:
-                        found.append((ratio, names[i], a, b))
+                    moved = abs(b - a) / math.sqrt(max(local(self.params[i]).numel(), 1))  # (its RMS's change)
+                    if moved > 0:
+                        found.append((moved, names[i], a, b))
         found.sort(key=lambda item: -item[0])
         changed = [(name, a, b) for _, name, a, b in found[:count]]
         return Weights(span, changed, [names[i] for i in sorted(self.outside)])

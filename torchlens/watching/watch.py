@@ -388,7 +388,7 @@ class Watch:
                 return
         if spike is not None:
             self._act_on_spike(spike)
-        elif self._spike_check is not None and not skipped:
+        elif self._spike_check is not None and not skipped and self._spike_check.calm:
             self._previous = step
             if self._updates is not None:
                 self._updates.mark_healthy()
@@ -408,7 +408,7 @@ class Watch:
         try:
             explain(spike, step, self._previous, self._replays.eager, self._params, self._modules, check.rule,
                     (lambda: updates.since_healthy(self._names)) if updates is not None
-                    else (lambda: Weights(None, [], [])))
+                    else (lambda: Weights(None, [], [])), compiled=self._replays.compiled)
             recordings = recorded(spike, self._replays.eager, step, self._previous, self._params, self._modules)
         except Exception as exc:
             if is_stop(exc):
