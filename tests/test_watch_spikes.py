@@ -462,3 +462,21 @@ def test_a_spike_whose_files_cannot_be_written_still_raises(tmp_path):
         with pytest.raises(SpikeError) as caught:
             _train(model, optimizer, 16, _inputs_times_1000(13), blocker, on_spike="raise")
     assert caught.value.spike.verdict == "batch" and caught.value.spike.html is None
+
+
+def test_under_gradient_accumulation_the_micro_batch_s_call_is_named_and_every_micro_batch_traced(tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=RULE, on_spike="skip") as watch:
+        for step in range(14):
+            for micro in range(2):
+                x = torch.randn(4, 3, 12, 12, generator=generator) * (1000 if (step, micro) == (12, 1) else 1)
+                (F.cross_entropy(model(x), torch.randint(0, 5, (4,), generator=generator)) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    [spike] = watch.spikes
+    assert (spike.step, spike.verdict, spike.module) == (12, "batch", "stem (call 2)"), spike
+    assert sorted(os.path.basename(p) for p in spike.traces) == ["healthy-2.tl", "healthy.tl", "spike-2.tl",
+                                                                  "spike.tl"]

@@ -358,7 +358,7 @@ def _names(names: List[str]) -> str:
 
 def record_step(model: nn.Module, step: StepRecord, params: List[torch.Tensor], modules: List[nn.Module]):
     """`step` replayed under `Recorder(backward=True, value_stats="exact")`, narrated nowhere: the
-    `Recording` of its (first) forward, for its saved trace."""
+    `Recording` of each of its forwards (its micro-batches), for their saved traces."""
     from ..options import NarrationOptions
     from ..recording import Recorder
 
@@ -367,25 +367,26 @@ def record_step(model: nn.Module, step: StepRecord, params: List[torch.Tensor], 
         with Recorder(model, narrate=quiet, backward=True, value_stats="exact") as recorder:
             for _ in run_forwards(model, step.forwards, modules):
                 pass
-    return recorder.recordings[0] if recorder.recordings else None
+    return list(recorder.recordings)
 
 
 def recorded(spike: Spike, model: nn.Module, step: StepRecord, previous: Optional[StepRecord],
              params: List[torch.Tensor], modules: List[nn.Module]) -> list:
     """[(name, `Recording`)]: the spiking step and the previous one replayed under `record_step`,
-    for their saved traces; each only where its probed replay ran (which the ranks agreed on),
-    and none after a rank failed to record (they record together)."""
+    for their saved traces ("spike", "healthy"; "spike-2" for a step's second micro-batch); each
+    only where its probed replay ran (which the ranks agreed on), and none after a rank failed to
+    record (they record together)."""
     replayed = spike.magnitudes or (None, None)
     found = []
     for name, ran, which in (("spike", replayed[0], step), ("healthy", replayed[1], previous)):
         if ran is None or which is None:
             break
-        recording, failed = _attempt(lambda: record_step(model, which, params, modules))  # noqa: B023
+        recordings, failed = _attempt(lambda: record_step(model, which, params, modules))  # noqa: B023
         if agree(flag(failed)):
             spike.notes.append(f"the {name} replay's trace was not recorded: {failed or 'it failed on another rank'}")
             break
-        found.append((name, recording))
-    return [(name, recording) for name, recording in found if recording is not None]
+        found += [(name if i == 1 else f"{name}-{i}", recording) for i, recording in enumerate(recordings or [], 1)]
+    return found
 
 
 def _discard(line: str) -> None:

@@ -5,13 +5,14 @@ started from, and the norm of its gradients, which the sums of squares of the sc
 nothing more), so judging them costs a comparison on the host. Each is judged against the median
 of its last `window` values (a median: one earlier spike in the window does not move it), once
 `warmup` steps have been seen. A loss spikes when it exceeds that level by more than `rtol` times
-the level's size, by more than `atol` (Lightning's `SpikeDetection` words: `rtol=2` is three times
-the level) and by more than `spread` times the window's own spread (its median absolute deviation,
-scaled to a normal's standard deviation): the losses of small batches are skewed, and a loss
-three times its median is ordinary there, while a spike is far outside what the window has seen.
-The gradients' norm spikes when it exceeds its level by more than `grad_rtol` times it and
-`spread` times its spread. Every finite value enters its window,
-a spike's too, so that a lasting change of level stops being called a spike once it is the median.
+the level's size, by more than `atol` (Lightning's `SpikeDetection` words) and by more than
+`spread` times the window's own spread (its median absolute deviation, scaled to a normal's
+standard deviation): the losses of small batches are skewed, and a loss three times its median is
+ordinary there, while a spike is far outside what the window has seen. The gradients' norm spikes
+when it exceeds its level by more than `grad_rtol` times it and `spread` times its spread. Every
+finite value enters its window, a spike's too, so that a lasting change of level stops being
+called a spike once it is the median. A step well within both margins is `calm`: what a spike's
+replay may take as its healthy reference.
 
 What a spike is found to be (the batch, the weights, a transient) is `explain`'s work.
 """
@@ -42,17 +43,22 @@ class SpikeRule:
     - `warmup`: the steps seen before any is judged (50: the first steps' fall is no spike, and
       a window's median and spread need that many values to be steady);
     - `rtol`, `atol`, `spread`: a loss spikes when `loss - level` is over `rtol * |level|`, `atol`
-      and `spread` times the window's spread (2.0, 0.0, 10.0);
-    - `grad_rtol`: the gradients' norm spikes when `norm - level` is over `grad_rtol * level` (9.0:
-      ten times its level) and `spread` times its spread; None to judge the loss alone.
+      and `spread` times the window's spread (0.5, 0.0, 10.0: a language model's loss sits near
+      the log of its vocabulary, and a model an update wrecked rarely doubles it; the spread
+      keeps small batches' skewed losses from tripping it);
+    - `grad_rtol`: the gradients' norm spikes when `norm - level` is over `grad_rtol * level` (4.0:
+      five times its level) and `spread` times its spread; None to judge the loss alone;
+    - `factor`: how far a module's output (or gradient) RMS, or a replayed output's, may be from
+      the healthy batch's, either way, and still be in its range (3.0).
     """
 
     window: int = 50
     warmup: int = 50
-    rtol: float = 2.0
+    rtol: float = 0.5
     atol: float = 0.0
     spread: float = 10.0
-    grad_rtol: Optional[float] = 9.0
+    grad_rtol: Optional[float] = 4.0
+    factor: float = 3.0
 
     def __post_init__(self):
         for name in ("window", "warmup"):
@@ -61,6 +67,10 @@ class SpikeRule:
                 raise OptionTypeError(f"SpikeRule {name}= takes an integer, got {value!r}")
             if value < 1:
                 raise OptionValueError(f"SpikeRule {name}={value}: it must be at least 1")
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
+            raise OptionTypeError(f"SpikeRule factor= takes a number, got {self.factor!r}")
+        if not 1 < self.factor < math.inf:
+            raise OptionValueError(f"SpikeRule factor={self.factor}: it must be a finite number over 1")
         for name in ("rtol", "atol", "spread", "grad_rtol"):
             value = getattr(self, name)
             if value is None and name == "grad_rtol":
@@ -69,12 +79,6 @@ class SpikeRule:
                 raise OptionTypeError(f"SpikeRule {name}= takes a number, got {value!r}")
             if not value >= 0 or math.isinf(value):
                 raise OptionValueError(f"SpikeRule {name}={value}: it must be a finite number, 0 or more")
-
-    @property
-    def factor(self) -> float:
-        """How far a module's magnitude may be from the healthy replay's, either way, and still be
-        in its range (the loss's relative tolerance, as a ratio: 3 by default)."""
-        return 1.0 + self.rtol
 
 
 DEFAULT_RULE = SpikeRule()

@@ -122,7 +122,7 @@ class Watch:
                          else check_choice("tl.watch on_spike", on_spike, options.ON_FAULT, takes="None or "))
         if not isinstance(spike, SpikeRule):
             raise OptionTypeError(f"tl.watch spike= takes a tl.watching.SpikeRule(window=, warmup=, rtol=, atol=, "
-                                  f"spread=, grad_rtol=), got {type(spike).__name__}")
+                                  f"spread=, grad_rtol=, factor=), got {type(spike).__name__}")
         if self.on_spike is None and spike is not DEFAULT_RULE:
             raise OptionValueError("tl.watch spike= was given with on_spike=None, which judges no spike: pass "
                                    "on_spike='report', 'skip' or 'raise' with it, or leave spike= out")
