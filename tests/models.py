@@ -1,4 +1,5 @@
-"""Small real models the tests narrate: the seed's Tiny, a GPT-style transformer, a conv net."""
+"""Small real models the tests narrate: the seed's Tiny, a GPT-style transformer, a conv net, and
+modules that break on purpose."""
 
 from __future__ import annotations
 
@@ -162,3 +163,16 @@ class LoopBreak(nn.Module):
             if i == 0:
                 print("after block 0")
         return self.norm(x)
+
+
+class GlitchOnce(nn.Module):
+    """Multiplies its input by 1000 at its `at`-th call only: a glitch no replay repeats (the
+    hardware's, say); `at=0` never."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, h):
+        self.calls += 1
+        return h * 1000 if self.calls == self.at else h

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GlitchOnce
 from ranks import run_ranks
 from torch import nn
 
@@ -312,18 +313,6 @@ def test_a_spike_on_one_rank_is_judged_at_the_same_step_on_every_rank_and_its_ba
         assert results[0]["replicas_equal"], "both ranks skipped the spiking step's update together"
 
 
-class _GlitchOnce(nn.Module):
-    """Multiplies by 1000 at one call on one rank only: a glitch no replay repeats."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.at, self.calls = at, 0
-
-    def forward(self, h):
-        self.calls += 1
-        return h * 1000 if self.calls == self.at else h
-
-
 def _transient_scenario(rank: int, workdir: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -331,7 +320,7 @@ def _transient_scenario(rank: int, workdir: str) -> dict:
 
     torch.manual_seed(0)
     inner = SpikyNet()
-    inner.fc = nn.Sequential(inner.fc, _GlitchOnce(at=11 if rank == 1 else 0))
+    inner.fc = nn.Sequential(inner.fc, GlitchOnce(at=11 if rank == 1 else 0))
     model = DDP(inner)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(100 + rank)

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from models import GlitchOnce
 from torch import nn
 
 import torchlens as tl
@@ -139,22 +140,10 @@ def test_on_spike_raise_stops_before_the_update_and_skip_trains_on_without_it(tm
     assert watch.spikes == [] and log == ""
 
 
-class Flaky(nn.Module):
-    """Multiplies its output by 1000 at one call only: a glitch no replay repeats."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.at, self.calls = at, 0
-
-    def forward(self, h):
-        self.calls += 1
-        return h * 1000 if self.calls == self.at else h
-
-
 def test_a_spike_no_replay_repeats_is_called_transient_and_its_batch_saved(tmp_path):
     torch.manual_seed(0)
     model = ConvNet()
-    model.body.insert(1, Flaky(at=14))  # (the 14th forward: step 13)
+    model.body.insert(1, GlitchOnce(at=14))  # (the 14th forward: step 13)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     watch, _, log = _train(model, optimizer, 16, None, tmp_path, on_spike="skip")
     [spike] = watch.spikes

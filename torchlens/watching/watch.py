@@ -435,42 +435,35 @@ class Watch:
             self._act(fault, clear=False)
         return None
 
-    # -- acting on a fault ----------------------------------------------------------------------------
+    # -- acting on a fault or a spike ---------------------------------------------------------------
 
     def _act(self, fault: Fault, clear: bool) -> None:
         if fault.phase == "update" and self.on_fault == "skip":
             fault.notes.append("the update had run: on_fault='skip' cannot take it back")
         self.faults.append(fault)
-        line = f"!! watch: {fault}"
-        if self._sink is not None:
-            try:
-                self._sink.write(line)
-            except Exception as exc:
-                internal_error("writing the watch's line", exc)
-        if clear:  # the update then changes nothing: no parameter has a gradient to apply
-            for p in self._params:
-                p.grad = None
-        if self.on_fault == "raise":
-            error = NonFiniteError(f"torchlens watch: {fault}")
-            # (an attribute the watch gives the error it raises: `errors`, below `watching`, cannot name Fault)
-            error.fault = fault  # type: ignore[attr-defined]
-            if self._close_on_raise:
-                self.close()
-            raise error
+        # (an attribute the watch gives the error it raises: `errors`, below `watching`, cannot name Fault)
+        self._decide(str(fault), clear, NonFiniteError, "fault", fault if self.on_fault == "raise" else None)
 
     def _act_on_spike(self, spike: Spike) -> None:
         self.spikes.append(spike)
+        self._decide(str(spike), self.on_spike == "skip", SpikeError, "spike",
+                     spike if self.on_spike == "raise" else None)
+
+    def _decide(self, text: str, clear: bool, error_type, name: str, raised) -> None:
+        """Write the line, clear the gradients (`clear`: the update then changes nothing, no
+        parameter having a gradient to apply), and raise `error_type` with `raised` as its
+        attribute `name` when there is one to raise."""
         if self._sink is not None:
             try:
-                self._sink.write(f"!! watch: {spike}")
+                self._sink.write(f"!! watch: {text}")
             except Exception as exc:
                 internal_error("writing the watch's line", exc)
-        if self.on_spike == "skip":  # the update then changes nothing: no parameter has a gradient to apply
+        if clear:
             for p in self._params:
                 p.grad = None
-        elif self.on_spike == "raise":
-            error = SpikeError(f"torchlens watch: {spike}")
-            error.spike = spike  # type: ignore[attr-defined]
+        if raised is not None:
+            error = error_type(f"torchlens watch: {text}")
+            setattr(error, name, raised)
             if self._close_on_raise:
                 self.close()
             raise error
