@@ -239,8 +239,9 @@ def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], mode
             spike.why = ("the backward was not replayed in full (the gradient into the outputs was not kept: "
                          "max_bytes, or no backward reached them), so the gradients were not measured")
             return
-        if spiked.grad_norm is not None and spike.grad_norm is not None and not _same(spiked.grad_norm,
-                                                                                       spike.grad_norm):
+        # (in one process: under a process group the replay's gradients are this rank's, not reduced)
+        if (world == 1 and spiked.grad_norm is not None and spike.grad_norm is not None
+                and not _same(spiked.grad_norm, spike.grad_norm)):
             spike.notes.append(f"the step's gradients' norm is the one optimizer.step() saw (clipped or unscaled); "
                                f"its replay's is {number(spiked.grad_norm)}")
     if not _weights(spike, spiked, healthy, previous, rule, weights):
