@@ -42,7 +42,7 @@ from ..narration.ranks import rank_and_world_size
 from .agreement import agree, flag, values_by_rank
 from .checks import floating_leaves, sample, screen_squares
 from .replay import run_forwards, user_state_kept
-from .spikes import Spike, SpikeRule, local_loss, number
+from .spikes import Spike, SpikeRule, figure, local_loss
 from .steps import StepRecord
 from .updates import Weights
 
@@ -110,8 +110,7 @@ class Probe:
         """The RMS of each module's outputs and gradients (one host read)."""
         parts = [s for _, s, _ in self._outputs] + [entry[0] for entry in self._grads.values()]
         values = torch.stack([p.to(parts[0].device).float() for p in parts]).tolist() if parts else []
-        sizes = [n for _, _, n in self._outputs] + [entry[1] for entry in self._grads.values()]
-        rms = [math.sqrt(v / n) if n else 0.0 for v, n in zip(values, sizes)]
+        rms = _rms(values, [n for _, _, n in self._outputs] + [entry[1] for entry in self._grads.values()])
         count = len(self._outputs)
         return Magnitudes([(key, r) for (key, _, _), r in zip(self._outputs, rms[:count])],
                           list(zip(self._grads, rms[count:])), dict(self._types))
@@ -139,22 +138,23 @@ def _replay(model: nn.Module, step: StepRecord, params: List[torch.Tensor], modu
         norm = math.sqrt(float(squares.sum())) if squares is not None else None
     for squares, shapes in kept:
         values = squares.tolist() if squares is not None else []
-        outputs.append([(math.sqrt(v / n) if n else 0.0, loss) for v, (n, loss) in zip(values, shapes)])
+        outputs.append(list(zip(_rms(values, [n for n, _ in shapes]), [loss for _, loss in shapes])))
     return _Replayed(probe.magnitudes(), outputs, samples, norm)
 
 
 def _as_run(step: StepRecord) -> List[List[float]]:
     """Each forward's outputs' RMS as the step computed them (from its screens: one read)."""
-    found = []
-    for forward in step.forwards:
-        values = forward.squares.tolist() if forward.squares is not None else []
-        sizes = forward.sizes
-        found.append([math.sqrt(v / n) if n else 0.0 for v, n in zip(values, sizes)])
-    return found
+    return [_rms(forward.squares.tolist() if forward.squares is not None else [], forward.sizes)
+            for forward in step.forwards]
+
+
+def _rms(squares: List[float], sizes) -> List[float]:
+    """Root mean squares from sums of squares and element counts (0 for an empty tensor)."""
+    return [math.sqrt(v / n) if n else 0.0 for v, n in zip(squares, sizes)]
 
 
 def _outputs_text(rms: float, is_loss: bool, which: str = "") -> str:
-    return f"the loss it returns {number(rms)}" if is_loss else f"{which}output RMS {number(rms)}"
+    return f"the loss it returns {figure(rms)}" if is_loss else f"{which}output RMS {figure(rms)}"
 
 
 def _first_apart(replayed: List[List[Tuple[float, bool]]], reference: List[List[float]],
@@ -162,11 +162,11 @@ def _first_apart(replayed: List[List[Tuple[float, bool]]], reference: List[List[
     """The first output of `replayed` that is not `close` to `reference`'s: (its RMS, whether a
     loss, the reference's RMS, which output it is in words when there are several); None when
     all are."""
-    for number_, (outputs, ref) in enumerate(zip(replayed, reference), 1):
+    for index, (outputs, ref) in enumerate(zip(replayed, reference), 1):
         for position, ((rms, is_loss), expected) in enumerate(zip(outputs, ref), 1):
             if not close(rms, expected):
                 which = f"output {position} of {len(outputs)}'s " if len(outputs) > 1 else ""
-                which += f"(forward {number_} of {len(replayed)}) " if len(replayed) > 1 else ""
+                which += f"(forward {index} of {len(replayed)}) " if len(replayed) > 1 else ""
                 return rms, is_loss, expected, which
     return None
 
@@ -184,7 +184,8 @@ def _moved(replayed: List[List[torch.Tensor]], step: StepRecord) -> Optional[flo
             size = float(torch.linalg.vector_norm(kept))
             apart = float(torch.linalg.vector_norm(got.to(kept.device) - kept))
             distance = apart / size if size > 0 else (0.0 if apart == 0 else math.inf)
-            worst = distance if worst is None or not distance <= worst else worst
+            if worst is None or not distance <= worst:  # (NaN included)
+                worst = distance
     return worst
 
 
@@ -243,13 +244,13 @@ def explain(spike: Spike, step: StepRecord, previous: Optional[StepRecord], mode
         if (world == 1 and spiked.grad_norm is not None and spike.grad_norm is not None
                 and not _same(spiked.grad_norm, spike.grad_norm)):
             spike.notes.append(f"the step's gradients' norm is the one optimizer.step() saw (clipped or unscaled); "
-                               f"its replay's is {number(spiked.grad_norm)}")
+                               f"its replay's is {figure(spiked.grad_norm)}")
     if not _weights(spike, spiked, healthy, previous, rule, weights):
         spike.verdict = "batch"
         first = healthy.outputs[0][0] if healthy.outputs and healthy.outputs[0] else None
         ran = _as_run(previous)
         spike.evidence = (f"the same weights give step {previous.number}'s batch what it had"
-                          + (f" ({_outputs_text(first[0], first[1])} against {number(ran[0][0])})" if first else ""))
+                          + (f" ({_outputs_text(first[0], first[1])} against {figure(ran[0][0])})" if first else ""))
         _where(spike, spiked.magnitudes, healthy.magnitudes, rule.factor, gradients)
 
 
@@ -294,14 +295,14 @@ def _transient(spike: Spike, spiked: _Replayed, step: StepRecord, compiled: bool
         if apart is not None:
             rms, is_loss, expected, which = apart
             spike.notes.append(f"replayed eagerly, the compiled step gives {_outputs_text(rms, is_loss, which)} "
-                               f"against its {number(expected)} (the compiler's random draws and rounding): "
+                               f"against its {figure(expected)} (the compiler's random draws and rounding): "
                                f"whether the spike is transient is not told")
         return
     if apart is not None:
         rms, is_loss, expected, which = apart
         spike.verdict = "transient"
         spike.evidence = (f"its replay gives {_outputs_text(rms, is_loss, which)} against the step's "
-                          f"{number(expected)} "
+                          f"{figure(expected)} "
                           f"(a nondeterministic kernel, a race or the hardware)")
     if rank_and_world_size()[1] > 1:
         ranks = [r for r, v in enumerate(values_by_rank(1.0 if apart is not None else None)) if v is not None]
@@ -331,13 +332,13 @@ def _weights(spike: Spike, spiked: _Replayed, healthy: _Replayed, previous: Step
     if off is not None:
         rms, is_loss, expected, which = off
         spike.evidence = (f"the same weights give step {previous.number}'s batch {_outputs_text(rms, is_loss, which)} "
-                          f"against {number(expected)} when it ran")
+                          f"against {figure(expected)} when it ran")
     elif moved is not None and moved > 1.0:
         spike.evidence = (f"the same weights give step {previous.number}'s batch outputs that moved by "
-                          f"{number(moved)} times their size since it ran")
+                          f"{figure(moved)} times their size since it ran")
     else:
         spike.evidence = (f"the same weights give step {previous.number}'s batch gradients like the spiking "
-                          f"batch's (every module's within {number(rule.factor)}x)")
+                          f"batch's (every module's within {figure(rule.factor)}x)")
     known = weights()
     spike.parameters = known.changed
     if known.outside:

@@ -147,11 +147,11 @@ class Fault:
         A file that cannot be written is said, not raised: the fault itself is the news."""
         os.makedirs(directory, exist_ok=True)
         self.inputs = attempt("saving the step's inputs",
-                               lambda: save_inputs(forwards, os.path.join(directory, "inputs.pt")))
+                              lambda: save_inputs(forwards, os.path.join(directory, "inputs.pt")))
         if self.recording is None:
             return
         self.html = attempt("writing the replay's page",
-                             lambda: self.recording.to_html(os.path.join(directory, "replay.html")))
+                            lambda: self.recording.to_html(os.path.join(directory, "replay.html")))
         self.trace = attempt("saving the replay", lambda: self.recording.save(os.path.join(directory, "replay.tl")))
         if self.phase == "forward":
             try:

@@ -127,9 +127,9 @@ def replay_step(model: nn.Module, forwards: List[WatchedForward], params: List[t
         quiet = NarrationOptions(sink=_discard, sites=True)
         recorder = Recorder(model, narrate=quiet, backward=True, on_nonfinite="track") if compiled is None else None
         with (recorder if recorder is not None else contextlib.nullcontext()):
-            for index, leaves in enumerate(run_forwards(compiled if compiled is not None else model, forwards,
-                                                        modules)):
-                forward = forwards[index]
+            runner = compiled if compiled is not None else model
+            # (the generator first: after its last forward it resumes to run the backwards)
+            for leaves, forward in zip(run_forwards(runner, forwards, modules), forwards):
                 if compiled is not None:
                     outcome.recordings.append(compiled.torchlens.last_recording)
                 if not same_screens(screen_squares(leaves), forward.squares):
@@ -153,13 +153,13 @@ def replay_step(model: nn.Module, forwards: List[WatchedForward], params: List[t
     return outcome
 
 
-def run_forwards(model, forwards: List[WatchedForward], modules: List[nn.Module], backward: bool = True):
+def run_forwards(model, forwards: List[WatchedForward], modules: List[nn.Module]):
     """Run the step's `forwards` again through `model`, each as it began (training flags, random
     generators' states, autocast), on its own argument objects, yielding each one's floating
-    outputs; with `backward`, after each, the backwards that finished with it, fed the gradients
+    outputs; after each, the backwards that finished with it, fed the gradients
     the step's own backwards sent into the outputs. The caller keeps the user's state
     (`user_state_kept`)."""
-    plan = _backward_plan(forwards) if backward else {}
+    plan = _backward_plan(forwards)
     last_forward = {task: max(index for index, _, _ in entries) for task, entries in plan.items()}
     outputs: List[List[torch.Tensor]] = []
     for index, forward in enumerate(forwards):

@@ -32,7 +32,7 @@ from ..errors import OptionTypeError, OptionValueError
 from .checks import ScreenRead
 from .faults import attempt, save_inputs
 
-__all__ = ["DEFAULT_RULE", "Signal", "Spike", "SpikeCheck", "SpikeRule", "local_loss", "number"]
+__all__ = ["DEFAULT_RULE", "Signal", "Spike", "SpikeCheck", "SpikeRule", "figure", "local_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +105,10 @@ class _Level:
     def median(self) -> Optional[float]:
         return statistics.median(self.values) if self.values else None
 
-    def spread(self) -> float:
-        """The median absolute deviation from the median, as a normal's standard deviation."""
+    def spread(self, middle: float) -> float:
+        """The median absolute deviation from `middle` (the median), as a normal's standard deviation."""
         if len(self.values) < 2:
             return 0.0
-        middle = statistics.median(self.values)
         return 1.4826 * statistics.median(abs(v - middle) for v in self.values)
 
     def add(self, value: Optional[float]) -> None:
@@ -135,10 +134,10 @@ class SpikeCheck:
         if read is None:
             return None
         rule = self.rule
-        loss_over = self._over(self.loss, read.loss, rule.rtol, rule.atol)
-        grad_over = (self._over(self.grads, read.grad_norm, rule.grad_rtol, 0.0) if rule.grad_rtol is not None
-                     else None)
         loss_level, grad_level = self.loss.median(), self.grads.median()
+        loss_over = self._over(self.loss, loss_level, read.loss, rule.rtol, rule.atol)
+        grad_over = (self._over(self.grads, grad_level, read.grad_norm, rule.grad_rtol, 0.0)
+                     if rule.grad_rtol is not None else None)
         self.loss.add(read.loss)
         self.grads.add(read.grad_norm)
         self.calm = all(over is None or over <= 0.5 for over in (loss_over, grad_over))
@@ -148,20 +147,21 @@ class SpikeCheck:
         which = "loss and gradients" if loss_spiked and grad_spiked else "loss" if loss_spiked else "gradients"
         return Signal(read.loss, loss_level, read.grad_norm, grad_level, which)
 
-    def _over(self, level: _Level, value: Optional[float], rtol: float, atol: float) -> Optional[float]:
-        """How far `value` is above its level, as a fraction of the margin a spike must pass (over 1:
-        a spike); None when it is not judged (no value, or still in the warmup)."""
-        middle = level.median()
+    def _over(self, level: _Level, middle: Optional[float], value: Optional[float], rtol: float,
+              atol: float) -> Optional[float]:
+        """How far `value` is above its level (`middle`, the window's median), as a fraction of the
+        margin a spike must pass (over 1: a spike); None when it is not judged (no value, or still
+        in the warmup)."""
         if value is None or middle is None or level.seen < self.rule.warmup or math.isnan(value):
             return None
-        margin = max(rtol * abs(middle), atol, self.rule.spread * level.spread())
+        margin = max(rtol * abs(middle), atol, self.rule.spread * level.spread(middle))
         excess = value - middle
         if margin <= 0:
             return math.inf if excess > 0 else 0.0
         return excess / margin
 
 
-def number(value: Optional[float]) -> str:
+def figure(value: Optional[float]) -> str:
     """A magnitude as a line shows it: 3 significant digits."""
     if value is None:
         return "?"
@@ -221,17 +221,17 @@ class Spike:
         """What the check saw: the values against their levels."""
         parts = []
         if "loss" in self.which:
-            parts.append(f"loss {number(self.loss)} against {number(self.loss_level)}")
+            parts.append(f"loss {figure(self.loss)} against {figure(self.loss_level)}")
         if "gradients" in self.which:
-            parts.append(f"gradients' norm {number(self.grad_norm)} against {number(self.grad_level)}")
+            parts.append(f"gradients' norm {figure(self.grad_norm)} against {figure(self.grad_level)}")
         return " and ".join(parts) + f" (the median of the last {self.window} steps)"
 
     def where(self) -> Optional[str]:
         if self.module is None:
             return None
         kind = f" ({self.module_type})" if self.module_type else ""
-        return (f"first out of range: {self.module}{kind}: {self.measured} RMS {number(self.value)} against "
-                f"{number(self.healthy)} (x{number(self.ratio)})")
+        return (f"first out of range: {self.module}{kind}: {self.measured} RMS {figure(self.value)} against "
+                f"{figure(self.healthy)} (x{figure(self.ratio)})")
 
     def __str__(self) -> str:
         rank = f"rank {self.rank} " if self.rank is not None else ""
@@ -248,7 +248,7 @@ class Spike:
             text += f"; {self.where()}"
         if self.parameters:
             text += "; the parameters that moved most since (norm then -> now): " + ", ".join(
-                f"{name} {number(before)} -> {number(after)}" for name, before, after in self.parameters)
+                f"{name} {figure(before)} -> {figure(after)}" for name, before, after in self.parameters)
         for note in self.notes:
             text += f"; {note}"
         return text
@@ -263,15 +263,15 @@ class Spike:
 
         if attempt("making the spike's directory", lambda: _made(directory)) is None:
             return
-        self.inputs = attempt("saving the spike's batch", lambda: save_inputs(forwards, os.path.join(directory,
-                                                                                                    "inputs.pt")))
+        inputs = os.path.join(directory, "inputs.pt")
+        self.inputs = attempt("saving the spike's batch", lambda: save_inputs(forwards, inputs))
         for name, recording in recordings:
             path = attempt(f"saving the {name} replay",
                             lambda: recording.save(os.path.join(directory, f"{name}.tl")))  # noqa: B023
             if path is not None:
                 self.traces.append(path)
-        self.html = attempt("writing the spike's page", lambda: _write_text(os.path.join(directory, "spike.html"),
-                                                                            spike_page(self)))
+        page = os.path.join(directory, "spike.html")
+        self.html = attempt("writing the spike's page", lambda: _write_text(page, spike_page(self)))
 
 
 def _made(directory: str) -> str:

@@ -73,8 +73,10 @@ class WatchedForward:
         self.autocast = autocast_state()
         self.modes = modes
         self.squares: Optional[torch.Tensor] = None  # the outputs' screen (their sums of squares)
-        self.sizes: Tuple[int, ...] = ()  # the outputs' element counts (with `squares`: their RMS)
-        self.samples: Optional[List[torch.Tensor]] = None  # a few values of each output (`checks.sample`)
+        # judging spikes: the outputs' element counts (with `squares`, their RMS) and a few of
+        # their values (`checks.sample`)
+        self.sizes: Tuple[int, ...] = ()
+        self.samples: Optional[List[torch.Tensor]] = None
         # graph task id -> {output position: the gradient it received} (a dict: insertion is run order)
         self.received: Dict[int, Dict[int, torch.Tensor]] = {}
         self.received_bytes = 0
@@ -97,8 +99,8 @@ class WatchedForward:
             except Exception:  # (torch no longer numbers its nodes so: the loss's ops go unnamed)
                 self.nodes = None
         self.squares = screen_squares(leaves)
-        self.sizes = tuple(leaf.numel() for leaf in leaves)
         if samples:
+            self.sizes = tuple(leaf.numel() for leaf in leaves)
             self.samples = [sample(leaf) for leaf in leaves]
         return leaves
 

@@ -103,13 +103,13 @@ class UpdateCheck:
         self._before[id(optimizer)] = (changed, screen_squares([self.params[i] for i in changed]))
 
     def screen(self, optimizer) -> Tuple[List[int], Optional[torch.Tensor]]:
-        """After `optimizer`'s update: (the parameters screened, their sums of squares), leaving out those
-        known to hold non-finite values already."""
+        """After `optimizer`'s update: (the parameters screened, their sums of squares), leaving out
+        those known to hold non-finite values already."""
         indices = [i for i in self.indices.get(id(optimizer), ()) if i not in self.held]
         return indices, screen_squares([self.params[i] for i in indices])
 
     def screened(self, optimizer, step: int, indices: List[int], squares: Optional[torch.Tensor]) -> None:
-        """Keep the screen taken after `optimizer`'s update of step `step` (for `changed_most`)."""
+        """Keep the screen taken after `optimizer`'s update of step `step` (for `since_healthy`)."""
         if squares is not None:
             self.last[id(optimizer)] = (step, indices, squares)
 

@@ -86,9 +86,9 @@ def watch(model: nn.Module, optimizer, *, out="torchlens-watch", on_fault: str =
     replays a compiled model whose eager replays find nothing.
 
     A finite loss or gradients' norm far above its recent level (`spike`, a `SpikeRule`) is a
-    spike: replayed before the update, on its own batch and on the previous step's, it is called
-    the batch's or the weights' (the last update's), or transient, with the first module out of
-    range; `on_spike` decides as `on_fault` does ("raise": `tl.errors.SpikeError`), None to not
+    spike: replayed before the update, on its own batch and on the last calm step's, it is called
+    the batch's (with the first module out of range) or the weights' (with what changed them
+    since), or transient; `on_spike` decides as `on_fault` does ("raise": `tl.errors.SpikeError`), None to not
     judge spikes. Its line goes to `narrate`, its batch, page and traces to `out`/step-N/.
     """
     return Watch(model, optimizer, out=out, on_fault=on_fault, check=check, narrate=narrate, replays=replays,
@@ -147,7 +147,7 @@ class Watch:
         self.steps = 0
         self._spike_check = SpikeCheck(spike) if self.on_spike is not None else None
         self._names = names
-        self._previous: Optional[StepRecord] = None  # the last healthy step, replayed against a spike
+        self._previous: Optional[StepRecord] = None  # the last calm step, replayed against a spike
         self._step = StepRecord()
         self._open: Union[WatchedForward, _Unwatched, None] = None  # the forward running now
         self._depth = 0  # nested calls of the model inside its own forward
@@ -377,18 +377,18 @@ class Watch:
         if fault is not None:
             self._act(fault, clear=self.on_fault == "skip" and not skipped)
             return
-        spike = None
-        if self._spike_check is not None and not skipped:
-            try:
-                spike = self._judge_spike(step, number)
-            except Exception as exc:
-                if is_stop(exc):
-                    raise
-                self._fail("checking the step for a spike", exc)
-                return
+        if self._spike_check is None or skipped:
+            return
+        try:
+            spike = self._judge_spike(step, number)
+        except Exception as exc:
+            if is_stop(exc):
+                raise
+            self._fail("checking the step for a spike", exc)
+            return
         if spike is not None:
             self._act_on_spike(spike)
-        elif self._spike_check is not None and not skipped and self._spike_check.calm:
+        elif self._spike_check.calm:
             self._previous = step
             if self._updates is not None:
                 self._updates.mark_healthy()
