@@ -457,3 +457,32 @@ def test_under_gradient_accumulation_the_micro_batch_s_call_is_named_and_every_m
     assert (spike.step, spike.verdict, spike.module) == (12, "batch", "stem (call 2)"), spike
     assert sorted(os.path.basename(p) for p in spike.traces) == ["healthy-2.tl", "healthy.tl", "spike-2.tl",
                                                                   "spike.tl"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nn_transformer_under_autocast_with_inference_mode_evaluations_between_steps(tmp_path, dtype):
+    """torch's own TransformerEncoder, trained under CPU autocast with evaluation forwards under
+    `inference_mode` and `no_grad` between steps: quiet while healthy, and a learning rate 1000x
+    for one step is the weights' at the next step."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    with tl.watch(model, optimizer, out=tmp_path, narrate=None, spike=SpikeRule(window=20, warmup=20)) as watch:
+        for step in range(34):
+            x, y = torch.randn(4, 6, 16, generator=generator), torch.randint(0, 4, (4,), generator=generator)
+            for group in optimizer.param_groups:
+                group["lr"] = 1.0 if step == 30 else 1e-3
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.cross_entropy(model(x).mean(1).float(), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.inference_mode():
+                model(x)
+            with torch.no_grad():
+                model(x)
+    assert watch.faults == [] and watch.steps == 34
+    assert watch.spikes and watch.spikes[0].step == 31, watch.spikes
+    assert watch.spikes[0].verdict == "weights" and "the update of step 30" in watch.spikes[0].evidence, watch.spikes[0]
