@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
+from torchlens.events import Stats
 from torchlens.measure.recipes import CONDITION_LIMIT, recipe
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -348,3 +349,64 @@ def test_a_printed_view_of_an_unprinted_output_shows_statistics_read_for_its_lin
     low, high = line.split("min=")[1].split()[0], line.split("max=")[1].split()[0]
     assert math.isclose(float(low), y.min().item(), rel_tol=1e-3, abs_tol=1e-4), line
     assert math.isclose(float(high), y.max().item(), rel_tol=1e-3, abs_tol=1e-4), line
+
+
+# -- a compiled graph's returned outputs, read together --------------------------------------------
+
+
+def awkward_outputs():
+    """Outputs a graph may return, each taking a different road through the "sums" and "screen"
+    recipes: plain, transposed, float64, past a million elements (float64 squares), finite but
+    overflowing sums, a large mean against a tiny spread, NaN and infinities, empty, an integer,
+    half precision (the ladder's road), the rare roads transposed, and a view of an earlier one (shared)."""
+    generator = torch.Generator().manual_seed(3)
+    plain = torch.randn(64, 48, generator=generator)
+    huge = torch.full((16,), torch.finfo(torch.float32).max)
+    nonfinite = torch.tensor([1.0, math.nan, -math.inf, 2.0, math.inf])
+    return [plain, torch.randn(48, 64, generator=generator).t(), torch.randn(300, generator=generator).double(),
+            torch.randn(1 << 20, generator=generator) + 3, huge, 1e4 + torch.randn(4096, generator=generator) * 1e-2,
+            nonfinite, torch.empty(0), torch.arange(7), torch.randn(33, generator=generator).half(),
+            (1e4 + torch.randn(64, 64, generator=generator) * 1e-2).t(), torch.stack([nonfinite] * 3).t(),
+            plain.view(-1), nonfinite.clone()]
+
+
+@pytest.mark.parametrize("rung,tracking", [("exact", False), ("exact", True), ("off", True), ("reuse", True)])
+def test_outputs_read_together_give_each_tensor_what_reading_it_alone_gives(rung, tracking):
+    """`Meter.measure_all` (a compiled graph's returned outputs, one transfer to the host) fills every
+    field as measuring the tensors one by one does, whatever road each tensor takes; a view of an
+    earlier output shares its statistics in both."""
+    from torchlens.measure.meter import Meter
+
+    fields = Stats.__slots__
+    tensors = awkward_outputs()
+    alone = [Meter(rung, tracking).measure(t, False) for t in tensors]
+    together = Meter(rung, tracking).measure_all(tensors)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields], i
+    assert together[-2] is together[0]  # the view, read once
+    assert together[6].nan == 1 and together[6].posinf == 1 and together[6].neginf == 1
+
+
+def test_a_compiled_graph_reads_its_statistics_to_the_host_once_per_call():
+    """After the call, the returned outputs' reductions are read in one transfer, not one a tensor."""
+    model, x = tiny_gpt(), tokens()
+    compiled = tl.compile(model, value_stats="exact", compiler="eager")
+    compiled(x)
+    reads = []
+    original = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.numel())
+        return original(self)
+
+    torch.Tensor.tolist = counted
+    try:
+        compiled(x)
+    finally:
+        torch.Tensor.tolist = original
+    rec = compiled.torchlens.last_recording
+    floats = {id(e.stats) for e in rec.ops
+              if getattr(e.stats, "kind", None) == "exact" and e.outputs[0].dtype == torch.float32}
+    assert len(floats) > 20
+    together = [n for n in reads if n > 9]  # (integers and bools are read on their own, as 5 and 1)
+    assert together == [4 * len(floats)], reads

@@ -5,7 +5,8 @@ Two ways, chosen per graph at compile time:
 - **After the call** (every measured output on the CPU, `meter.READ_NOW`, and within
   `AFTER_CALL_BYTES`): the outputs to measure become extra graph outputs and are measured when the
   call returns, by the eager meter (`torchlens.measure.meter`): on the CPU a one-sum screen for tracking,
-  exact statistics from sums.
+  exact statistics from sums, the float outputs' reductions read to the host together
+  (`Meter.measure_all`).
   The graph gains no reduction, so it compiles about as fast as plain and its own outputs are
   computed as plain `torch.compile` computes them; an output that a later in-place op of the graph
   would change is copied right after its op. The price is memory: those outputs live until the
@@ -325,6 +326,7 @@ def _vector_for(output, fake: torch.Tensor, rung: str):
 def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, numels) -> List:
     """Measure the outputs a graph call returned for it (see `StatsLayout`): a `Stats`, a
     `StatsGroup` or None per plan op; `numels[i]` are the element counts of op i's outputs."""
+    measured = measurer.measure_all(tensors)  # (read to the host together)
     position = 0
     result: List[Optional[Union[Stats, StatsGroup]]] = []
     for slot, counts in zip(slots, numels):
@@ -336,9 +338,9 @@ def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, nu
             parts = [recipe_.stats(numel) for recipe_, numel in zip(slot.recipes, counts)]
             result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
         else:
-            mine = tensors[position:position + slot.returned]
+            mine = measured[position:position + slot.returned]
             position += slot.returned
-            result.append(measurer.measure_output(mine[0] if len(mine) == 1 else mine, False))
+            result.append(mine[0] if len(mine) == 1 else StatsGroup(mine))
     return result
 
 

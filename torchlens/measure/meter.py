@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -28,7 +28,9 @@ from .recipes import (
     recipe,
     screen_vector,
     screened,
+    screened_together,
     summed,
+    summed_together,
 )
 from .stats import (
     SAMPLE_SIZE,
@@ -141,8 +143,7 @@ class Meter:
                     return self._measure_whole(tensor)
                 local = tensor._local_tensor  # type: ignore[attr-defined]  # a DTensor's shard: private to torch
                 return _of_local_shard(self.measure(local, live))
-            if (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
-                    and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor)):
+            if self._is_plain(tensor):
                 return self._measure_plain(tensor)
             identity = elements_identity(tensor) if self._sharing else None
             known = self._shared(identity, live) if identity is not None else None
@@ -206,22 +207,64 @@ class Meter:
 
     # -- read now: the tensor is at hand ------------------------------------------------------------
 
+    def measure_all(self, tensors: Sequence[torch.Tensor]) -> List[Stats]:
+        """`measure(tensor, False)` of each tensor (a compiled graph's returned outputs, all at hand):
+        the same values, with the common case's reductions (`_is_plain`) read to the host in one
+        transfer, not one a tensor (`recipes.screened_together`, `recipes.summed_together`)."""
+        results: List[Stats] = []
+        waiting: List[tuple] = []  # (stats, tensor) to read together
+        for tensor in tensors:
+            if tensor.__class__ is not _TENSOR or not self._is_plain(tensor):
+                results.append(self.measure(tensor, False))
+                continue
+            identity = elements_identity(tensor, plain=True)
+            known = self._shared(identity, True) if identity is not None else None
+            if known is None:
+                known = self._plain_stats(tensor.numel())
+                if known.kind != "na":
+                    waiting.append((known, tensor.detach()))
+                if identity is not None:  # (filled below: a view later in the list shares it)
+                    self._known[identity[1]] = _Known(weakref.ref(identity[0]), known, True)
+            results.append(known)
+        if waiting:
+            self._read_together(waiting)
+        return results
+
+    def _read_together(self, waiting: List[tuple]) -> None:
+        """Fill the waiting (stats, tensor) pairs; never raises: a failure says "n/a" on each."""
+        try:
+            if self._plain == "screen":
+                screened_together(waiting, self.tracking)
+            else:
+                summed_together(waiting, self.tracking)
+        except Exception as exc:
+            for stats, tensor in waiting:
+                unmeasured(stats, f"{type(exc).__name__} measuring {tensor.dtype}")
+
+    def _is_plain(self, tensor: torch.Tensor) -> bool:
+        """The common case on the CPU, measured without the ladder's lookups: a plain float32 or
+        float64 tensor, screened or summed as it is (what `_measure` would decide for it)."""
+        return (self._plain is not None and tensor.dtype in _REDUCED_AS_IS and tensor.device.type in READ_NOW
+                and tensor.layout is torch.strided and not tensor.is_nested and not is_wrapped(tensor))
+
+    def _plain_stats(self, numel: int) -> Stats:
+        """The `Stats` a plain tensor's measurement fills ("n/a" when it is empty: nothing to read)."""
+        if numel == 0:
+            return not_applicable("empty", self.rung).stats(0)
+        return Stats("counts", numel, self.rung == "reuse") if self._plain == "screen" else Stats("exact", numel)
+
     def _measure_plain(self, tensor: torch.Tensor) -> Stats:
-        """`measure` for the common case on the CPU: a plain float32 or float64 tensor, screened or
-        summed as it is (what `_measure` decides for it, without the ladder's lookups); statistics
-        shared between views of the same elements (`memory.elements_identity`)."""
+        """`measure` for the common case (`_is_plain`); statistics shared between views of the same
+        elements (`memory.elements_identity`)."""
         identity = elements_identity(tensor, plain=True)
         known = self._shared(identity, True) if identity is not None else None
         if known is not None:
             return known
-        numel = tensor.numel()
-        if numel == 0:
-            stats = not_applicable("empty", self.rung).stats(0)
-        elif self._plain == "screen":
-            stats = screened(Stats("counts", numel, self.rung == "reuse"), tensor.detach(), self.tracking)
-        else:
-            stats = summed(Stats("exact", numel), tensor.detach(), vector_dtype(tensor.device), numel, self.tracking,
-                           True)
+        stats = self._plain_stats(tensor.numel())
+        if stats.kind != "na" and self._plain == "screen":
+            screened(stats, tensor.detach(), self.tracking)
+        elif stats.kind != "na":
+            summed(stats, tensor.detach(), vector_dtype(tensor.device), stats.numel, self.tracking, True)
         if identity is not None:
             self._known[identity[1]] = _Known(weakref.ref(identity[0]), stats, True)
         return stats

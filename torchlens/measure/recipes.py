@@ -24,6 +24,10 @@ they cannot vouch for is measured again from the tensor; they run here (`screene
   "sums" takes; exact while min and max are within float64's exact integers (2**53). Past them the
   tensor is measured again as "int" does, with its integers as integers.
 
+A compiled graph's returned outputs are all at hand after its call: their screens or sums are
+taken one tensor after another and read to the host in one transfer (`screened_together`,
+`summed_together`), each then read as its own would be.
+
 Deferred vectors (an accelerator's, read once per forward or graph call, when the tensor is gone)
 carry their counts from the start ("counts", "moments+counts").
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,8 +54,9 @@ from .stats import (
     small_int_vector,
 )
 
-__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "integers", "moments_from_sums", "not_applicable", "recipe",
-           "screen_finite", "screen_vector", "screened", "summed", "sums_of"]
+__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "from_sums", "integers", "moments_from_sums",
+           "not_applicable", "recipe", "screen_finite", "screen_vector", "screened", "screened_together", "sum_parts",
+           "summed", "summed_together", "sums_of"]
 
 
 class Recipe(NamedTuple):
@@ -156,19 +161,59 @@ def summed(stats: Stats, f: torch.Tensor, dtype: torch.dtype, numel: int, tracki
     counting them."""
     if on_host:
         f = f.contiguous()  # a transposed or strided view: one copy, cheaper than a second pass
-        values = sums_of(f)
-        if all(map(math.isfinite, values[:2])) and not all(map(math.isfinite, values[2:])):
-            values = _rescaled(f, values[0], values[1], numel)  # finite, but the sums overflowed
-        elif all(map(math.isfinite, values)):
-            values = _moments(f, values, numel)
-    else:
-        values = cheap_vector(f, dtype, numel).tolist()
+        return from_sums(stats, f, sums_of(f), numel, tracking)
+    values = cheap_vector(f, dtype, numel).tolist()
     if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
         fill(stats, values, "moments", tracking)  # (a moment past float64's range is dropped)
         return stats
     # non-finite values: min/max/mean/sd of the finite ones, and counts
     fill(stats, finite_vector(f, dtype, f.dim()).tolist(), "finite", tracking)
     return stats
+
+
+def from_sums(stats: Stats, f: torch.Tensor, values: Sequence[float], numel: int, tracking: bool) -> Stats:
+    """Exact statistics from the "sums" vector of `f` (read to the host), measured again from `f`
+    in the rare cases the sums cannot give them: finite values whose sums overflowed, a mean large
+    against the spread, non-finite values."""
+    finite = all(map(math.isfinite, values))
+    if finite:
+        mn, mx, mean, sd = moments_from_sums(values, numel)
+        if sd is not None:  # the common case: nothing more to read
+            fill(stats, [mn, mx, mean, sd], "moments", tracking)
+            return stats
+    f = f.contiguous()  # (read again as `summed` reads it)
+    if finite:
+        values = _moments(f, values, numel)
+    elif all(map(math.isfinite, values[:2])):
+        values = _rescaled(f, values[0], values[1], numel)  # finite, but the sums overflowed
+    if math.isfinite(values[0]) and math.isfinite(values[1]):  # no NaN, no infinity
+        fill(stats, values, "moments", tracking)  # (a moment past float64's range is dropped)
+        return stats
+    # non-finite values: min/max/mean/sd of the finite ones, and counts
+    fill(stats, finite_vector(f, torch.float64, f.dim()).tolist(), "finite", tracking)
+    return stats
+
+
+def summed_together(measured: Sequence[Tuple[Stats, torch.Tensor]], tracking: bool) -> None:
+    """`summed` on the CPU for many tensors at once (a compiled graph's returned outputs): the same
+    reductions of each, read to the host in one transfer instead of one each, then read as
+    `summed` reads them. Each entry is (its `Stats`, a plain float32 or float64 CPU tensor)."""
+    parts: list = []
+    for _, tensor in measured:
+        parts += sum_parts(tensor.contiguous())
+    values = torch.stack(parts).tolist() if parts else []  # (float32 parts widen to float64 exactly)
+    for i, (stats, tensor) in enumerate(measured):
+        from_sums(stats, tensor, values[4 * i:4 * i + 4], stats.numel, tracking)
+
+
+def screened_together(measured: Sequence[Tuple[Stats, torch.Tensor]], tracking: bool) -> None:
+    """`screened` for many CPU tensors at once: their sums read to the host in one transfer."""
+    sums = torch.stack([tensor.sum() for _, tensor in measured]).tolist() if measured else []
+    for (stats, tensor), total in zip(measured, sums):
+        if math.isfinite(total):
+            stats.nan = stats.posinf = stats.neginf = 0
+        else:
+            fill(stats, count_vector(tensor, torch.float64).tolist(), "counts", tracking)
 
 
 def integers(stats: Stats, tensor: torch.Tensor, dtype: torch.dtype, tracking: bool) -> Stats:
@@ -228,11 +273,15 @@ def screen_finite(f) -> bool:
 def sums_of(f) -> list:
     """[min, max, sum, sum of squares] of `f` (contiguous, float32 or float64), read to the host:
     what "sums" measures. Few torch calls: on small tensors their fixed cost is what counts."""
+    return torch.stack(sum_parts(f)).tolist()  # (a float32 tensor's parts widen to float64 exactly)
+
+
+def sum_parts(f) -> list:
+    """The four 0-d tensors of `sums_of` (not read yet): min, max and sum in `f`'s dtype, and the
+    sum of squares (`sum_of_squares`: float64 past a million elements)."""
     mn, mx = torch.aminmax(f)
     flat = f.reshape(-1)
-    if flat.numel() < _ROWS_FROM:
-        return torch.stack([mn, mx, flat.sum(), torch.dot(flat, flat)]).tolist()
-    return torch.stack([mn, mx, flat.sum()]).tolist() + [sum_of_squares(flat).item()]
+    return [mn, mx, flat.sum(), torch.dot(flat, flat) if flat.numel() < _ROWS_FROM else sum_of_squares(flat)]
 
 
 _ROW = 4096  # elements per row of a large tensor's sum of squares
