@@ -242,3 +242,37 @@ def test_an_integer_output_tracking_skips_keeps_its_element_count():
     compiled(x)
     eager = tl.record(ArgMax(), x, on_nonfinite="track")
     assert [e.stats.numel for e in compiled.torchlens.last_recording.ops] == [e.stats.numel for e in eager.ops]
+
+
+def test_a_tracked_compiled_forward_works_out_what_an_op_read_only_when_its_verdict_needs_it(monkeypatch):
+    """As eagerly: an op judged finite never asks where its values came from, so only the ops that
+    hold a non-finite value (the causal mask's -inf) have their reads worked out; their verdicts are
+    those of the eager run."""
+    from torchlens.core.pipeline import Pipeline
+    from torchlens.fx_backend import compiled_pass
+
+    resolved, kept = [], []
+    real, record = compiled_pass._reads, Pipeline.op
+    monkeypatch.setattr(compiled_pass, "_reads", lambda *args: resolved.append(1) or real(*args))
+
+    def op(self, *args, **kwargs):  # what each op keeps of its reads once recorded (a pass drops all at its end)
+        event = record(self, *args, **kwargs)
+        kept.append((event, event.reads))
+        return event
+
+    monkeypatch.setattr(Pipeline, "op", op)
+    model, x = tiny_gpt(), tokens()
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    compiled(x)
+    resolved.clear(), kept.clear()
+    compiled(x)
+    rec = compiled.torchlens.last_recording
+    held = [e for e in rec.ops if e.stats is not None and e.stats.nonfinite]
+    assert len(rec.ops) > 40 and len(held) == 2
+    assert len(resolved) == len(held)
+    assert [event for event, reads in kept if reads is not None] == held  # (no tensor kept alive by the rest)
+    with torch.no_grad():  # a NaN in a weight: found at the first op that reads it, named, eager and compiled
+        next(m for m in model.modules() if isinstance(m, nn.Linear)).weight[0, 0] = float("nan")
+    compiled(x)
+    findings = [f.text for f in compiled.torchlens.last_recording.findings]
+    assert findings == [f.text for f in tl.record(model, x, on_nonfinite="track").findings] != [], findings

@@ -115,8 +115,8 @@ class Pipeline:
            kept=None, collective: Optional[Collective] = None, engine: Optional[str] = None,
            group: Optional[Collective] = None, lands: Optional[Event] = None) -> Event:
         """Record an op: with its `stats` (read from a compiled graph), or with its output `value`
-        for the meter to measure. What it read is `reads` (a compiled plan's, resolved) or is
-        derived from its `call` (eager: only if a verdict asks for it, see `LazyReads`); a `call`
+        for the meter to measure. What it read is `reads` (a compiled plan op's `PlanReads`) or is
+        derived from its `call`, either way worked out only if a verdict asks for it (`LazyReads`); a `call`
         also registers what the op produced and wrote. `kept` is the value `tl.trace` keeps when
         it is not `value` (the outputs a compiled graph returned). A `collective` (`collectives`)
         is recorded by `_collective`; `engine` names the distributed engine that ran the op (`engines`).
@@ -138,7 +138,7 @@ class Pipeline:
         written = call.written_into(name) if call is not None else None
         if self.unwritten is not None and value is not None:
             self._follow_memory(name, value, call, written, engine)
-        lazy = None
+        lazy = reads if isinstance(reads, LazyReads) else None  # (a compiled plan op's: `PlanReads`)
         if tracker is not None and call is not None and written is not None:
             # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
             # for; what it produced or wrote is still registered: a later reader's origin, a float

@@ -16,6 +16,7 @@ from ..core.guard import internal_error
 from ..core.structure import named_arguments
 from ..eager.capture import CaptureMode
 from ..events import Event, Scope, TensorMeta
+from ..measure.provenance import LazyReads
 from ..narration.grammar import UNFINISHED_NOTE, compiled_run_note
 from ..results import Recording
 from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
@@ -154,8 +155,8 @@ class CompiledPass(ForwardPass):
         for offset, (op, metas) in enumerate(zip(plan.ops[start:stop], self.op_metas(plan, concrete, start, stop))):
             if scopes[op.index] is not session.scope:
                 session.move_to(scopes[op.index])
-            reads = None if tracker is None or events is None else _reads(tracker, op.reads, args, events,
-                                                                          plan.written_inputs)
+            reads = None if tracker is None or events is None else PlanReads(tracker, op.reads, args, events,
+                                                                             plan.written_inputs)
             # (live: each op's value is its own, measured and noted as an eager op's would be)
             lands = None if events is None or op.lands is None else events.get(op.lands)
             event = pipeline.op(op.op, metas, op.site, value=None if values is None else values[offset],
@@ -277,6 +278,28 @@ class _LiveCall(NamedTuple):
     scope: Scope
     args: tuple
     events: Dict[int, Event]
+
+
+class PlanReads(LazyReads):
+    """A plan op's reads in this call (`_reads`), worked out only if its verdict needs them, as an
+    eager op's are (`LazyReads`: the pipeline drops them once the op is judged finite). An op that
+    reads a graph input the graph writes into works them out at once: the input's provenance must
+    be noted before anything later changes it."""
+
+    __slots__ = ("_static", "_events", "_written")
+
+    def __init__(self, tracker, static, args, events, written_inputs):
+        super().__init__(tracker, args, None)
+        self._static, self._events, self._written = static, events, written_inputs
+        if written_inputs and any(ref is not None and ref[0] != "op" and ref[1] in written_inputs
+                                  for ref in static[0]):
+            self.resolve()
+
+    def resolve(self) -> tuple:
+        if self._value is None:
+            self._value = _reads(self._tracker, self._static, self._args, self._events, self._written)
+            self._tracker = self._args = self._static = self._events = None  # keep no tensor alive by it
+        return self._value
 
 
 def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
