@@ -15,10 +15,15 @@ eager or plain `torch.compile`. Each compiled statistics mode is split into its 
   `torch.compile`'s whole call: what instrumenting the graph costs (outputs it must now store,
   copies of those written later in the graph);
 - `measure`: reading the returned outputs after the call (the meter's recipes: a sum each for
-  tracking, two reductions for exact statistics);
+  tracking, three reductions for exact statistics), of which `reduce` is the reductions and their
+  one read to the host, the rest the meter's bookkeeping (which statistics each tensor shares,
+  the `Stats` it fills);
 - `narrate`: the rest of recording the graph's ops after the call (events, verdicts, provenance);
 - `pass`: the rest, outside the graph: the pass's start and end, dynamo's guards and wrapper.
-All in milliseconds per forward.
+All in milliseconds per forward. From the compiler's own output (the wrapper code inductor wrote
+for the graphs, caught on each mode's first call), each compiled mode's kernel calls and the
+bytes its freshly allocated buffers hold per call: what instrumenting adds to plain
+`torch.compile`'s (outputs that must now be stored, copies of those written later).
 
 Beside them, the limit: the bytes the statistics must read in one call (each measured output once)
 and what reading them costs on this machine, timed here on tensors of the same sizes (one sum
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -49,6 +55,7 @@ import torch
 import torchlens as tl
 from torchlens.fx_backend import compiled_pass
 from torchlens.fx_backend.graph import CompiledGraph
+from torchlens.measure import meter
 
 MODELS = {  # name -> (what it is, batch)
     "resnet18-b1": ("torchvision resnet18, 224x224", 1),
@@ -94,7 +101,7 @@ class Parts:
     the tensors measured."""
 
     def __init__(self):
-        self.graph = self.after = self.measure = 0.0
+        self.graph = self.after = self.measure = self.reduce = 0.0
         self.sizes: List[tuple] = []  # (numel, dtype) of each tensor measured, the last call's
         self._called = 0.0
         plan, measured = compiled_pass.CompiledPass.add_plan, compiled_pass.measure_returned
@@ -125,12 +132,53 @@ class Parts:
             self.graph += time.perf_counter() - self._called
             return split(graph, out)
 
+        def timed_reductions(real):
+            def reductions(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self.reduce += time.perf_counter() - start
+            return reductions
+
+        meter.summed_together = timed_reductions(meter.summed_together)
+        meter.screened_together = timed_reductions(meter.screened_together)
         compiled_pass.CompiledPass.add_plan = add_plan
         compiled_pass.measure_returned = measure_returned
         CompiledGraph._prepare, CompiledGraph._split_outputs = timed_prepare, timed_split
 
     def reset(self) -> None:
-        self.graph = self.after = self.measure = 0.0
+        self.graph = self.after = self.measure = self.reduce = 0.0
+
+
+_KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", re.M)
+_ALLOCATION = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \(([\d, ]*)\), torch\.(\w+)\)")
+
+
+def first_call_code(run: Callable[[], object]) -> Dict[str, int]:
+    """Call `run` once (its first call: it compiles, or loads from inductor's cache) and count, in the
+    wrapper code inductor writes for its graphs, the kernel calls and the buffers allocated per call
+    (static sizes; None where no code was caught)."""
+    from torch._inductor.graph import GraphLowering
+
+    codes: List[str] = []
+    GraphLowering.save_output_code = codes.append
+    try:
+        run()
+    finally:
+        GraphLowering.save_output_code = None
+    if not codes:
+        return {}
+    kernels = allocations = allocated = 0
+    for code in codes:
+        body = code.split("\ndef call(", 1)[-1].split("\ndef ", 1)[0]
+        kernels += len(_KERNEL_CALL.findall(body))
+        for sizes, strides, dtype in _ALLOCATION.findall(body):
+            numbers = [int(v) for v in sizes.split(",") if v.strip()], [int(v) for v in strides.split(",") if v.strip()]
+            elements = 1 + sum((size - 1) * stride for size, stride in zip(*numbers)) if all(numbers[0]) else 0
+            allocations += 1
+            allocated += elements * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return {"graphs": len(codes), "kernels": kernels, "allocations": allocations, "allocated_bytes": allocated}
 
 
 def faults() -> int:
@@ -173,9 +221,13 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
     graph: Dict[str, List[float]] = {mode: [] for mode in modes}
     after: Dict[str, List[float]] = {mode: [] for mode in modes}
     measuring: Dict[str, List[float]] = {mode: [] for mode in modes}
+    reducing: Dict[str, List[float]] = {mode: [] for mode in modes}
     sizes: Dict[str, List[tuple]] = {}
+    code: Dict[str, Dict[str, int]] = {}
     with torch.no_grad():
-        for run in modes.values():
+        for mode, run in modes.items():
+            if mode.startswith("compiled"):
+                code[mode] = first_call_code(run)
             for _ in range(3):
                 run()
         for _ in range(rounds):
@@ -189,6 +241,7 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
                 graph[mode].append(parts.graph / calls * 1e3)
                 after[mode].append(parts.after / calls * 1e3)
                 measuring[mode].append(parts.measure / calls * 1e3)
+                reducing[mode].append(parts.reduce / calls * 1e3)
                 if parts.sizes:
                     sizes[mode] = parts.sizes
     rows = {}
@@ -197,10 +250,13 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
         row = {"ms": statistics.median(times[mode]),
                "x": statistics.median(a / b for a, b in zip(times[mode], times[base])),
                "faults_per_call": statistics.median(fault_counts[mode])}
+        if mode in code:
+            row["code"] = code[mode]
         if mode.startswith("compiled_"):
             row.update(graph_ms=statistics.median(graph[mode]),
                        graph_extra_ms=statistics.median(g - c for g, c in zip(graph[mode], times["compiled"])),
                        measure_ms=statistics.median(measuring[mode]),
+                       reduce_ms=statistics.median(reducing[mode]),
                        narrate_ms=statistics.median(a - m for a, m in zip(after[mode], measuring[mode])),
                        pass_ms=statistics.median(t - g - a for t, g, a in zip(times[mode], graph[mode], after[mode])),
                        limit=read_limit(sizes.get(mode, [])))
@@ -229,9 +285,9 @@ def child(arguments: List[str], env: Dict[str, str]) -> Dict:
 
 
 def table(results: List[Dict]) -> str:
-    lines = ["| model | mode | ms | x | faults/call | graph + | measure | narrate | pass | bytes read | "
-             "read once: sum each / one pass | limit x |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | mode | ms | x | faults/call | kernels, MiB allocated | graph + | measure (reduce) | narrate | "
+             "pass | bytes read | read once: sum each / one pass | limit x |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for result in results:
         if "error" in result:
             lines.append(f"| {result['model']} | failed: {result['error']} |")
@@ -239,10 +295,12 @@ def table(results: List[Dict]) -> str:
         plain = result["modes"]["compiled"]["ms"]
         for mode, row in result["modes"].items():
             cells = [result["model"], mode, f"{row['ms']:.1f}", f"{row['x']:.2f}", f"{row['faults_per_call']:.0f}"]
+            code = row.get("code")
+            cells.append(f"{code['kernels']}, {code['allocated_bytes'] / 2 ** 20:.1f}" if code else "")
             if "graph_ms" in row:
                 limit = row["limit"]
-                cells += [f"{row['graph_extra_ms']:+.2f}", f"{row['measure_ms']:.2f}", f"{row['narrate_ms']:.2f}",
-                          f"{row['pass_ms']:.2f}", f"{limit['bytes'] / 2 ** 20:.1f} MiB",
+                cells += [f"{row['graph_extra_ms']:+.2f}", f"{row['measure_ms']:.2f} ({row['reduce_ms']:.2f})",
+                          f"{row['narrate_ms']:.2f}", f"{row['pass_ms']:.2f}", f"{limit['bytes'] / 2 ** 20:.1f} MiB",
                           f"{limit['sum_each_ms']:.2f} / {limit['one_pass_ms']:.2f}",
                           f"{(plain + limit['sum_each_ms']) / plain:.2f}"]
             else:

@@ -68,8 +68,14 @@ def test_quick_compiled_statistics_benchmark_splits_each_mode_and_states_its_lim
             # the graph's own call, then the measuring and the rest of the recording after it
             assert 0 < row["graph_ms"] < row["ms"] and row["measure_ms"] > 0 and row["narrate_ms"] > 0, row
             assert row["pass_ms"] > 0, row  # the rest of the call: each part lies inside it
+            # of the measuring, the reductions and their one read; the rest is bookkeeping
+            assert 0 < row["reduce_ms"] <= row["measure_ms"], row
             # the limit: every measured output's bytes, read once here
             assert row["limit"]["bytes"] > 0 and row["limit"]["sum_each_ms"] > 0, row
+            # from inductor's own code: the outputs returned to be measured are buffers of their own
+            plain, instrumented = rows["compiled"]["code"], row["code"]
+            assert plain["kernels"] > 0 and instrumented["kernels"] >= plain["kernels"], (plain, instrumented)
+            assert instrumented["allocated_bytes"] > plain["allocated_bytes"] > 0, (plain, instrumented)
         # tracking reads the floating-point outputs, exact statistics integers and booleans too
         assert rows["compiled_exact"]["limit"]["bytes"] >= rows["compiled_track"]["limit"]["bytes"]
         assert f"| {result['model']} | compiled_track |" in done.stdout
