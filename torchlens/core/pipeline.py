@@ -159,8 +159,10 @@ class Pipeline:
             nonfinite = event.stats is not None and event.stats.nonfinite
             if nonfinite:
                 self._keep_inputs(event, call, value)
-            if nonfinite or tracker.waiting(event) or (self.roots is not None and not tracker.clean):
-                # (before its outputs are registered below; with a backward to come, once a value was
+            if (nonfinite or group is not None or tracker.waiting(event)
+                    or (self.roots is not None and not tracker.clean)):
+                # (before its outputs are registered below; a compiled collective's: what it sent, as
+                # it was sent, judged again when it lands; with a backward to come, once a value was
                 # not finite, a finite op may have read it: its backward would compute with it)
                 lazy.resolve()
             else:
