@@ -387,6 +387,34 @@ def test_outputs_read_together_give_each_tensor_what_reading_it_alone_gives(rung
     assert together[6].nan == 1 and together[6].posinf == 1 and together[6].neginf == 1
 
 
+@pytest.mark.parametrize("rung,tracking", [("exact", False), ("off", True)])
+def test_a_tensor_that_cannot_be_measured_with_the_others_spoils_only_its_own_statistics(monkeypatch, rung,
+                                                                                         tracking):
+    """A failure while reading the outputs together (out of memory copying one of them, say) is
+    what measuring each alone gives: that tensor says "n/a" and is not kept for views to share,
+    the others are measured."""
+    from torchlens.measure import recipes
+    from torchlens.measure.meter import Meter
+
+    def failing(real):
+        def reduce(f, *args):
+            if f.numel() == 7:
+                raise RuntimeError("no memory")
+            return real(f, *args)
+        return reduce
+
+    monkeypatch.setattr(recipes, "sum_parts", failing(recipes.sum_parts))
+    monkeypatch.setattr(torch.Tensor, "sum", failing(torch.Tensor.sum))
+    tensors = [torch.arange(5.0), torch.arange(7.0), torch.randn(3, 4)]
+    alone, together = Meter(rung, tracking), Meter(rung, tracking)
+    expected = [alone.measure(t, False) for t in tensors]
+    got = together.measure_all(tensors)
+    for a, b in zip(expected, got):
+        assert [getattr(a, f) for f in Stats.__slots__] == [getattr(b, f) for f in Stats.__slots__]
+    assert [s.kind for s in got] == ["na" if i == 1 else ("exact" if rung == "exact" else "counts") for i in range(3)]
+    assert set(together._known) == set(alone._known)
+
+
 def test_a_compiled_graph_reads_its_statistics_to_the_host_once_per_call():
     """After the call, the returned outputs' reductions are read in one transfer, not one a tensor."""
     model, x = tiny_gpt(), tokens()

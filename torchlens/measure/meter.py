@@ -213,6 +213,7 @@ class Meter:
         transfer, not one a tensor (`recipes.screened_together`, `recipes.summed_together`)."""
         results: List[Stats] = []
         waiting: List[tuple] = []  # (stats, tensor) to read together
+        keys: List[Optional[tuple]] = []  # the `_known` key of each waiting pair
         for tensor in tensors:
             if tensor.__class__ is not _TENSOR or not self._is_plain(tensor):
                 results.append(self.measure(tensor, False))
@@ -223,23 +224,36 @@ class Meter:
                 known = self._plain_stats(tensor.numel())
                 if known.kind != "na":
                     waiting.append((known, tensor.detach()))
+                    keys.append(None if identity is None else identity[1])
                 if identity is not None:  # (filled below: a view later in the list shares it)
                     self._known[identity[1]] = _Known(weakref.ref(identity[0]), known, True)
             results.append(known)
         if waiting:
-            self._read_together(waiting)
+            self._read_together(waiting, keys)
         return results
 
-    def _read_together(self, waiting: List[tuple]) -> None:
-        """Fill the waiting (stats, tensor) pairs; never raises: a failure says "n/a" on each."""
+    def _read_together(self, waiting: List[tuple], keys: List[Optional[tuple]]) -> None:
+        """Fill the waiting (stats, tensor) pairs. Never raises: if reading them together fails,
+        each is measured alone, and one that fails again says "n/a" and is not kept for views
+        to share (as `measure` would leave it)."""
         try:
             if self._plain == "screen":
                 screened_together(waiting, self.tracking)
             else:
                 summed_together(waiting, self.tracking)
-        except Exception as exc:
-            for stats, tensor in waiting:
+            return
+        except Exception:
+            pass
+        for (stats, tensor), key in zip(waiting, keys):
+            try:
+                if self._plain == "screen":
+                    screened(stats, tensor, self.tracking)
+                else:
+                    summed(stats, tensor, vector_dtype(tensor.device), stats.numel, self.tracking, True)
+            except Exception as exc:
                 unmeasured(stats, f"{type(exc).__name__} measuring {tensor.dtype}")
+                if key is not None:
+                    self._known.pop(key, None)
 
     def _is_plain(self, tensor: torch.Tensor) -> bool:
         """The common case on the CPU, measured without the ladder's lookups: a plain float32 or
