@@ -15,9 +15,10 @@ eager or plain `torch.compile`. Each compiled statistics mode is split into its 
   `torch.compile`'s whole call: what instrumenting the graph costs (outputs it must now store,
   copies of those written later in the graph);
 - `measure`: reading the returned outputs after the call (the meter's recipes: a sum each for
-  tracking, three reductions for exact statistics), of which `reduce` is the reductions and their
-  one read to the host, the rest the meter's bookkeeping (which statistics each tensor shares,
-  the `Stats` it fills);
+  tracking, three reductions for exact statistics), of which `reduce` is the float outputs'
+  reductions and their one read to the host, the rest the meter's bookkeeping (which statistics
+  each tensor shares, the `Stats` it fills) and the few integer, bool and half-precision outputs,
+  each measured on its own;
 - `narrate`: the rest of recording the graph's ops after the call (events, verdicts, provenance);
 - `pass`: the rest, outside the graph: the pass's start and end, dynamo's guards and wrapper.
 All in milliseconds per forward. From the compiler's own output (the wrapper code inductor wrote
@@ -162,11 +163,12 @@ def first_call_code(run: Callable[[], object]) -> Dict[str, int]:
     from torch._inductor.graph import GraphLowering
 
     codes: List[str] = []
+    before = GraphLowering.save_output_code
     GraphLowering.save_output_code = codes.append
     try:
         run()
     finally:
-        GraphLowering.save_output_code = None
+        GraphLowering.save_output_code = before
     if not codes:
         return {}
     kernels = allocations = allocated = 0
