@@ -201,7 +201,7 @@ def summed_together(measured: Sequence[Tuple[Stats, torch.Tensor]], tracking: bo
     parts: list = []
     for _, tensor in measured:
         parts += sum_parts(tensor.contiguous())
-    values = torch.stack(parts).tolist() if parts else []  # (float32 parts widen to float64 exactly)
+    values = torch.stack(parts).tolist() if parts else []  # (float32 parts beside float64 ones widen exactly)
     for i, (stats, tensor) in enumerate(measured):
         from_sums(stats, tensor, values[4 * i:4 * i + 4], stats.numel, tracking)
 
@@ -273,7 +273,7 @@ def screen_finite(f) -> bool:
 def sums_of(f) -> list:
     """[min, max, sum, sum of squares] of `f` (contiguous, float32 or float64), read to the host:
     what "sums" measures. Few torch calls: on small tensors their fixed cost is what counts."""
-    return torch.stack(sum_parts(f)).tolist()  # (a float32 tensor's parts widen to float64 exactly)
+    return torch.stack(sum_parts(f)).tolist()  # (float32 parts beside a float64 one widen to it exactly)
 
 
 def sum_parts(f) -> list:
