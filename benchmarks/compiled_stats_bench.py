@@ -159,7 +159,7 @@ _ALLOCATION = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \(([\d, ]*)\), torc
 def first_call_code(run: Callable[[], object]) -> Dict[str, int]:
     """Call `run` once (its first call: it compiles, or loads from inductor's cache) and count, in the
     wrapper code inductor writes for its graphs, the kernel calls and the buffers allocated per call
-    (static sizes; None where no code was caught)."""
+    (static sizes); an empty dict where no code was caught."""
     from torch._inductor.graph import GraphLowering
 
     codes: List[str] = []
