@@ -12,6 +12,7 @@ from models import conv_net, images, tiny_gpt, tokens
 from torch import nn
 
 import torchlens as tl
+from torchlens.events import Stats
 from torchlens.fx_backend import stats_pass
 
 
@@ -276,3 +277,45 @@ def test_a_tracked_compiled_forward_works_out_what_an_op_read_only_when_its_verd
     compiled(x)
     findings = [f.text for f in compiled.torchlens.last_recording.findings]
     assert findings == [f.text for f in tl.record(model, x, on_nonfinite="track").findings] != [], findings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "bf16 autocast", "training"])
+@pytest.mark.parametrize("name,options", [("qwen2", dict(value_stats="exact", on_nonfinite="track")),
+                                          ("bart", dict(value_stats="exact")),
+                                          ("nn_transformer", dict(on_nonfinite="track"))])
+def test_returned_outputs_read_together_are_what_each_gives_alone_on_real_models(monkeypatch, name, options, mode):
+    """On models from transformers' configs and torch's own transformer, under no_grad,
+    inference_mode, bf16 autocast and training: every statistic of a compiled graph's returned
+    outputs, read together, is the one measuring each output alone gives (a fresh meter, the same
+    tensors, at once)."""
+    import contextlib
+
+    from real_models import REAL_MODELS
+
+    from torchlens.measure.meter import Meter
+
+    compared = []
+    together = Meter.measure_all
+
+    def checked(self, tensors):
+        got = together(self, tensors)
+        alone = Meter(self.rung, self.tracking)
+        for tensor, stats in zip(tensors, got):
+            expected = alone.measure(tensor, False)
+            assert [getattr(expected, f) for f in Stats.__slots__] == [getattr(stats, f) for f in Stats.__slots__]
+            compared.append(tensor.dtype)
+        return got
+
+    monkeypatch.setattr(Meter, "measure_all", checked)
+    model, args, kwargs = REAL_MODELS[name].build()
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "training": contextlib.nullcontext,
+               "bf16 autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
+    model.train(mode == "training")
+    torch._dynamo.reset()
+    try:
+        with context():
+            tl.compile(model, compiler="eager", **options)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    assert len(compared) > 20 and torch.float32 in compared, compared
