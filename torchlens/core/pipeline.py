@@ -138,11 +138,9 @@ class Pipeline:
         written = call.written_into(name) if call is not None else None
         if self.unwritten is not None and value is not None:
             self._follow_memory(name, value, call, written, engine)
-        lazy = reads if isinstance(reads, LazyReads) else None  # (a compiled plan op's: `PlanReads`)
+        lazy = reads  # (a compiled plan op's `PlanReads`, or None)
         if tracker is not None and call is not None and written is not None:
-            # (integer and bool outputs hold no NaN or infinity, so what the op read is never asked
-            # for; what it produced or wrote is still registered: a later reader's origin, a float
-            # view of the memory it wrote)
+            # (integer and bool outputs hold no NaN or infinity: what they read is never asked for)
             if can_hold_nonfinite(metas):
                 reads = lazy = LazyReads(tracker, call.args, call.kwargs or {})
                 if written[0] or written[1]:
@@ -156,28 +154,21 @@ class Pipeline:
                 self._keep_inputs(event, call, value)
             raise
         if lazy is not None and tracker is not None:  # (there is a lazy reading only with a tracker)
-            self._decide_reads(tracker, event, lazy, call, value, group is not None)
+            nonfinite = event.stats is not None and event.stats.nonfinite
+            if nonfinite:
+                self._keep_inputs(event, call, value)
+            if nonfinite or group is not None or tracker.waiting(event) or (self.roots is not None and
+                                                                            not tracker.clean):
+                lazy.resolve()  # (now, before its outputs are registered; a compiled collective's
+                # as it was sent: judged again when it lands; with a backward to come, a finite op's too)
+            else:
+                event.reads = None  # judged finite: what it read is never asked for
         if written is not None and tracker is not None:
             tracker.produced(event, value, *written)
         self._keep(event, value if kept is None else kept)
         if self.roots is not None and value is not None:
             self.roots.note(event, value)
         return event
-
-    def _decide_reads(self, tracker: Tracker, event: Event, lazy: LazyReads, call: Optional[Call], value,
-                      collective: bool) -> None:
-        """Work out what a judged op read, or drop it: a finite op's reads are never asked for.
-        Worked out now, before its outputs are registered: for a value that is not finite; for a
-        compiled collective (what it sent, as it was sent: judged again when it lands); for one
-        waiting for its verdict; with a backward to come once a value was not finite (a finite op
-        may have read it: its backward would compute with it)."""
-        nonfinite = event.stats is not None and event.stats.nonfinite
-        if nonfinite:
-            self._keep_inputs(event, call, value)
-        if nonfinite or collective or tracker.waiting(event) or (self.roots is not None and not tracker.clean):
-            lazy.resolve()
-        else:
-            event.reads = None
 
     def _keep_inputs(self, event: Event, call: Optional[Call], value) -> None:
         """Tracking keeps the inputs of an op whose output is not finite, for `.repro()`."""
