@@ -319,3 +319,75 @@ def test_returned_outputs_read_together_are_what_each_gives_alone_on_real_models
     finally:
         torch._dynamo.reset()
     assert len(compared) > 20 and torch.float32 in compared, compared
+
+
+class SparseBetween(nn.Module):
+    """Two graphs around an eager sparse round trip: the sparse value is not measured, so the
+    verdict counts the values that were."""  # (dynamo runs `_sparse_round_trip` eagerly)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(_sparse_round_trip(self.a(x).relu())).tanh()
+
+
+@torch._dynamo.disable
+def _sparse_round_trip(y):
+    return y.to_sparse().to_dense()
+
+
+def test_a_tracked_call_all_finite_replays_the_call_before_and_reads_as_eager(monkeypatch):
+    """With tracking alone, a graph called again in the same situation with every output finite is
+    the earlier call again: its events are replayed, no op recorded anew, and the lines and the
+    verdict (with its count of values measured) are eager's. A NaN in a weight is then found as
+    eagerly, and once it is gone the calls replay again."""
+    from torchlens.fx_backend.compiled_pass import CompiledPass
+
+    recorded = []
+    real = CompiledPass.add_plan_ops
+    monkeypatch.setattr(CompiledPass, "add_plan_ops", lambda *args, **kwargs: recorded.append(1) or real(*args, **kwargs))
+    model, x = SparseBetween().eval(), torch.randn(2, 4)
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+
+    def call():
+        recorded.clear()
+        compiled(x)
+        eager = tl.record(model, x, on_nonfinite="track")
+        rec = compiled.torchlens.last_recording
+        assert body(rec.narrate()) == body(eager.narrate())
+        assert (rec.verdict, [f.text for f in rec.findings]) == (eager.verdict, [f.text for f in eager.findings])
+        return len(recorded), rec
+
+    first, second, third = call(), call(), call()
+    assert "in the 6 measured; 1 not measured" in third[1].verdict
+    assert (first[0], second[0], third[0]) == (2, 0, 0)
+    graphs = [[e for e in rec.ops if e.op in ("linear", "relu", "tanh")] for _, rec in (second, third)]
+    assert len(graphs[0]) == 4 and all(a is b for a, b in zip(*graphs))  # the same events, replayed
+    with torch.no_grad():
+        model.b.weight[0, 0] = float("nan")
+    count, rec = call()
+    assert count == 1 and rec.findings and "b.weight" in rec.findings[0].text, rec.verdict  # (the first graph replays)
+    with torch.no_grad():
+        model.b.weight[0, 0] = 0.5
+    assert call()[0] == 0 and not call()[1].findings
+
+
+def test_a_tracked_call_with_an_absorbed_infinity_is_recorded_afresh_each_time(monkeypatch):
+    """A call whose judging found more than finite values (the causal mask's -inf, absorbed by the
+    softmax) is not replayed: its verdict names where the infinity came from, each call."""
+    from torchlens.fx_backend.compiled_pass import CompiledPass
+
+    recorded = []
+    real = CompiledPass.add_plan_ops
+    monkeypatch.setattr(CompiledPass, "add_plan_ops", lambda *args, **kwargs: recorded.append(1) or real(*args, **kwargs))
+    model, x = tiny_gpt(), tokens()
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    verdicts = []
+    for _ in range(3):
+        compiled(x)
+        verdicts.append(compiled.torchlens.last_recording.verdict)
+    assert len(recorded) == 3
+    assert verdicts == [tl.record(model, x, on_nonfinite="track").verdict] * 3 and "absorbed" in verdicts[0]

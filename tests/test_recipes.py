@@ -438,3 +438,33 @@ def test_a_compiled_graph_reads_its_statistics_to_the_host_once_per_call():
     assert len(floats) > 20
     together = [n for n in reads if n > 9]  # (integers and bools are read on their own, as 5 and 1)
     assert together == [4 * len(floats)], reads
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("hole", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_never_calls_a_nan_or_an_infinity_finite(dtype, hole):
+    """The one read that lets a tracked compiled call replay the one before: any NaN or infinity,
+    in any float dtype, at any place among many tensors, a transposed view included, says "not
+    shown finite"."""
+    from torchlens.measure.recipes import all_finite
+
+    tensors = [torch.randn(64, 33).to(dtype), torch.randn(7).to(dtype).t(), torch.randn(5, 9).to(dtype).t()]
+    assert all_finite(tensors)
+    for position in range(len(tensors)):
+        holed = [t.clone() for t in tensors]  # (a clone keeps a transposed view's strides)
+        holed[position][..., -1] = hole
+        assert not all_finite(holed + [t.t() for t in tensors])
+
+
+def test_all_finite_tells_finite_values_apart_from_what_it_cannot_show_finite():
+    """Half-precision values far past their own largest sum are summed in float32 (shown finite);
+    float32 values whose sum overflows, complex and integer tensors, and tensor subclasses are
+    not shown finite (measured one by one instead); nothing at all is."""
+    from torchlens.measure.recipes import all_finite
+
+    assert all_finite([torch.full((1000,), 60000.0, dtype=torch.float16)])
+    assert all_finite([]) and all_finite([torch.empty(0, 3)])
+    assert not all_finite([torch.full((4,), 3e38)])
+    assert not all_finite([torch.ones(3, dtype=torch.complex64)])
+    assert not all_finite([torch.ones(3), torch.ones(3, dtype=torch.int64)])
+    assert not all_finite([nn.Parameter(torch.ones(3))])

@@ -17,6 +17,8 @@ from ..core.structure import named_arguments
 from ..eager.capture import CaptureMode
 from ..events import Event, Scope, TensorMeta
 from ..measure.provenance import LazyReads
+from ..measure.recipes import all_finite
+from ..measure.tracking import Tracker
 from ..narration.grammar import UNFINISHED_NOTE, compiled_run_note
 from ..results import Recording
 from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
@@ -98,17 +100,15 @@ class CompiledPass(ForwardPass):
         A graph called again in the same situation — same ordinal, same open module, same frame,
         same sizes — produces the same events, so they are built once and replayed (a forward's
         second call costs a dictionary lookup and one sink write per graph). Statistics and kept
-        values differ from call to call, so a graph that returns them is recorded afresh each time.
+        values differ from call to call, so a graph that returns them is recorded afresh each time
+        (`_add_measured`).
         """
         session = self.session
         concrete = plan.resolver.resolve(args) if plan.resolver is not None else None
-        if stats_vector is not None or kept is not None:
-            stats = self._read_stats(plan, concrete, stats_vector, layout) if stats_vector is not None else None
-            events: Dict[int, Event] = {}
-            self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
-            self.graph_outputs(plan, events, out)
-            return
         key = (session.ordinal, session.scope, scope, None if concrete is None else tuple(concrete))
+        if stats_vector is not None or kept is not None:
+            self._add_measured(plan, key, args, scope, concrete, stats_vector, layout, kept, out)
+            return
         segment = plan.segments.get(key)
         if segment is not None:
             session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
@@ -116,6 +116,47 @@ class CompiledPass(ForwardPass):
         start = len(session.events)
         self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops))
         plan.remember(key, session.events[start:], session.ordinal, session.scope)
+
+    def _add_measured(self, plan: GraphPlan, key: tuple, args, scope: Scope, concrete, stats_vector, layout, kept,
+                      out) -> None:
+        """Record a call whose statistics or kept values the graph returned.
+
+        With tracking alone, a call in the same situation as one whose every op was judged finite
+        is that call again when its outputs are all finite: one sum of sums read to the host tells
+        it (`recipes.all_finite`), and the events recorded then are replayed as narration's are.
+        Each op's statistics say only "finite", its verdict is the same, and what it read is never
+        asked for. A call not shown finite is measured and judged op by op.
+        """
+        session = self.session
+        tracker = self._replaying(plan, layout) if kept is None else None
+        if tracker is not None:
+            key = (*key, "finite")
+            segment = plan.segments.get(key)
+            if segment is not None and all_finite(stats_vector) and tracker.finite_again(segment.judged):
+                session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
+                self.graph_outputs(plan, segment.outputs, out)
+                return
+            mark, start = tracker.mark(), len(session.events)
+        stats = self._read_stats(plan, concrete, stats_vector, layout) if stats_vector is not None else None
+        events: Dict[int, Event] = {}
+        self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
+        self.graph_outputs(plan, events, out)
+        if tracker is not None and tracker.finite_since(mark, list(events.values())):
+            outputs = {index: events[index] for index in plan.outputs if index in events}
+            plan.remember(key, session.events[start:], session.ordinal, session.scope,
+                          tuple(map(id, events.values())), outputs)
+
+    def _replaying(self, plan: GraphPlan, layout) -> Optional[Tracker]:
+        """The tracker, when a call of this graph may replay an earlier call's events (see
+        `_add_measured`): tracking without statistics (the meter screens), the outputs measured
+        after the call, and nothing a call records beyond its ops' verdicts (no collective, no
+        graph input written, no backward to narrate, no values kept)."""
+        pipeline = self.pipeline
+        meter, tracker = pipeline.meter, pipeline.tracker
+        if (tracker is None or meter is None or not meter.screens or not layout.after_call or plan.exchanges
+                or plan.written_inputs or pipeline.roots is not None or pipeline.keeper is not None):
+            return None
+        return tracker
 
     def _read_stats(self, plan: GraphPlan, concrete, vector, layout):
         """The graph's statistics: its returned outputs measured now, or its fused vector read to the

@@ -60,15 +60,19 @@ class PlanOp:
 
 
 class Segment:
-    """The events one call of a graph produced, starting at a given ordinal and module."""
+    """The events one call of a graph produced, starting at a given ordinal and module. With
+    tracking, a call whose ops were all judged finite: the ids of those ops' events (`judged`),
+    and the events of the ops whose outputs the graph returns, by op index (`outputs`)."""
 
-    __slots__ = ("events", "ordinal", "scope", "narration")
+    __slots__ = ("events", "ordinal", "scope", "narration", "judged", "outputs")
 
-    def __init__(self, events, ordinal, scope):
+    def __init__(self, events, ordinal, scope, judged=(), outputs=None):
         self.events = events
         self.ordinal = ordinal      # the session's ordinal after these events
         self.scope = scope          # the open module after these events
         self.narration = {}         # narrator state before -> (lines, state after)
+        self.judged = judged
+        self.outputs = outputs
 
 
 class GraphPlan:
@@ -95,6 +99,8 @@ class GraphPlan:
         dynamic = [op.index for op in ops if op.exprs is not None]
         self.dynamic_position = {index: position for position, index in enumerate(dynamic)}
         self.segments: Dict[tuple, Segment] = {}
+        # whether a functional collective (or its wait) is among the ops: its values land elsewhere
+        self.exchanges = any(op.label is not None or op.lands is not None for op in ops)
         self._scopes: Dict[Scope, List[Scope]] = {}
 
     def op_scopes(self, table: ScopeTable, frame_scope: Scope) -> List[Scope]:
@@ -104,10 +110,10 @@ class GraphPlan:
             scopes = self._scopes[frame_scope] = [table.resolve(frame_scope, op.modules) for op in self.ops]
         return scopes
 
-    def remember(self, key, events, ordinal, scope) -> None:
+    def remember(self, key, events, ordinal, scope, judged=(), outputs=None) -> None:
         if len(self.segments) >= self.MAX_SEGMENTS:
             self.segments.clear()
-        self.segments[key] = Segment(events, ordinal, scope)
+        self.segments[key] = Segment(events, ordinal, scope, judged, outputs)
 
 
 

@@ -109,6 +109,12 @@ class Meter:
     def active(self) -> bool:
         return measures(self.rung, self.tracking)
 
+    @property
+    def screens(self) -> bool:
+        """Whether a plain float tensor's measurement is tracking's screen alone (no statistics):
+        then a finite value's `Stats` says nothing but "finite"."""
+        return self._plain == "screen"
+
     def observe(self, value, printed: bool = False):
         """The statistics of `value` (a tensor; a sequence: a `StatsGroup`), read now when `raise` must
         decide at it, when `printed` (its line prints now; or it will not stay as it is), or when

@@ -216,6 +216,31 @@ def screened_together(measured: Sequence[Tuple[Stats, torch.Tensor]], tracking: 
             fill(stats, count_vector(tensor, torch.float64).tolist(), "counts", tracking)
 
 
+_SUMMED_AS_IS = frozenset((torch.float32, torch.float64))
+_SUMMED_IN_FLOAT = frozenset((torch.float16, torch.bfloat16))
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of these CPU tensors is finite, told by one read: the sum of their
+    sums. A NaN or an infinity anywhere makes it non-finite, and so may finite values too large for
+    it: False then means "not shown finite", to be measured tensor by tensor. A tensor of another
+    kind (complex, integer, a subclass), or a failure to read, is not shown finite either."""
+    sums = []
+    try:
+        for tensor in tensors:
+            if tensor.__class__ is not torch.Tensor:
+                return False
+            if tensor.dtype in _SUMMED_AS_IS:
+                sums.append(tensor.sum())
+            elif tensor.dtype in _SUMMED_IN_FLOAT:
+                sums.append(tensor.sum(dtype=torch.float32))
+            else:
+                return False
+        return not sums or math.isfinite(torch.stack(sums).sum().item())
+    except Exception:
+        return False
+
+
 def integers(stats: Stats, tensor: torch.Tensor, dtype: torch.dtype, tracking: bool) -> Stats:
     """Exact statistics of integers, read now: from their float copy while that is exact (the
     common case: token ids, positions, counts), else from the integers themselves."""

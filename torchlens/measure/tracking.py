@@ -257,6 +257,32 @@ class Tracker(Verdicts):
         self._kinds[id(event)] = 0
         self.measured += 1
 
+    # -- a run of ops judged before: a compiled graph called again, all finite ----------------------
+
+    def mark(self) -> tuple:
+        """(how many values were judged finite, all else judging has found and holds so far): what
+        `finite_since` compares."""
+        return self.measured, (len(self.findings), sum(self.unmeasured.values()), len(self._queue), self.clean,
+                               self.absorbed, len(self._origin), len(self._infinities), len(self._born),
+                               len(self._collectives), self._seen_first)
+
+    def finite_since(self, mark: tuple, ops: List[Event]) -> bool:
+        """Whether all judging did since `mark` was to find each of `ops` finite, one value each:
+        then judging them again, finite again, is `finite_again`."""
+        now = self.mark()
+        return (now[0] - mark[0] == len(ops) and now[1] == mark[1] and not self._queue
+                and all(self._kinds.get(id(op)) == 0 for op in ops))
+
+    def finite_again(self, ops: Tuple[int, ...]) -> bool:
+        """Judge the ops of these ids (a run `finite_since` vouched for, recorded again) finite,
+        as `judge` would one by one; False, judging nothing, when a value before them still waits
+        for its statistics (they must then be judged in order)."""
+        if self._queue:
+            return False
+        self._kinds.update(dict.fromkeys(ops, 0))
+        self.measured += len(ops)
+        return True
+
     def judge_rest(self) -> List[Finding]:
         made = super().judge_rest()
         # by where they happened, not when they were known
