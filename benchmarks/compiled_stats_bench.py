@@ -98,8 +98,9 @@ def build(name: str):
 class Parts:
     """Where a compiled pass's time goes, summed over a block: the compiled graphs' own calls
     (from `CompiledGraph._prepare` returning to `_split_outputs` being handed their outputs), the
-    whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`), and
-    the tensors measured."""
+    whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`, or
+    for a tracked call that replays the one before, its one read: `all_finite`, all of it
+    `reduce`), and the tensors measured."""
 
     def __init__(self):
         self.graph = self.after = self.measure = self.reduce = 0.0
@@ -142,8 +143,20 @@ class Parts:
                     self.reduce += time.perf_counter() - start
             return reductions
 
+        def timed_finite(real):
+            def finite(tensors):
+                start = time.perf_counter()
+                try:
+                    return real(tensors)
+                finally:
+                    elapsed = time.perf_counter() - start
+                    self.measure += elapsed
+                    self.reduce += elapsed
+            return finite
+
         meter.summed_together = timed_reductions(meter.summed_together)
         meter.screened_together = timed_reductions(meter.screened_together)
+        compiled_pass.all_finite = timed_finite(compiled_pass.all_finite)
         compiled_pass.CompiledPass.add_plan = add_plan
         compiled_pass.measure_returned = measure_returned
         CompiledGraph._prepare, CompiledGraph._split_outputs = timed_prepare, timed_split
