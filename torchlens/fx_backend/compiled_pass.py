@@ -6,6 +6,7 @@ its outputs and footer, or on failure its partial trace. `CompiledRuntime.start`
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -28,7 +29,7 @@ from .active import make_active, make_inactive
 from .failures import locate_while_tracing, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan
-from .stats_pass import measure_returned, read_stats
+from .stats_pass import measure_returned, read_screened, read_stats
 
 __all__ = ["CompiledPass"]
 
@@ -132,12 +133,13 @@ class CompiledPass(ForwardPass):
         if tracker is not None:
             key = (*key, "finite")
             segment = plan.segments.get(key)
-            if segment is not None and all_finite(stats_vector) and tracker.finite_again(segment.judged):
+            returned = stats_vector if layout.after_call else (stats_vector,)  # (a screened graph's sums)
+            if segment is not None and all_finite(returned) and tracker.finite_again(segment.judged):
                 session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
                 self.graph_outputs(plan, segment.outputs, out)
                 return
             mark, start = tracker.mark(), len(session.events)
-        stats = self._read_stats(plan, concrete, stats_vector, layout) if stats_vector is not None else None
+        stats = self._read_stats(plan, concrete, stats_vector, layout, args) if stats_vector is not None else None
         events: Dict[int, Event] = {}
         self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
         self.graph_outputs(plan, events, out)
@@ -153,14 +155,15 @@ class CompiledPass(ForwardPass):
         graph input written, no backward to narrate, no values kept)."""
         pipeline = self.pipeline
         meter, tracker = pipeline.meter, pipeline.tracker
-        if (tracker is None or meter is None or not meter.screens or not layout.after_call or plan.exchanges
-                or plan.written_inputs or pipeline.roots is not None or pipeline.keeper is not None):
+        if (tracker is None or meter is None or not meter.screens or not (layout.after_call or layout.recount)
+                or plan.exchanges or plan.written_inputs or pipeline.roots is not None or pipeline.keeper is not None):
             return None
         return tracker
 
-    def _read_stats(self, plan: GraphPlan, concrete, vector, layout):
+    def _read_stats(self, plan: GraphPlan, concrete, vector, layout, args):
         """The graph's statistics: its returned outputs measured now, or its fused vector read to the
-        host once, with what was measured since the last graph."""
+        host once, with what was measured since the last graph. A screened call not shown finite
+        is counted again by the graph that returns its outputs (`recount`)."""
         concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
         numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
         meter = self.pipeline.meter
@@ -168,7 +171,16 @@ class CompiledPass(ForwardPass):
         if layout.after_call:
             return measure_returned(layout.slots, vector, meter, numels)
         values = meter.read_along(vector)
-        return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
+        if layout.recount is None:
+            return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
+        if all(map(math.isfinite, values)):
+            return read_screened(layout.slots, numels)
+        recount = layout.recount
+        try:
+            returned = recount.outputs(args)
+        except Exception as exc:
+            return read_screened(layout.slots, numels, f"{type(exc).__name__} counting the graph again")
+        return measure_returned(recount.layout.slots, returned, meter, numels)
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
         """The output metadata of plan ops [start, stop) in this call: concrete sizes where they

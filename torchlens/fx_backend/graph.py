@@ -58,6 +58,9 @@ class CompiledGraph:
         return self._call(run, args, sys._getframe(1))
 
     def _call(self, run: CompiledPass, args, caller):
+        recount = self.stats.recount if self.stats is not None else None
+        if recount is not None and recount.fn is not None:  # a screened call was counted again:
+            self.fn, self.stats = recount.fn, recount.layout  # measured after the call from now on
         prepared = self._prepare(run, args, caller)
         # Inside an eager capture's forward, a graph computing statistics or kept copies runs
         # unseen by that capture: those are not the model's ops (with inductor none are seen).
@@ -154,7 +157,7 @@ def compile_graph(runtime: CompiledRuntime, gm: fx.GraphModule, example_inputs, 
         # The frame being compiled is called by frames still on the stack: their modules are its scope.
         plan = build_plan(gm, runtime.scopes, runtime.scopes.scope_of_stack(sys._getframe(1)))
         graph = CompiledGraph(runtime, plan, runtime.config.live, replay_copy=pristine)
-        target = _instrument(runtime, graph, gm)
+        target = _instrument(runtime, graph, gm, mode)
     except Exception as exc:
         internal_error("planning a compiled graph (it runs without narration)", exc)
         return _unnarrated(inner_compile(runtime.config.compiler, untouched_copy(pristine), example_inputs, mode))
@@ -177,8 +180,9 @@ def _unnarrated(fn):
     return call
 
 
-def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModule):
-    """Add what the options ask for to `gm`: narration calls (live), kept values, statistics."""
+def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModule, mode: Optional[str]):
+    """Add what the options ask for to `gm`: narration calls (live), kept values, statistics
+    (tracking alone may screen the graph, counting a call again with the same compiler: `recount`)."""
     config, plan = runtime.config, graph.plan
     settings = config.settings
     if graph.live:
@@ -189,5 +193,10 @@ def _instrument(runtime: CompiledRuntime, graph: CompiledGraph, gm: fx.GraphModu
     tracking = settings.on_nonfinite is not None
     if measures(settings.value_stats, tracking):
         only = module_outputs(plan) if config.stats_on == "module_outputs" else None
-        graph.stats = add_stats_output(gm, plan, settings.value_stats, only)
+        screens = tracking and settings.value_stats in ("off", "reuse") and not settings.keep_values
+
+        def recompile(variant: fx.GraphModule, example_inputs):
+            return inner_compile(config.compiler, variant, example_inputs, mode)
+
+        graph.stats = add_stats_output(gm, plan, settings.value_stats, only, recompile if screens else None)
     return gm

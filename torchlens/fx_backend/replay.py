@@ -28,7 +28,7 @@ from ..measure.integer_values import device_faulted
 from ..measure.memory import node_writes, tensors_of
 from ..measure.writes import may_return_an_alias, target_name
 
-__all__ = ["locate_failure", "locate_live", "mutates_inputs", "untouched_copy", "why_not_replay"]
+__all__ = ["DrawWatch", "locate_failure", "locate_live", "mutates_inputs", "untouched_copy", "why_not_replay"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 # Arguments that switch a seeded op's drawing off: `train=False` (dropout, rnn kernels),
@@ -102,7 +102,7 @@ def locate_failure(gm: fx.GraphModule, args, keep: Optional[Dict[str, str]] = No
     with, for each node named in `keep` that completed before it, a copy of the value of the node
     `keep` maps it to (itself, or the tensor an indexed write wrote) right after it ran."""
     locator = _Locator(gm, keep)
-    watch = _DrawWatch()
+    watch = DrawWatch()
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
     with torch.no_grad(), torch.random.fork_rng(devices=devices), watch:  # the user's generators are untouched
         try:
@@ -133,7 +133,7 @@ def _node_call(node: Optional[fx.Node], args, kwargs, raised: BaseException):
     return None  # a submodule call: its code is the user's, not one torch call
 
 
-class _DrawWatch(TorchDispatchMode):
+class DrawWatch(TorchDispatchMode):
     """Sees each aten call of the replay, to tell whether any drew random numbers.
 
     Watching the calls rather than reading the graph's op names is what makes the answer right:

@@ -23,7 +23,7 @@ measures every element there and says so with `=`; measured after the call, it s
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import fx
@@ -39,9 +39,11 @@ from ..measure.tracking import UNINITIALIZED
 from ..measure.unwritten import UnwrittenMemory
 from ..torch_internals.node_meta import example_value
 from .plan import GraphPlan
+from .recount import Recount, draws_random_numbers
+from .replay import mutates_inputs, untouched_copy
 from .values_pass import append_outputs
 
-__all__ = ["StatsLayout", "add_stats_output", "measure_returned", "module_outputs", "read_stats"]
+__all__ = ["StatsLayout", "add_stats_output", "measure_returned", "module_outputs", "read_screened", "read_stats"]
 
 
 class Slot(NamedTuple):
@@ -60,11 +62,14 @@ Slots = List[Optional[Slot]]
 
 class StatsLayout(NamedTuple):
     """What a graph's extra statistics outputs are: one fused vector (the last output), or
-    `returned` tensors measured after the call (the last `returned` outputs)."""
+    `returned` tensors measured after the call (the last `returned` outputs). A screened graph's
+    vector holds one sum per measured output, and `recount` counts a call again that it does
+    not show finite."""
 
     slots: Slots
     after_call: bool
     returned: int = 0
+    recount: Optional[Recount] = None
 
     def split(self, out):
         """(the graph's own outputs, what its statistics outputs hold)."""
@@ -88,9 +93,12 @@ def module_outputs(plan: GraphPlan) -> List[int]:
     return chosen
 
 
-def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None) -> StatsLayout:
+def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None,
+                     recompile: Optional[Callable] = None) -> StatsLayout:
     """Make `gm` return what its ops' statistics need: the outputs themselves, measured after the
-    call, when they are on the CPU and within the budget; else fused statistics vectors."""
+    call, when they are on the CPU and within the budget; else fused statistics vectors. With
+    `recompile` (tracking alone: `compile(gm, example_inputs)` for the recount), a graph that
+    `_screenable` allows returns a sum per output instead."""
     chosen = set(range(len(plan.ops)) if only is None else only)
     nodes = {node.name: node for node in gm.graph.nodes}
     held = [example_value(nodes[op.value]) for op in plan.ops if op.index in chosen]
@@ -99,9 +107,100 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None) 
     known = [size for size in sizes if size is not None]  # (None: a size not known when compiling)
     on_host = all(t.device.type in meter.READ_NOW for t in tensors)
     if on_host and len(known) == len(sizes) and sum(known) <= AFTER_CALL_BYTES:
+        if recompile is not None and _screenable(gm, plan, tensors):
+            variant = untouched_copy(gm)
+            slots, returned = _return_outputs(variant, plan, rung, chosen)
+            recount = Recount(variant, StatsLayout(slots, True, returned), recompile)
+            return StatsLayout(_screen_outputs(gm, plan, rung, chosen), False, recount=recount)
         slots, returned = _return_outputs(gm, plan, rung, chosen)
         return StatsLayout(slots, True, returned)
     return StatsLayout(_fuse_stats(gm, plan, rung, chosen), False)
+
+
+_SCREENED = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
+    """Whether a tracked graph may return one sum per output (`_screen_outputs`): a call it does not
+    show finite must be computed again as it was (`recount`). So its sizes are static, it has no
+    collective, it writes into none of its inputs and draws no random numbers, and what it measures
+    are plain real floats (the rest goes after the call, as the meter measures it). A graph whose
+    ops carry an infinity or a NaN in a scalar argument (`masked_fill(mask, -inf)`) makes non-finite
+    values on purpose, every call: it is measured after the call from the start."""
+    if plan.resolver is not None or plan.exchanges or plan.written_inputs or mutates_inputs(gm):
+        return False
+    if any(op.reads[1] for op in plan.ops):  # (the kinds its scalar arguments carry: `carried_kinds`)
+        return False
+    for tensor in tensors:
+        kind = value_kind(tensor.dtype)
+        if tensor.layout != torch.strided or kind is None or (kind == "float" and tensor.dtype not in _SCREENED):
+            return False
+    return not draws_random_numbers(untouched_copy(gm))
+
+
+def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Slots:
+    """Append to `gm`'s outputs one vector of the sums of the chosen ops' float outputs (half
+    precision summed in float32), each taken right after its op, which inductor computes in the
+    kernel that produces the tensor: tracking's screen (`recipes.screened`) inside the graph."""
+    graph = gm.graph
+    slots: Slots = [None] * len(plan.ops)
+    sums: List[fx.Node] = []
+    measured: Dict[fx.Node, int] = {}
+    for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
+        with graph.inserting_before(node.next):
+            outputs = [(holder, value)] if isinstance(value, torch.Tensor) else [
+                (graph.call_function(operator.getitem, (holder, i)), t)
+                for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+            recipes = []
+            for output, fake in outputs:
+                recipes.append(_screen_recipe(fake, rung))
+                if recipes[-1].measures and fake.dtype in (torch.float16, torch.bfloat16):
+                    sums.append(graph.call_function(torch.sum, (output,), {"dtype": torch.float32}))
+                elif recipes[-1].measures:
+                    sums.append(graph.call_function(torch.sum, (output,)))
+        slots[op.index] = Slot(tuple(recipes))
+        if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures:
+            measured[node] = op.index  # (views of it share its statistics, as after the call)
+    output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
+    with graph.inserting_before(output_node):
+        vector = graph.call_function(torch.stack, (sums,)) if sums else graph.call_function(torch.zeros, (0,))
+    append_outputs(gm, [vector])
+    return slots
+
+
+def _screen_recipe(fake: torch.Tensor, rung: str) -> Recipe:
+    """What the meter's screen measures of such a tensor after the call: its sum, nothing of an
+    integer or a bool, "n/a" of an empty one."""
+    kind = value_kind(fake.dtype)
+    if kind is None:
+        return not_applicable(str(fake.dtype).replace("torch.", ""), rung)
+    if kind == "float" and fake.numel() == 0:
+        return not_applicable("empty", rung)
+    return recipe(kind, rung, immediate=True)
+
+
+def read_screened(slots: Slots, numels, failed: Optional[str] = None) -> List:
+    """The statistics of a screened call whose every sum was finite: a `Stats` (or `StatsGroup`)
+    per op, as the meter's screen fills them when it finds a tensor finite; or, when it could not
+    be counted again (`failed` says why), "n/a" for what was to be measured."""
+    result: List[Optional[Union[Stats, StatsGroup]]] = []
+    for slot, counts in zip(slots, numels):
+        if slot is None:
+            result.append(None)
+            continue
+        if slot.same_as is not None:
+            result.append(result[slot.same_as])
+            continue
+        parts = []
+        for recipe_, numel in zip(slot.recipes, counts):
+            stats = recipe_.stats(numel)
+            if recipe_.measures and failed is not None:
+                stats = not_applicable(failed, "reuse" if recipe_.shown else "off").stats(numel)
+            elif recipe_.measures:
+                stats.nan = stats.posinf = stats.neginf = 0
+            parts.append(stats)
+        result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
+    return result
 
 
 def _bytes(fake: torch.Tensor) -> Optional[int]:

@@ -1,0 +1,59 @@
+"""Counting a screened graph call again, when its screen was not all finite.
+
+A graph screened for tracking (`stats_pass`) returns one sum per measured output: that tells a
+finite call, not how many NaN or infinities an op held, nor which kinds. Such a call is run again
+on the same inputs by the graph that returns its outputs to measure (the after-call way), compiled
+by the same compiler when it is first needed, and measured as that way measures. Only graphs that
+neither write into their inputs nor draw random numbers are screened, so the second run computes
+what the first did. From then on that graph runs in the screened one's place (`CompiledGraph`): a
+graph that held a non-finite value once is likely to again, and each such call would run twice.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from ..torch_internals.node_meta import example_value
+from .replay import DrawWatch
+
+__all__ = ["Recount", "draws_random_numbers"]
+
+
+class Recount:
+    """The after-call variant of one screened graph (`gm`, with its `layout`), compiled by
+    `compile(gm, example_inputs)` on its first run (`fn`), under the grad mode of the call that
+    needed it: the mode the graph was compiled for, which dynamo guards."""
+
+    def __init__(self, gm: fx.GraphModule, layout, compile: Callable):
+        self.gm = gm
+        self.layout = layout  # a `stats_pass.StatsLayout` measured after the call
+        self._compile = compile
+        self.fn: Optional[Callable] = None
+
+    def outputs(self, args) -> tuple:
+        """The outputs to measure of a run of the variant on `args` (the screened call's inputs,
+        which it did not write into); the model's own outputs of that run are dropped."""
+        if self.fn is None:
+            self.fn = self._compile(self.gm, list(args))
+        with torch.no_grad():
+            out = self.fn(*args)
+        return self.layout.split(out)[1]
+
+
+def draws_random_numbers(gm: fx.GraphModule) -> bool:
+    """Whether a run of the graph draws random numbers (torch's rule: `replay.draws_random`), told by
+    running it on the fake values dynamo recorded for its inputs; True when that cannot be told."""
+    args = [example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
+    modes = {getattr(arg, "fake_mode", None) for arg in args}  # (the mode dynamo made them in)
+    if len(modes) != 1 or None in modes:
+        return True
+    watch = DrawWatch()
+    try:
+        with modes.pop(), torch.no_grad(), watch:
+            fx.Interpreter(gm).run(*args)
+    except Exception:
+        return True
+    return watch.drew
