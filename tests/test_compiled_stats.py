@@ -391,3 +391,177 @@ def test_a_tracked_call_with_an_absorbed_infinity_is_recorded_afresh_each_time(m
         verdicts.append(compiled.torchlens.last_recording.verdict)
     assert len(recorded) == 3
     assert verdicts == [tl.record(model, x, on_nonfinite="track").verdict] * 3 and "absorbed" in verdicts[0]
+
+
+def _layouts(monkeypatch):
+    """The statistics layout of each graph compiled from now on, in order."""
+    import torchlens.fx_backend.graph as graph_module
+
+    made, real = [], graph_module.add_stats_output
+    monkeypatch.setattr(graph_module, "add_stats_output", lambda *args, **kwargs: made.append(real(*args, **kwargs))
+                        or made[-1])
+    return made
+
+
+def test_a_tracked_graph_is_screened_inside_and_counted_again_only_when_not_finite(monkeypatch):
+    """Tracking alone: the graph returns one sum per output, not the outputs. Finite calls read
+    exactly as eager's; a NaN in a weight makes the call run again by the graph that returns its
+    outputs, whose findings are eager's, and that graph measures the calls after it."""
+    from torchlens.fx_backend.recount import Recount
+
+    layouts, runs = _layouts(monkeypatch), []
+    real = Recount.outputs
+    monkeypatch.setattr(Recount, "outputs", lambda self, args: runs.append(1) or real(self, args))
+    model, x = conv_net(), images()
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+
+    def same_as_eager():
+        compiled(x)
+        rec, eager = compiled.torchlens.last_recording, tl.record(model, x, on_nonfinite="track")
+        assert body(rec.narrate()) == body(eager.narrate())
+        assert (rec.verdict, [f.text for f in rec.findings]) == (eager.verdict, [f.text for f in eager.findings])
+        return rec
+
+    same_as_eager(), same_as_eager()
+    assert len(layouts) == 1 and layouts[0].recount is not None and not layouts[0].after_call and runs == []
+    with torch.no_grad():
+        model.stem[0].weight[0, 0, 0, 0] = float("nan")
+    assert "stem.0.weight" in same_as_eager().findings[0].text and runs == [1]
+    with torch.no_grad():
+        model.stem[0].weight[0, 0, 0, 0] = 0.25
+    assert not same_as_eager().findings and runs == [1]
+    with torch.no_grad():
+        model.stem[0].weight[0, 0, 0, 0] = float("inf")
+    assert same_as_eager().findings and runs == [1]  # (measured after the call now: no second run)
+
+
+class _Drops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.linear(x), 0.5, self.training)
+
+
+class _Writes(nn.Module):
+    def forward(self, x):
+        return x.mul_(2).exp()
+
+
+class _Masks(nn.Module):
+    def forward(self, x):
+        return (x.masked_fill(x > 0.5, float("-inf"))).softmax(-1)
+
+
+@pytest.mark.parametrize("make,training,screened", [
+    (_Drops, True, False),  # draws random numbers: a second run would draw others
+    (_Drops, False, True),  # an eval-mode dropout draws nothing
+    (_Writes, False, False),  # writes into its input: a second run would start from what it wrote
+    (_Masks, False, False),  # fills in -inf on purpose: every call would run twice
+])
+def test_a_graph_whose_second_run_would_differ_or_always_happen_is_measured_after_the_call(
+        monkeypatch, make, training, screened):
+    layouts = _layouts(monkeypatch)
+    model, x = make().train(training), torch.rand(3, 4)
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    compiled(x.clone())
+    assert [layout.recount is not None for layout in layouts] == [screened]
+    assert [layout.after_call for layout in layouts] == [not screened]
+    eager = tl.record(model, x.clone(), on_nonfinite="track")
+    if not training:  # (a dropout's lines in training depend on its draws)
+        assert compiled.torchlens.last_recording.verdict == eager.verdict
+
+
+def test_a_call_that_cannot_be_counted_again_says_what_was_not_measured(monkeypatch):
+    """If the graph that counts a call again cannot be compiled or run, the call's measured ops
+    say "n/a" and why, and the verdict claims nothing of them."""
+    from torchlens.fx_backend.recount import Recount
+
+    def fails(self, args):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(Recount, "outputs", fails)
+    model, x = conv_net(), images()
+    with torch.no_grad():
+        model.stem[0].weight[0, 0, 0, 0] = float("nan")
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    compiled(x)
+    rec = compiled.torchlens.last_recording
+    assert not rec.findings and f"in the 1 measured; {len(rec.ops) - 1} not measured" in rec.verdict, rec.verdict
+    assert rec.ops[1].stats.note == "sums not all finite; RuntimeError counting again"
+
+
+def test_a_screened_graph_trains_bitwise_as_plain_torch_compile_through_a_nan_and_back():
+    """With inductor, in training: the screened graph's outputs and gradients are plain
+    `torch.compile`'s bit for bit; a NaN in a weight is found as eagerly (the graph counted
+    again, compiled by inductor for it), and the graph that takes its place trains on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).train()
+    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).train()
+    twin.load_state_dict(model.state_dict())
+    compiled, plain, x = tl.compile(model, on_nonfinite="track"), torch.compile(twin), torch.randn(3, 8)
+    torch._dynamo.reset()
+    try:
+        for step, weight in enumerate([None, None, float("nan"), 0.125, None]):
+            if weight is not None:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = twin[0].weight[0, 0] = weight
+            model.zero_grad(), twin.zero_grad()
+            out, expected = compiled(x), plain(x)
+            out.sum().backward(), expected.sum().backward()
+            rec = compiled.torchlens.last_recording
+            assert rec.verdict == tl.record(model, x, on_nonfinite="track").verdict
+            if step != 2:
+                assert torch.equal(out, expected) and torch.equal(model[0].weight.grad, twin[0].weight.grad)
+            else:
+                assert "0.weight" in rec.findings[0].text
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "bf16 autocast", "training"])
+@pytest.mark.parametrize("name", ["qwen2", "bart", "nn_transformer"])
+def test_screened_graphs_read_as_graphs_measured_after_the_call_on_real_models(monkeypatch, name, mode):
+    """On models from transformers' configs and torch's own transformer, under no_grad,
+    inference_mode, bf16 autocast and training: a tracked compiled forward reads the same, line for
+    line and verdict for verdict, whether its graphs are screened or return their outputs, clean
+    and with a NaN in a norm's weight (counted again)."""
+    import contextlib
+
+    from real_models import REAL_MODELS
+
+    from torchlens.fx_backend import stats_pass
+
+    model, args, kwargs = REAL_MODELS[name].build()
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "training": contextlib.nullcontext,
+               "bf16 autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
+    model.train(mode == "training")
+    norm = next(p for n, p in model.named_parameters() if "norm" in n and n.endswith("weight"))
+    clean = norm.detach().clone()
+    layouts = _layouts(monkeypatch)
+
+    def transcripts():
+        torch._dynamo.reset()
+        compiled, texts = tl.compile(model, compiler="eager", on_nonfinite="track"), []
+        for value in (None, float("nan")):
+            with torch.no_grad():
+                norm.copy_(clean)
+                if value is not None:
+                    norm.view(-1)[0] = value
+            torch.manual_seed(0)
+            with context():
+                compiled(*args, **kwargs)
+            rec = compiled.torchlens.last_recording
+            texts.append((body(rec.narrate()), rec.verdict, [f.text for f in rec.findings]))
+        return texts
+
+    try:
+        screened = transcripts()
+        assert any(layout.recount is not None for layout in layouts) or mode == "training", mode
+        monkeypatch.setattr(stats_pass, "_screenable", lambda *args: False)
+        assert transcripts() == screened
+    finally:
+        torch._dynamo.reset()
+    assert screened[1][2], screened[1][1]  # (the NaN is found)

@@ -179,7 +179,7 @@ class CompiledPass(ForwardPass):
         try:
             returned = recount.outputs(args)
         except Exception as exc:
-            return read_screened(layout.slots, numels, f"{type(exc).__name__} counting the graph again")
+            return read_screened(layout.slots, numels, f"sums not all finite; {type(exc).__name__} counting again")
         return measure_returned(recount.layout.slots, returned, meter, numels)
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):

@@ -1,6 +1,12 @@
 """Statistics of compiled graphs: what each op's output holds, measured after the call or fused into it.
 
-Two ways, chosen per graph at compile time:
+Three ways, chosen per graph at compile time:
+
+- **Screened** (tracking alone, the CPU, a graph `_screenable` allows): one sum per output to
+  measure, taken right after its op and returned as one vector, which inductor computes in the
+  kernels producing the tensors: no output is kept for the statistics. All finite, the call's
+  statistics are what the meter's screen gives a finite tensor; otherwise the call is counted again
+  by the after-call variant (`recount`), which then runs in the graph's place.
 
 - **After the call** (every measured output on the CPU, `meter.READ_NOW`, and within
   `AFTER_CALL_BYTES`): the outputs to measure become extra graph outputs and are measured when the
