@@ -48,11 +48,12 @@ def draws_random_numbers(gm: fx.GraphModule) -> bool:
     running it on the fake values dynamo recorded for its inputs; True when that cannot be told."""
     args = [example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
     modes = {getattr(arg, "fake_mode", None) for arg in args}  # (the mode dynamo made them in)
-    if len(modes) != 1 or None in modes:
+    fake_mode = modes.pop() if len(modes) == 1 else None
+    if fake_mode is None:
         return True
     watch = DrawWatch()
     try:
-        with modes.pop(), torch.no_grad(), watch:
+        with fake_mode, torch.no_grad(), watch:
             fx.Interpreter(gm).run(*args)
     except Exception:
         return True

@@ -54,7 +54,7 @@ from .stats import (
     small_int_vector,
 )
 
-__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "from_sums", "integers", "moments_from_sums",
+__all__ = ["CONDITION_LIMIT", "Recipe", "about_the_mean", "all_finite", "from_sums", "integers", "moments_from_sums",
            "not_applicable", "recipe", "screen_finite", "screen_vector", "screened", "screened_together", "sum_parts",
            "summed", "summed_together", "sums_of"]
 
