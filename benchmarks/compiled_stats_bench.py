@@ -7,13 +7,15 @@
 
 For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
 `on_nonfinite="track"`, plain `torch.compile` (inductor) and `tl.compile` with the same two options
-(no narration on either side, so only the statistics differ). Every mode runs as a block of calls
+(no narration on either side, so only the statistics differ), and tracking once more with its
+graphs kept from being screened (`compiled_track_after_call`: the outputs returned and measured
+after the call, the way a graph that cannot be screened measures). Every mode runs as a block of calls
 after a warm-up, rounds interleaved; a multiplier is the median of per-round ratios against plain
 eager or plain `torch.compile`. Each compiled statistics mode is split into its parts:
 
 - `graph +`: the compiled graph's own call, its measured outputs returned, less plain
   `torch.compile`'s whole call: what instrumenting the graph costs (outputs it must now store,
-  copies of those written later in the graph);
+  copies of those written later in the graph; a screened graph's sums);
 - `measure`: reading the returned outputs after the call (the meter's recipes: a sum each for
   tracking, three reductions for exact statistics), of which `reduce` is the float outputs'
   reductions and their one read to the host, the rest the meter's bookkeeping (which statistics
@@ -26,7 +28,8 @@ for the graphs, caught on each mode's first call), each compiled mode's kernel c
 bytes its freshly allocated buffers hold per call: what instrumenting adds to plain
 `torch.compile`'s (outputs that must now be stored, copies of those written later).
 
-Beside them, the limit: the bytes the statistics must read in one call (each measured output once)
+Beside them, the limit: the bytes the statistics must read in one call (each measured output once;
+for a screened graph, those its after-call variant returns)
 and what reading them costs on this machine, timed here on tensors of the same sizes (one sum
 each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
 floor). Minor page faults per call are counted for every mode: on this kind of machine the
@@ -54,7 +57,7 @@ from typing import Callable, Dict, List
 import torch
 
 import torchlens as tl
-from torchlens.fx_backend import compiled_pass
+from torchlens.fx_backend import compiled_pass, stats_pass
 from torchlens.fx_backend.graph import CompiledGraph
 from torchlens.measure import meter
 
@@ -231,6 +234,7 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
     for stat, keywords in STATS.items():
         modes[f"eager_{stat}"] = (lambda kw: lambda: tl.record(model, x, **kw))(keywords)
         modes[f"compiled_{stat}"] = (lambda c: lambda: c(x))(tl.compile(model, **keywords))
+    modes["compiled_track_after_call"] = unscreened(tl.compile(model, **STATS["track"]), x)
     times: Dict[str, List[float]] = {mode: [] for mode in modes}
     fault_counts: Dict[str, List[float]] = {mode: [] for mode in modes}
     graph: Dict[str, List[float]] = {mode: [] for mode in modes}
@@ -274,9 +278,21 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
                        reduce_ms=statistics.median(reducing[mode]),
                        narrate_ms=statistics.median(a - m for a, m in zip(after[mode], measuring[mode])),
                        pass_ms=statistics.median(t - g - a for t, g, a in zip(times[mode], graph[mode], after[mode])),
-                       limit=read_limit(sizes.get(mode, [])))
+                       limit=read_limit(sizes.get(mode) or sizes.get("compiled_track_after_call", [])))
         rows[mode] = row
     return {"model": name, "what": MODELS[name][0], "modes": rows}
+
+
+def unscreened(compiled, x) -> Callable[[], object]:
+    """A call of a tracked compiled model whose graphs are compiled unscreened (`stats_pass`)."""
+    def run():
+        screenable = stats_pass._screenable
+        stats_pass._screenable = lambda *args: False
+        try:
+            return compiled(x)
+        finally:
+            stats_pass._screenable = screenable
+    return run
 
 
 def cold_first_call(name: str, mode: str) -> float:
