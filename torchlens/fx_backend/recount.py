@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
-from ..torch_internals.node_meta import example_value
+from ..torch_internals.node_meta import example_value, fake_twins, plain_fake
 from .replay import DrawWatch
 
 __all__ = ["Recount", "draws_random_numbers"]
@@ -45,14 +45,15 @@ class Recount:
 
 def draws_random_numbers(gm: fx.GraphModule) -> bool:
     """Whether a run of the graph draws random numbers (torch's rule: `replay.draws_random`), told by
-    running it on the fake values dynamo recorded for its inputs; True when that cannot be told."""
-    args = [example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
-    modes = {getattr(arg, "fake_mode", None) for arg in args}  # (the mode dynamo made them in)
-    fake_mode = modes.pop() if len(modes) == 1 else None
-    if fake_mode is None:
+    running it on fake tensors shaped as dynamo recorded its inputs, in a fake mode of its own (so
+    nothing of dynamo's shape environment changes); True when that cannot be told (a size only known
+    symbolically, a tensor subclass, an op whose output size depends on values)."""
+    recorded = [example_value(node) for node in gm.graph.nodes if node.op == "placeholder"]
+    if not all(map(plain_fake, recorded)):
         return True
     watch = DrawWatch()
     try:
+        fake_mode, args = fake_twins(recorded)
         with fake_mode, torch.no_grad(), watch:
             fx.Interpreter(gm).run(*args)
     except Exception:

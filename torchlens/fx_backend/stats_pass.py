@@ -43,7 +43,7 @@ from ..measure.recipes import Recipe, not_applicable, recipe
 from ..measure.stats import as_float, value_kind, vector_dtype
 from ..measure.tracking import UNINITIALIZED
 from ..measure.unwritten import UnwrittenMemory
-from ..torch_internals.node_meta import example_value
+from ..torch_internals.node_meta import example_value, plain_fake
 from .plan import GraphPlan
 from .recount import Recount, draws_random_numbers
 from .replay import mutates_inputs, untouched_copy
@@ -139,8 +139,9 @@ def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
         return False
     for tensor in tensors:
         kind = value_kind(tensor.dtype)
-        if tensor.layout != torch.strided or kind is None or (kind == "float" and tensor.dtype not in _SCREENED):
-            return False
+        if not plain_fake(tensor) or tensor.layout != torch.strided or kind is None or (
+                kind == "float" and tensor.dtype not in _SCREENED):
+            return False  # (a subclass, a DTensor among them, is measured as the meter measures it)
     return not draws_random_numbers(untouched_copy(gm))
 
 

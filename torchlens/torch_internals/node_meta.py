@@ -9,9 +9,12 @@ functions; the seam table's "node meta" row probes them on the installed torch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
-__all__ = ["example_value", "module_stack", "stack_trace"]
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+__all__ = ["example_value", "fake_twins", "module_stack", "plain_fake", "stack_trace"]
 
 
 def example_value(node, or_val: bool = False):
@@ -31,3 +34,17 @@ def module_stack(node) -> Optional[dict]:
 def stack_trace(node) -> Optional[str]:
     """The user's source lines `node` came from, as dynamo formats them."""
     return node.meta.get("stack_trace")
+
+
+def plain_fake(value) -> bool:
+    """Whether a recorded value is a plain fake tensor: not a subclass (a DTensor), not a SymInt."""
+    return type(value) is FakeTensor
+
+
+def fake_twins(values) -> Tuple[FakeTensorMode, List[torch.Tensor]]:
+    """A fake mode of its own and, in it, fake tensors shaped as these plain fake ones (static
+    sizes): to run a graph's ops on its recorded inputs without touching dynamo's fake mode or its
+    shape environment."""
+    mode = FakeTensorMode()
+    with mode:
+        return mode, [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in values]

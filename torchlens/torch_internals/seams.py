@@ -141,6 +141,8 @@ def _probe_node_meta():
     nodes = _probe_graph_nodes()
     if not nodes or not all(isinstance(node_meta.example_value(node), torch.Tensor) for node in nodes):
         return "a captured graph's nodes carry no example_value"
+    if not all(node_meta.plain_fake(node_meta.example_value(node)) for node in nodes):
+        return "a captured graph's example values are not FakeTensor (tracked graphs are not screened)"
     if not any("inner" in str(node_meta.module_stack(node) or {}) for node in nodes):
         return "a captured graph's nodes carry no nn_module_stack naming their module"
     if not any(__file__.rsplit(".", 1)[0] in (node_meta.stack_trace(node) or "") for node in nodes):
@@ -407,10 +409,11 @@ SEAMS = (
          "fx_backend.dynamo_seams.record_user_spellings",
          "compiled ops keep the name of the call dynamo wrote (tensor for x.new_tensor, _get_data_attr for .data)",
          _probe_spellings),
-    Seam("node meta", "dynamo's node.meta keys: example_value (val from other tracers), nn_module_stack, stack_trace",
+    Seam("node meta", "dynamo's node.meta keys: example_value (val from other tracers), nn_module_stack, stack_trace; "
+         "example values as torch._subclasses.fake_tensor's FakeTensor, and a FakeTensorMode of our own",
          "torch_internals.node_meta",
-         "compiled ops lose their shapes, modules and user sites (lines, statistics and writes go wrong)",
-         _probe_node_meta),
+         "compiled ops lose their shapes, modules and user sites (lines, statistics and writes go wrong); tracked "
+         "graphs are no longer screened", _probe_node_meta),
     Seam("fast-path handlers", "dynamo's TorchInGraphFunctionVariable._get_handlers",
          "torch_internals.fastpaths._same_to_dynamo",
          "a model compiled while a capture runs breaks its graph at every fast-path check", _probe_fast_path_handlers),
