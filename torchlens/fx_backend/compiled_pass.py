@@ -133,7 +133,7 @@ class CompiledPass(ForwardPass):
         if tracker is not None:
             key = (*key, "finite")
             segment = plan.segments.get(key)
-            returned = stats_vector if layout.after_call else (stats_vector,)  # (a screened graph's sums)
+            returned = stats_vector if layout.after_call else _stacked(stats_vector)  # (a screened graph's sums)
             if segment is not None and all_finite(returned) and tracker.finite_again(segment.judged):
                 session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
                 self.graph_outputs(plan, segment.outputs, out)
@@ -170,10 +170,10 @@ class CompiledPass(ForwardPass):
         assert meter is not None  # (a graph returns what statistics need only when they are measured)
         if layout.after_call:
             return measure_returned(layout.slots, vector, meter, numels)
-        values = meter.read_along(vector)
         if layout.recount is None:
+            values = meter.read_along(vector)
             return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
-        if all(map(math.isfinite, values)):
+        if all(map(math.isfinite, meter.read_along(torch.stack(vector) if vector else torch.zeros(0)))):
             return read_screened(layout.slots, numels)
         recount = layout.recount
         try:
@@ -375,6 +375,11 @@ def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
             if written:
                 tracker.provenance.met_after_writing((tensor,), known)
     return tuple(resolved), carried
+
+
+def _stacked(sums: tuple) -> tuple:
+    """A screened graph call's sums as one vector, for `recipes.all_finite` (nothing when none)."""
+    return (torch.stack(sums),) if sums else ()
 
 
 def _numel(shape) -> Optional[int]:

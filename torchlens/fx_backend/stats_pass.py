@@ -68,9 +68,9 @@ Slots = List[Optional[Slot]]
 
 class StatsLayout(NamedTuple):
     """What a graph's extra statistics outputs are: one fused vector (the last output), or
-    `returned` tensors measured after the call (the last `returned` outputs). A screened graph's
-    vector holds one sum per measured output, and `recount` counts a call again that it does
-    not show finite."""
+    `returned` tensors measured after the call (the last `returned` outputs). A screened graph
+    returns `returned` sums, one per measured output, and `recount` counts a call again that they
+    do not show finite."""
 
     slots: Slots
     after_call: bool
@@ -79,7 +79,7 @@ class StatsLayout(NamedTuple):
 
     def split(self, out):
         """(the graph's own outputs, what its statistics outputs hold)."""
-        if self.after_call:
+        if self.after_call or self.recount is not None:
             return out[:len(out) - self.returned], tuple(out[len(out) - self.returned:])
         return out[:-1], out[-1]
 
@@ -117,7 +117,8 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None,
             variant = untouched_copy(gm)
             slots, returned = _return_outputs(variant, plan, rung, chosen)
             recount = Recount(variant, StatsLayout(slots, True, returned), recompile)
-            return StatsLayout(_screen_outputs(gm, plan, rung, chosen), False, recount=recount)
+            slots, sums = _screen_outputs(gm, plan, rung, chosen)
+            return StatsLayout(slots, False, sums, recount)
         slots, returned = _return_outputs(gm, plan, rung, chosen)
         return StatsLayout(slots, True, returned)
     return StatsLayout(_fuse_stats(gm, plan, rung, chosen), False)
@@ -145,10 +146,12 @@ def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
     return not draws_random_numbers(untouched_copy(gm))
 
 
-def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Slots:
-    """Append to `gm`'s outputs one vector of the sums of the chosen ops' float outputs (half
-    precision summed in float32), each taken right after its op, which inductor computes in the
-    kernel that produces the tensor: tracking's screen (`recipes.screened`) inside the graph."""
+def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
+    """Append to `gm`'s outputs the sums of the chosen ops' float outputs (half precision summed in
+    float32), each taken right after its op, which inductor computes in the kernel that produces
+    the tensor where it can: tracking's screen (`recipes.screened`) inside the graph. Returned one
+    by one, they are stacked after the call: one vector made inside would be one more kernel of
+    hundreds of inputs to compile. Returns the slots and how many sums there are."""
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
     sums: List[fx.Node] = []
@@ -168,11 +171,8 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> S
         slots[op.index] = Slot(tuple(recipes))
         if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures:
             measured[node] = op.index  # (views of it share its statistics, as after the call)
-    output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
-    with graph.inserting_before(output_node):
-        vector = graph.call_function(torch.stack, (sums,)) if sums else graph.call_function(torch.zeros, (0,))
-    append_outputs(gm, [vector])
-    return slots
+    append_outputs(gm, sums)
+    return slots, len(sums)
 
 
 def _screen_recipe(fake: torch.Tensor, rung: str) -> Recipe:
