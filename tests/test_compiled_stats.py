@@ -455,11 +455,22 @@ class _Masks(nn.Module):
         return (x.masked_fill(x > 0.5, float("-inf"))).softmax(-1)
 
 
+class _Autocasts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.linear(x).float().exp()
+
+
 @pytest.mark.parametrize("make,training,screened", [
     (_Drops, True, False),  # draws random numbers: a second run would draw others
     (_Drops, False, True),  # an eval-mode dropout draws nothing
     (_Writes, False, False),  # writes into its input: a second run would start from what it wrote
     (_Masks, False, False),  # fills in -inf on purpose: every call would run twice
+    (_Autocasts, False, False),  # switches autocast inside the graph: a run must leave no mode switched
 ])
 def test_a_graph_whose_second_run_would_differ_or_always_happen_is_measured_after_the_call(
         monkeypatch, make, training, screened):
@@ -479,18 +490,53 @@ def test_a_call_that_cannot_be_counted_again_says_what_was_not_measured(monkeypa
     say "n/a" and why, and the verdict claims nothing of them."""
     from torchlens.fx_backend.recount import Recount
 
-    def fails(self, args):
+    tries, real_init = [], Recount.__init__
+
+    def fails(gm, example_inputs):
+        tries.append(1)
         raise RuntimeError("no compiler today")
 
-    monkeypatch.setattr(Recount, "outputs", fails)
+    monkeypatch.setattr(Recount, "__init__", lambda self, gm, layout, compile: real_init(self, gm, layout, fails))
     model, x = conv_net(), images()
     with torch.no_grad():
         model.stem[0].weight[0, 0, 0, 0] = float("nan")
     compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
-    compiled(x)
+    for _ in range(2):  # (tried once: the model's calls go on screened, each saying what it could not count)
+        out = compiled(x)
+        rec = compiled.torchlens.last_recording
+        assert not rec.findings and f"in the 1 measured; {len(rec.ops) - 1} not measured" in rec.verdict, rec.verdict
+        assert rec.ops[1].stats.note == "sums not all finite; RuntimeError counting again"
+    assert tries == [1] and torch.equal(out.isnan(), model(x).isnan())
+
+
+def test_sums_of_values_near_float32_s_largest_stay_finite_and_a_second_run_that_finds_nothing_says_so(monkeypatch):
+    """The screen is a sum of each value times zero: values near float32's largest (a `finfo.min`
+    attention mask) never overflow it, so such a call is not run again. A call that is run again
+    and whose second run holds no NaN or infinity (here its inputs cleaned, as if it rounded
+    otherwise) claims nothing more than that run shows, and the footer says why it ran twice."""
+    from torchlens.fx_backend.recount import Recount
+
+    class Large(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.w * 3 - 1
+
+    runs, real = [], Recount.outputs
+    monkeypatch.setattr(Recount, "outputs", lambda self, args: runs.append(1) or real(self, [a.nan_to_num() for a in args]))
+    model = Large()
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    compiled(torch.full((4,), 1e38))
     rec = compiled.torchlens.last_recording
-    assert not rec.findings and f"in the 1 measured; {len(rec.ops) - 1} not measured" in rec.verdict, rec.verdict
-    assert rec.ops[1].stats.note == "sums not all finite; RuntimeError counting again"
+    assert runs == [] and rec.verdict == tl.record(model, torch.full((4,), 1e38), on_nonfinite="track").verdict
+    with torch.no_grad():
+        model.w[1] = float("nan")
+    compiled(torch.full((4,), 1e38))
+    rec = compiled.torchlens.last_recording
+    assert runs == [1] and rec.verdict == "no non-finite values"
+    assert "a compiled graph's sums were not all finite, but its second run held no non-finite value" in rec.narrate()
 
 
 def test_a_screened_graph_trains_bitwise_as_plain_torch_compile_through_a_nan_and_back():

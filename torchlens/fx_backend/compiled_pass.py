@@ -6,7 +6,6 @@ its outputs and footer, or on failure its partial trace. `CompiledRuntime.start`
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -20,7 +19,7 @@ from ..events import Event, Scope, TensorMeta
 from ..measure.provenance import LazyReads
 from ..measure.recipes import all_finite
 from ..measure.tracking import Tracker
-from ..narration.grammar import UNFINISHED_NOTE, compiled_run_note
+from ..narration.grammar import RECOUNTED_FINITE_NOTE, UNFINISHED_NOTE, compiled_run_note
 from ..results import Recording
 from ..torch_internals.fastpaths import keep_fast_paths, release_fast_paths
 from ..torch_internals.mode_stack import lifted_if_on_top, remove_mode
@@ -133,8 +132,8 @@ class CompiledPass(ForwardPass):
         if tracker is not None:
             key = (*key, "finite")
             segment = plan.segments.get(key)
-            returned = stats_vector if layout.after_call else _stacked(stats_vector)  # (a screened graph's sums)
-            if segment is not None and all_finite(returned) and tracker.finite_again(segment.judged):
+            finite = all_finite(stats_vector) if layout.after_call else _all_finite_flags(stats_vector)
+            if segment is not None and finite and tracker.finite_again(segment.judged):
                 session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
                 self.graph_outputs(plan, segment.outputs, out)
                 return
@@ -173,14 +172,17 @@ class CompiledPass(ForwardPass):
         if layout.recount is None:
             values = meter.read_along(vector)
             return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
-        if all(map(math.isfinite, meter.read_along(torch.stack(vector) if vector else torch.zeros(0)))):
+        if _all_finite_flags(vector):
             return read_screened(layout.slots, numels)
         recount = layout.recount
-        try:
-            returned = recount.outputs(args)
-        except Exception as exc:
-            return read_screened(layout.slots, numels, f"sums not all finite; {type(exc).__name__} counting again")
-        return measure_returned(recount.layout.slots, returned, meter, numels)
+        returned = recount.outputs(args)
+        if returned is None:
+            return read_screened(layout.slots, numels, f"sums not all finite; {recount.failure}")
+        stats = measure_returned(recount.layout.slots, returned, meter, numels)
+        notes = self.session.footer_extra
+        if not any(part is not None and part.nonfinite for part in stats) and RECOUNTED_FINITE_NOTE not in notes:
+            notes.append(RECOUNTED_FINITE_NOTE)  # (a sum too large, or a value the second run did not make)
+        return stats
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):
         """The output metadata of plan ops [start, stop) in this call: concrete sizes where they
@@ -377,9 +379,9 @@ def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
     return tuple(resolved), carried
 
 
-def _stacked(sums: tuple) -> tuple:
-    """A screened graph call's sums as one vector, for `recipes.all_finite` (nothing when none)."""
-    return (torch.stack(sums),) if sums else ()
+def _all_finite_flags(flags: tuple) -> bool:
+    """Whether a screened graph call's flags (one per measured output) all say finite: one read."""
+    return not flags or bool(torch.stack(flags).all())
 
 
 def _numel(shape) -> Optional[int]:

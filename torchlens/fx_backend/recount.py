@@ -17,29 +17,41 @@ import torch
 from torch import fx
 
 from ..torch_internals.node_meta import example_value, fake_twins, plain_fake
-from .replay import DrawWatch
+from .replay import DrawWatch, untouched_copy
 
 __all__ = ["Recount", "draws_random_numbers"]
 
 
 class Recount:
     """The after-call variant of one screened graph (`gm`, with its `layout`), compiled by
-    `compile(gm, example_inputs)` on its first run (`fn`), under the grad mode of the call that
-    needed it: the mode the graph was compiled for, which dynamo guards."""
+    `compile(gm, example_inputs)` (on a copy: a compiler may rewrite the graph it is given) on its
+    first run, under the grad mode of the call that needed it: the mode the graph was compiled for,
+    which dynamo guards. `fn` is set once a run succeeded: it may then take the screened graph's
+    place. `failure` says why it could not be compiled or run (it is not tried again)."""
 
     def __init__(self, gm: fx.GraphModule, layout, compile: Callable):
         self.gm = gm
         self.layout = layout  # a `stats_pass.StatsLayout` measured after the call
         self._compile = compile
+        self._compiled: Optional[Callable] = None
         self.fn: Optional[Callable] = None
+        self.failure: Optional[str] = None
 
-    def outputs(self, args) -> tuple:
+    def outputs(self, args) -> Optional[tuple]:
         """The outputs to measure of a run of the variant on `args` (the screened call's inputs,
-        which it did not write into); the model's own outputs of that run are dropped."""
-        if self.fn is None:
-            self.fn = self._compile(self.gm, list(args))
-        with torch.no_grad():
-            out = self.fn(*args)
+        which it did not write into; the model's own outputs of that run are dropped), or None
+        when it cannot be compiled or run (`failure`)."""
+        if self.failure is not None:
+            return None
+        try:
+            if self._compiled is None:
+                self._compiled = self._compile(untouched_copy(self.gm), list(args))
+            with torch.no_grad():
+                out = self._compiled(*args)
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__} counting again"
+            return None
+        self.fn = self._compiled
         return self.layout.split(out)[1]
 
 

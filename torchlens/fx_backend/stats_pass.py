@@ -2,9 +2,9 @@
 
 Three ways, chosen per graph at compile time:
 
-- **Screened** (tracking alone, the CPU, a graph `_screenable` allows): one sum per output to
-  measure, taken right after its op and returned as one vector, which inductor computes in the
-  kernels producing the tensors: no output is kept for the statistics. All finite, the call's
+- **Screened** (tracking alone, the CPU, a graph `_screenable` allows): per output to measure,
+  whether all its elements are finite, taken right after its op and returned, which inductor
+  computes in the kernels producing the tensors: no output is kept for the statistics. All finite, the call's
   statistics are what the meter's screen gives a finite tensor; otherwise the call is counted again
   by the after-call variant (`recount`), which then runs in the graph's place.
 
@@ -69,8 +69,8 @@ Slots = List[Optional[Slot]]
 class StatsLayout(NamedTuple):
     """What a graph's extra statistics outputs are: one fused vector (the last output), or
     `returned` tensors measured after the call (the last `returned` outputs). A screened graph
-    returns `returned` sums, one per measured output, and `recount` counts a call again that they
-    do not show finite."""
+    returns `returned` flags, whether each measured output is all finite, and `recount` counts a
+    call again that they do not show finite."""
 
     slots: Slots
     after_call: bool
@@ -136,6 +136,8 @@ def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
     values on purpose, every call: it is measured after the call from the start."""
     if plan.resolver is not None or plan.exchanges or plan.written_inputs or mutates_inputs(gm):
         return False
+    if any(_switches_state(node) for node in gm.graph.nodes):
+        return False
     if any(op.reads[1] for op in plan.ops):  # (the kinds its scalar arguments carry: `carried_kinds`)
         return False
     for tensor in tensors:
@@ -146,12 +148,24 @@ def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
     return not draws_random_numbers(untouched_copy(gm))
 
 
+def _switches_state(node: fx.Node) -> bool:
+    """Whether a node does more than compute: torch's own rule (`Node.is_impure`: a grad-mode or
+    autocast switch, an assert, a write, a random draw by name) or a switch of `torch.autograd`'s
+    grad modes (inference mode). A second run must start from where the first did, and the check
+    for random draws runs the graph, which must leave no mode switched."""
+    if node.op != "call_function":
+        return False
+    return node.is_impure() or getattr(node.target, "__module__", None) == "torch.autograd.grad_mode"
+
+
 def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
-    """Append to `gm`'s outputs the sums of the chosen ops' float outputs (half precision summed in
-    float32), each taken right after its op, which inductor computes in the kernel that produces
-    the tensor where it can: tracking's screen (`recipes.screened`) inside the graph. Returned one
-    by one, they are stacked after the call: one vector made inside would be one more kernel of
-    hundreds of inputs to compile. Returns the slots and how many sums there are."""
+    """Append to `gm`'s outputs, for each of the chosen ops' float outputs, whether all its elements
+    are finite (`isfinite(x).all()`), taken right after its op, which inductor computes in the
+    kernel that produces the tensor where it can: tracking's screen (`recipes.screened`) inside the
+    graph. Not a sum: a sum of finite values near the dtype's largest (a `finfo.min` attention
+    mask) overflows, and each such call would run twice; nor a sum of `x * 0`, which inductor folds
+    to zero. Returned one by one, they are stacked after the call: one vector made inside would be
+    one more kernel of hundreds of inputs to compile. Returns the slots and how many there are."""
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
     sums: List[fx.Node] = []
@@ -164,10 +178,8 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
             recipes = []
             for output, fake in outputs:
                 recipes.append(_screen_recipe(fake, rung))
-                if recipes[-1].measures and fake.dtype in (torch.float16, torch.bfloat16):
-                    sums.append(graph.call_function(torch.sum, (output,), {"dtype": torch.float32}))
-                elif recipes[-1].measures:
-                    sums.append(graph.call_function(torch.sum, (output,)))
+                if recipes[-1].measures:
+                    sums.append(graph.call_function(torch.all, (graph.call_function(torch.isfinite, (output,)),)))
         slots[op.index] = Slot(tuple(recipes))
         if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures:
             measured[node] = op.index  # (views of it share its statistics, as after the call)

@@ -33,11 +33,12 @@ import torch
 from ..events import ENTER, EXIT, GRAD, INPUT, NODE, OP, OUTPUT, Attempt, BackwardAttempt, Event, TensorMeta
 from .stats_text import stats_text
 
-__all__ = ["UNFINISHED_NOTE", "attempt_inputs_text", "backward_footer_parts", "compiled_run_note", "device_name",
-           "dtype_name", "footer_parts", "forward_counts", "measurement_notes", "meta_text", "metas_text", "op_ref",
-           "opaque_calls_note", "plural", "render_attempt", "render_dropped_events_note", "render_earlier_lines_note",
-           "render_event", "render_failure", "render_failure_header", "render_footer", "render_limit_note",
-           "render_note", "shape_text", "site_text", "values_text"]
+__all__ = ["RECOUNTED_FINITE_NOTE", "UNFINISHED_NOTE", "attempt_inputs_text", "backward_footer_parts",
+           "compiled_run_note", "device_name", "dtype_name", "footer_parts", "forward_counts", "measurement_notes",
+           "meta_text", "metas_text", "op_ref", "opaque_calls_note", "plural", "render_attempt",
+           "render_dropped_events_note", "render_earlier_lines_note", "render_event", "render_failure",
+           "render_failure_header", "render_footer", "render_limit_note", "render_note", "shape_text", "site_text",
+           "values_text"]
 
 TAG_WIDTH = 6
 OP_WIDTH = 14
@@ -348,6 +349,10 @@ def compiled_run_note(graph_calls: int, ops_between: int) -> str:
 
 
 UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
+# A screened compiled graph's sums were not all finite, and its second run held no NaN or infinity:
+# the sums overflowed, or the first run held a value the second, rounding otherwise, did not.
+RECOUNTED_FINITE_NOTE = ("a compiled graph's sums were not all finite, but its second run held no non-finite value "
+                         "(a sum past its dtype's range, or the two runs rounding apart)")
 
 
 def measurement_notes(value_stats: str, verdict: Optional[str], incomplete: Optional[str]) -> List[str]:
