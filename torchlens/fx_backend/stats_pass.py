@@ -199,27 +199,18 @@ def _screen_recipe(fake: torch.Tensor, rung: str) -> Recipe:
 
 
 def read_screened(slots: Slots, numels, failed: Optional[str] = None) -> List:
-    """The statistics of a screened call whose every sum was finite: a `Stats` (or `StatsGroup`)
+    """The statistics of a screened call whose every flag said finite: a `Stats` (or `StatsGroup`)
     per op, as the meter's screen fills them when it finds a tensor finite; or, when it could not
     be counted again (`failed` says why), "n/a" for what was to be measured."""
-    result: List[Optional[Union[Stats, StatsGroup]]] = []
-    for slot, counts in zip(slots, numels):
-        if slot is None:
-            result.append(None)
-            continue
-        if slot.same_as is not None:
-            result.append(result[slot.same_as])
-            continue
-        parts = []
-        for recipe_, numel in zip(slot.recipes, counts):
-            stats = recipe_.stats(numel)
-            if recipe_.measures and failed is not None:
-                stats = not_applicable(failed, "reuse" if recipe_.shown else "off").stats(numel)
-            elif recipe_.measures:
-                stats.nan = stats.posinf = stats.neginf = 0
-            parts.append(stats)
-        result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
-    return result
+    def part(recipe_: Recipe, numel) -> Stats:
+        if recipe_.measures and failed is not None:
+            return not_applicable(failed, "reuse" if recipe_.shown else "off").stats(numel)
+        stats = recipe_.stats(numel)
+        if recipe_.measures:
+            stats.nan = stats.posinf = stats.neginf = 0
+        return stats
+
+    return _per_op(slots, numels, part)
 
 
 def _bytes(fake: torch.Tensor) -> Optional[int]:
@@ -466,20 +457,29 @@ def read_stats(slots: Slots, values: Sequence[float], tracking: bool, numels) ->
     """Turn one graph call's fused statistics (read to the host) into a `Stats`, a `StatsGroup` or
     None per plan op; `numels[i]` are the element counts of op i's outputs in this call."""
     position = 0
+
+    def part(recipe_: Recipe, numel) -> Stats:
+        nonlocal position
+        stats = recipe_.stats(numel)
+        if recipe_.measures:
+            recipe_.read(stats, values[position:position + recipe_.size], tracking)
+            position += recipe_.size
+        return stats
+
+    return _per_op(slots, numels, part)
+
+
+def _per_op(slots: Slots, numels, part: Callable[[Recipe, Optional[int]], Stats]) -> List:
+    """A `Stats`, a `StatsGroup` or None per plan op, from its slot: None without one, an earlier
+    op's for one that shares its elements (read once), else `part(recipe, numel)` per output, in
+    order; `numels[i]` are the element counts of op i's outputs in this call."""
     result: List[Optional[Union[Stats, StatsGroup]]] = []
     for slot, counts in zip(slots, numels):
         if slot is None:
             result.append(None)
-            continue
-        if slot.same_as is not None:
-            result.append(result[slot.same_as])  # the same elements, read once
-            continue
-        parts = []
-        for recipe_, numel in zip(slot.recipes, counts):
-            stats = recipe_.stats(numel)
-            if recipe_.measures:
-                recipe_.read(stats, values[position:position + recipe_.size], tracking)
-                position += recipe_.size
-            parts.append(stats)
-        result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
+        elif slot.same_as is not None:
+            result.append(result[slot.same_as])
+        else:
+            parts = [part(recipe_, numel) for recipe_, numel in zip(slot.recipes, counts)]
+            result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
     return result
