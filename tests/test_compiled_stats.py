@@ -505,12 +505,12 @@ def test_a_call_that_cannot_be_counted_again_says_what_was_not_measured(monkeypa
         out = compiled(x)
         rec = compiled.torchlens.last_recording
         assert not rec.findings and f"in the 1 measured; {len(rec.ops) - 1} not measured" in rec.verdict, rec.verdict
-        assert rec.ops[1].stats.note == "sums not all finite; RuntimeError counting again"
+        assert rec.ops[1].stats.note == "not shown finite; RuntimeError counting again"
     assert tries == [1] and torch.equal(out.isnan(), model(x).isnan())
 
 
 def test_sums_of_values_near_float32_s_largest_stay_finite_and_a_second_run_that_finds_nothing_says_so(monkeypatch):
-    """The screen is a sum of each value times zero: values near float32's largest (a `finfo.min`
+    """The screen is whether each value is finite: values near float32's largest (a `finfo.min`
     attention mask) never overflow it, so such a call is not run again. A call that is run again
     and whose second run holds no NaN or infinity (here its inputs cleaned, as if it rounded
     otherwise) claims nothing more than that run shows, and the footer says why it ran twice."""
@@ -536,7 +536,7 @@ def test_sums_of_values_near_float32_s_largest_stay_finite_and_a_second_run_that
     compiled(torch.full((4,), 1e38))
     rec = compiled.torchlens.last_recording
     assert runs == [1] and rec.verdict == "no non-finite values"
-    assert "a compiled graph's sums were not all finite, but its second run held no non-finite value" in rec.narrate()
+    assert "a compiled graph's screen found a non-finite value, but its second run held none" in rec.narrate()
 
 
 def test_a_screened_graph_trains_bitwise_as_plain_torch_compile_through_a_nan_and_back():

@@ -122,8 +122,9 @@ class CompiledPass(ForwardPass):
         """Record a call whose statistics or kept values the graph returned.
 
         With tracking alone, a call in the same situation as one whose every op was judged finite
-        is that call again when its outputs are all finite: one sum of sums read to the host tells
-        it (`recipes.all_finite`), and the events recorded then are replayed as narration's are.
+        is that call again when its outputs are all finite: one read to the host tells it (a sum of
+        the returned outputs' sums, `recipes.all_finite`, or the screened graph's flags), and the
+        events recorded then are replayed as narration's are.
         Each op's statistics say only "finite", its verdict is the same, and what it read is never
         asked for. A call not shown finite is measured and judged op by op.
         """
@@ -177,11 +178,11 @@ class CompiledPass(ForwardPass):
         recount = layout.recount
         returned = recount.outputs(args)
         if returned is None:
-            return read_screened(layout.slots, numels, f"sums not all finite; {recount.failure}")
+            return read_screened(layout.slots, numels, f"not shown finite; {recount.failure}")
         stats = measure_returned(recount.layout.slots, returned, meter, numels)
         notes = self.session.footer_extra
         if not any(part is not None and part.nonfinite for part in stats) and RECOUNTED_FINITE_NOTE not in notes:
-            notes.append(RECOUNTED_FINITE_NOTE)  # (a sum too large, or a value the second run did not make)
+            notes.append(RECOUNTED_FINITE_NOTE)  # (a value the second run, rounding otherwise, did not make)
         return stats
 
     def op_metas(self, plan: GraphPlan, concrete, start: int, stop: int, concrete_only: bool = False):

@@ -104,7 +104,7 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None,
     """Make `gm` return what its ops' statistics need: the outputs themselves, measured after the
     call, when they are on the CPU and within the budget; else fused statistics vectors. With
     `recompile` (tracking alone: `compile(gm, example_inputs)` for the recount), a graph that
-    `_screenable` allows returns a sum per output instead."""
+    `_screenable` allows returns a finiteness flag per output instead."""
     chosen = set(range(len(plan.ops)) if only is None else only)
     nodes = {node.name: node for node in gm.graph.nodes}
     held = [example_value(nodes[op.value]) for op in plan.ops if op.index in chosen]
@@ -117,8 +117,8 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None,
             variant = untouched_copy(gm)
             slots, returned = _return_outputs(variant, plan, rung, chosen)
             recount = Recount(variant, StatsLayout(slots, True, returned), recompile)
-            slots, sums = _screen_outputs(gm, plan, rung, chosen)
-            return StatsLayout(slots, False, sums, recount)
+            slots, flags = _screen_outputs(gm, plan, rung, chosen)
+            return StatsLayout(slots, False, flags, recount)
         slots, returned = _return_outputs(gm, plan, rung, chosen)
         return StatsLayout(slots, True, returned)
     return StatsLayout(_fuse_stats(gm, plan, rung, chosen), False)
@@ -128,7 +128,7 @@ _SCREENED = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float
 
 
 def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
-    """Whether a tracked graph may return one sum per output (`_screen_outputs`): a call it does not
+    """Whether a tracked graph may return one finiteness flag per output (`_screen_outputs`): a call it does not
     show finite must be computed again as it was (`recount`). So its sizes are static, it has no
     collective, it writes into none of its inputs and draws no random numbers, and what it measures
     are plain real floats (the rest goes after the call, as the meter measures it). A graph whose
@@ -168,7 +168,7 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
     one more kernel of hundreds of inputs to compile. Returns the slots and how many there are."""
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
-    sums: List[fx.Node] = []
+    flags: List[fx.Node] = []
     measured: Dict[fx.Node, int] = {}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         with graph.inserting_before(node.next):
@@ -179,12 +179,12 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
             for output, fake in outputs:
                 recipes.append(_screen_recipe(fake, rung))
                 if recipes[-1].measures:
-                    sums.append(graph.call_function(torch.all, (graph.call_function(torch.isfinite, (output,)),)))
+                    flags.append(graph.call_function(torch.all, (graph.call_function(torch.isfinite, (output,)),)))
         slots[op.index] = Slot(tuple(recipes))
         if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures:
             measured[node] = op.index  # (views of it share its statistics, as after the call)
-    append_outputs(gm, sums)
-    return slots, len(sums)
+    append_outputs(gm, flags)
+    return slots, len(flags)
 
 
 def _screen_recipe(fake: torch.Tensor, rung: str) -> Recipe:

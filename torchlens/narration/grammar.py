@@ -349,10 +349,10 @@ def compiled_run_note(graph_calls: int, ops_between: int) -> str:
 
 
 UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
-# A screened compiled graph's sums were not all finite, and its second run held no NaN or infinity:
-# the sums overflowed, or the first run held a value the second, rounding otherwise, did not.
-RECOUNTED_FINITE_NOTE = ("a compiled graph's sums were not all finite, but its second run held no non-finite value "
-                         "(a sum past its dtype's range, or the two runs rounding apart)")
+# A screened compiled graph's flags found a NaN or an infinity, and its second run held none: the
+# first run held a value the second, compiled otherwise and rounding otherwise, did not.
+RECOUNTED_FINITE_NOTE = ("a compiled graph's screen found a non-finite value, but its second run held none "
+                         "(the two runs rounding apart): nothing is claimed of what the first held")
 
 
 def measurement_notes(value_stats: str, verdict: Optional[str], incomplete: Optional[str]) -> List[str]:
