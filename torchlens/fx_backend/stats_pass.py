@@ -4,9 +4,9 @@ Three ways, chosen per graph at compile time:
 
 - **Screened** (tracking alone, the CPU, a graph `_screenable` allows): per output to measure,
   whether all its elements are finite, taken right after its op and returned, which inductor
-  computes in the kernels producing the tensors: no output is kept for the statistics. All finite, the call's
-  statistics are what the meter's screen gives a finite tensor; otherwise the call is counted again
-  by the after-call variant (`recount`), which then runs in the graph's place.
+  computes in the kernels producing the tensors: no output is kept for the statistics. All
+  finite, the call's statistics are what the meter's screen gives a finite tensor; otherwise the
+  call is counted again by the after-call variant (`recount`), which then runs in the graph's place.
 
 - **After the call** (every measured output on the CPU, `meter.READ_NOW`, and within
   `AFTER_CALL_BYTES`): the outputs to measure become extra graph outputs and are measured when the
@@ -128,8 +128,8 @@ _SCREENED = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float
 
 
 def _screenable(gm: fx.GraphModule, plan: GraphPlan, tensors) -> bool:
-    """Whether a tracked graph may return one finiteness flag per output (`_screen_outputs`): a call it does not
-    show finite must be computed again as it was (`recount`). So its sizes are static, it has no
+    """Whether a tracked graph may return one finiteness flag per output (`_screen_outputs`): a call
+    it does not show finite must be computed again as it was (`recount`). So its sizes are static, it has no
     collective, it writes into none of its inputs and draws no random numbers, and what it measures
     are plain real floats (the rest goes after the call, as the meter measures it). A graph whose
     ops carry an infinity or a NaN in a scalar argument (`masked_fill(mask, -inf)`) makes non-finite
@@ -188,8 +188,8 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
 
 
 def _screen_recipe(fake: torch.Tensor, rung: str) -> Recipe:
-    """What the meter's screen measures of such a tensor after the call: its sum, nothing of an
-    integer or a bool, "n/a" of an empty one."""
+    """What the meter's screen measures of such a tensor after the call: whether it is finite,
+    nothing of an integer or a bool, "n/a" of an empty one."""
     kind = value_kind(fake.dtype)
     if kind is None:
         return not_applicable(str(fake.dtype).replace("torch.", ""), rung)
