@@ -132,9 +132,9 @@ class CompiledPass(ForwardPass):
         tracker = self._replaying(plan, layout) if kept is None else None
         if tracker is not None:
             key = (*key, "finite")
-            segment = plan.segments.get(key)
-            finite = all_finite(stats_vector) if layout.after_call else _all_finite_flags(stats_vector)
-            if segment is not None and finite and tracker.finite_again(segment.judged):
+            segment = plan.segments.get(key)  # (no segment: no read, the call is measured as it is)
+            if segment is not None and (all_finite(stats_vector) if layout.after_call else
+                                        _all_finite_flags(stats_vector)) and tracker.finite_again(segment.judged):
                 session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
                 self.graph_outputs(plan, segment.outputs, out)
                 return
