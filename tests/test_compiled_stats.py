@@ -322,6 +322,66 @@ def test_returned_outputs_read_together_are_what_each_gives_alone_on_real_models
     assert len(compared) > 20 and torch.float32 in compared, compared
 
 
+class SplitHeads(nn.Module):
+    """A fused projection split into query, key and value, each viewed as heads and transposed
+    (GPT-2's attention): views of one part of a multi-output op."""
+
+    def __init__(self, width=256, heads=8, scale_in_place=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.heads, self.scale_in_place = nn.Linear(width, 3 * width), heads, scale_in_place
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        if self.scale_in_place:
+            q.mul_(2.0)
+        q, k, v = (part.view(batch, length, self.heads, -1).transpose(1, 2) for part in (q, k, v))
+        return (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, screened", [(dict(value_stats="exact"), False), (dict(on_nonfinite="track"), False),
+                                              (dict(on_nonfinite="track"), True)])
+def test_the_heads_of_a_split_projection_share_their_part_s_statistics_as_eager(monkeypatch, options, screened):
+    """A view of one output of a multi-output op (the heads of a split projection, then their
+    transpose) holds that output's elements: it shares its statistics, as the eager meter shares
+    them, and the graph returns, reduces or screens only the parts, not each view again (inductor
+    stores a returned view in a buffer of its own, which would be measured as a different tensor)."""
+    if not screened:
+        monkeypatch.setattr(stats_pass, "_screenable", lambda *args: False)
+    model, x = SplitHeads().eval(), torch.randn(2, 64, 256)
+    compiled = tl.compile(model, **options)
+    with torch.no_grad():
+        compiled(x)
+        eager = tl.record(model, x, **options)
+    events = compiled.torchlens.last_recording.ops
+    split = next(event for event in events if event.op == "split")
+    heads = [event for event in events if event.ordinal > split.ordinal][:6]
+    assert [event.op for event in heads] == ["view", "transpose"] * 3
+    for i, (view, transpose) in enumerate(zip(heads[::2], heads[1::2])):
+        assert view.stats is split.stats.parts[i] and transpose.stats is split.stats.parts[i]
+    by_ordinal = {event.ordinal: event for event in eager.ops}
+    for i, event in enumerate(heads):  # (the eager meter shares them too)
+        assert by_ordinal[event.ordinal].stats is by_ordinal[split.ordinal].stats.parts[i // 2]
+
+
+@pytest.mark.slow
+def test_a_split_part_written_in_place_before_its_heads_are_viewed_is_measured_again():
+    """The query part scaled in place after the split: its heads hold the scaled values, not the
+    ones the split's statistics saw, and read as eager's lines."""
+    model, x = SplitHeads(scale_in_place=True).eval(), torch.randn(2, 64, 256)
+    lines = []
+    with torch.no_grad():
+        tl.compile(model, value_stats="exact", narrate=lines.append)(x)
+        eager = tl.record(model, x, value_stats="exact")
+    compiled = op_lines("\n".join(lines))
+    assert compiled == op_lines(eager.narrate())
+    heads = [line for line in compiled if " view " in line or " transpose " in line]
+    split = next(line for line in compiled if " split " in line)
+    assert heads[0].split("|")[1].split()[0] not in split  # (the scaled query's min is no part's)
+
+
 class SparseBetween(nn.Module):
     """Two graphs around an eager sparse round trip: the sparse value is not measured, so the
     verdict counts the values that were."""  # (dynamo runs `_sparse_round_trip` eagerly)

@@ -55,11 +55,17 @@ __all__ = ["StatsLayout", "add_stats_output", "measure_returned", "module_output
 class Slot(NamedTuple):
     """How one plan op is measured: a recipe per tensor output (fused), how many of its outputs
     the graph returns to be measured after the call (`returned`), or (`same_as`) the index of an
-    earlier op whose statistics it shares (the same elements)."""
+    earlier op whose statistics it shares (the same elements): of its output `part` when that op
+    has several (the heads of one part of a split projection)."""
 
     recipes: Tuple[Recipe, ...] = ()
     same_as: Optional[int] = None
     returned: int = 0
+    part: Optional[int] = None
+
+
+# What a node's output was measured as: (its op's index, which of that op's tensor outputs or None).
+Measured = Dict[fx.Node, Tuple[int, Optional[int]]]
 
 
 # Per plan op: None (no statistics), else its `Slot`.
@@ -169,7 +175,7 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
     flags: List[fx.Node] = []
-    measured: Dict[fx.Node, int] = {}
+    measured: Measured = {}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         with graph.inserting_before(node.next):
             outputs = [(holder, value)] if isinstance(value, torch.Tensor) else [
@@ -181,8 +187,7 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
                 if recipes[-1].measures:
                     flags.append(graph.call_function(torch.all, (graph.call_function(torch.isfinite, (output,)),)))
         slots[op.index] = Slot(tuple(recipes))
-        if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures:
-            measured[node] = op.index  # (views of it share its statistics, as after the call)
+        _note_measured(measured, op.index, node, holder, value, [r.measures for r in recipes])
     append_outputs(gm, flags)
     return slots, len(flags)
 
@@ -244,7 +249,7 @@ def _ops_to_measure(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen, slot
         if note is not None:
             slots[op.index] = Slot((not_applicable(note, rung),) * len(op.metas))
         elif source is not None:
-            slots[op.index] = Slot(same_as=source)
+            slots[op.index] = Slot(same_as=source[0], part=source[1])
             measured[node] = source  # a chain of views shares one measurement
         elif op.op.startswith(UNINITIALIZED):  # `empty` and friends: nothing written to measure yet
             slots[op.index] = Slot((not_applicable("uninitialized", rung),) * len(op.metas))
@@ -277,7 +282,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
     returned: List[fx.Node] = []
-    measured: Dict[fx.Node, int] = {}  # node -> index of its op, for views of it measured just after
+    measured: Measured = {}
     inputs = {storage_key(example_value(node)) for node in graph.nodes
               if node.op == "placeholder" and isinstance(example_value(node), torch.Tensor)}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
@@ -294,8 +299,7 @@ def _return_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
                 outputs = [graph.call_function(torch.clone, (part,)) for part in parts] if copy else parts
         returned.extend(outputs)
         slots[op.index] = Slot(returned=len(outputs))
-        if holder is node and isinstance(value, torch.Tensor):
-            measured[node] = op.index
+        _note_measured(measured, op.index, node, holder, value, [True] * len(outputs))
     append_outputs(gm, returned)
     return slots, len(returned)
 
@@ -340,7 +344,7 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Slots
     tracer = GraphAppendingTracer(graph)
     slots: Slots = [None] * len(plan.ops)
     vectors, devices = [], []
-    measured: Dict[fx.Node, int] = {}  # node -> index of its op, for ops measured with one vector of their own
+    measured: Measured = {}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         with graph.inserting_before(node.next):
             proxy = fx.Proxy(holder, tracer)
@@ -355,8 +359,7 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Slots
                     vectors.append(vector.reshape(-1))
                     devices.append(fake.device)
         slots[op.index] = Slot(tuple(recipes))
-        if holder is node and isinstance(value, torch.Tensor) and recipes[0].measures and not recipes[0].padded:
-            measured[node] = op.index
+        _note_measured(measured, op.index, node, holder, value, [r.measures and not r.padded for r in recipes])
     output_node = next(node for node in reversed(graph.nodes) if node.op == "output")
     with graph.inserting_before(output_node):
         if vectors:
@@ -371,8 +374,38 @@ def _fuse_stats(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Slots
     return slots
 
 
-def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
-    """The op index whose statistics `node`'s output shares, or None.
+def _note_measured(measured: Measured, index: int, node: fx.Node, holder: fx.Node, value, shareable) -> None:
+    """Note what op `index` measured, for views of it to share (`_same_elements_as`): its output,
+    or each of its tensor outputs as the graph's own `getitem` nodes take them out (a split
+    projection's parts, whose heads are views of them). `shareable`: per tensor output, whether
+    its statistics may stand for a view's."""
+    if isinstance(value, torch.Tensor):
+        if holder is node and shareable[0]:
+            measured[node] = (index, None)
+        return
+    positions: Dict[object, int] = {}  # output index -> its position among the tensor outputs (`StatsGroup.parts`)
+    for i, item in enumerate(value):
+        if isinstance(item, torch.Tensor):
+            positions[i] = len(positions)
+    for user in holder.users:
+        if user.op == "call_function" and user.target is operator.getitem and positions.get(user.args[1]) is not None:
+            position = positions[user.args[1]]
+            if shareable[position] and not _written_between(holder, user):
+                measured[user] = (index, position)
+
+
+def _written_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node after `first`, up to `last` included, may write into an existing tensor."""
+    between = first.next
+    while between is not last.next:
+        if _may_mutate(between):
+            return True
+        between = between.next
+    return False
+
+
+def _same_elements_as(node: fx.Node, measured: Measured) -> Optional[Tuple[int, Optional[int]]]:
+    """The op index (and output) whose statistics `node`'s output shares, or None.
 
     A node whose output addresses the same elements as its first argument, measured just before
     (`memory.same_elements`, read from the fake tensors dynamo recorded: views, transposes, the
@@ -390,11 +423,8 @@ def _same_elements_as(node: fx.Node, measured) -> Optional[int]:
         return None
     if not same_elements(value, before):
         return None
-    between = source.next
-    while between is not node.next:  # the node itself included: `relu_` addresses what it wrote
-        if _may_mutate(between):
-            return None
-        between = between.next
+    if _written_between(source, node):  # the node itself included: `relu_` addresses what it wrote
+        return None
     return measured[source]
 
 
@@ -442,7 +472,7 @@ def measure_returned(slots: Slots, tensors: Sequence[torch.Tensor], measurer, nu
         if slot is None:
             result.append(None)
         elif slot.same_as is not None:
-            result.append(result[slot.same_as])  # the same elements, measured once
+            result.append(_shared(result, slot))  # the same elements, measured once
         elif not slot.returned:
             parts = [recipe_.stats(numel) for recipe_, numel in zip(slot.recipes, counts)]
             result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
@@ -478,8 +508,15 @@ def _per_op(slots: Slots, numels, part: Callable[[Recipe, Optional[int]], Stats]
         if slot is None:
             result.append(None)
         elif slot.same_as is not None:
-            result.append(result[slot.same_as])
+            result.append(_shared(result, slot))
         else:
             parts = [part(recipe_, numel) for recipe_, numel in zip(slot.recipes, counts)]
             result.append(parts[0] if len(parts) == 1 else StatsGroup(parts))
     return result
+
+
+def _shared(result: List, slot: Slot):
+    """The statistics an op sharing an earlier op's elements (`Slot.same_as`) shows."""
+    assert slot.same_as is not None
+    shared = result[slot.same_as]
+    return shared.parts[slot.part] if slot.part is not None and isinstance(shared, StatsGroup) else shared
