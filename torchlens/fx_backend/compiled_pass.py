@@ -27,7 +27,7 @@ from . import dynamo_seams
 from .active import make_active, make_inactive
 from .failures import locate_while_tracing, place_python_failure
 from .gaps import GapCapture
-from .plan import GraphPlan
+from .plan import GraphPlan, numel_of
 from .stats_pass import measure_returned, read_screened, read_stats
 
 __all__ = ["CompiledPass"]
@@ -164,8 +164,9 @@ class CompiledPass(ForwardPass):
         """The graph's statistics: its returned outputs measured now, or its fused vector read to the
         host once, with what was measured since the last graph. A screened call not shown finite
         is counted again by the graph that returns its outputs (`recount`)."""
-        concrete_metas = self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)
-        numels = [tuple(_numel(meta.shape) for meta in metas) for metas in concrete_metas]
+        numels = plan.static_numels if concrete is None else [
+            tuple(numel_of(meta.shape) for meta in metas)
+            for metas in self.op_metas(plan, concrete, 0, len(plan.ops), concrete_only=True)]
         meter = self.pipeline.meter
         assert meter is not None  # (a graph returns what statistics need only when they are measured)
         if layout.after_call:
@@ -383,13 +384,3 @@ def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
 def _all_finite_flags(flags: tuple) -> bool:
     """Whether a screened graph call's flags (one per measured output) all say finite: one read."""
     return not flags or bool(torch.stack(flags).all())
-
-
-def _numel(shape) -> Optional[int]:
-    """Element count of a concrete shape (None when a size is only known symbolically)."""
-    count = 1
-    for size in shape:
-        if not isinstance(size, int):
-            return None
-        count *= size
-    return count

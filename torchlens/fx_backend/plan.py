@@ -13,6 +13,7 @@ one line, so it is not an op either.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Dict, List, Optional, Set, Tuple, cast
 
@@ -30,7 +31,7 @@ from ..torch_internals.node_meta import example_value, module_stack, stack_trace
 from .module_stack import relative_stack
 from .shapes import ShapeResolver, maybe_resolver, symbolic_shape
 
-__all__ = ["GraphPlan", "build_plan", "node_op_name"]
+__all__ = ["GraphPlan", "build_plan", "node_op_name", "numel_of"]
 
 
 class PlanOp:
@@ -103,6 +104,11 @@ class GraphPlan:
         self.exchanges = any(op.label is not None or op.lands is not None for op in ops)
         self._scopes: Dict[Scope, List[Scope]] = {}
 
+    @functools.cached_property
+    def static_numels(self) -> List[Tuple[Optional[int], ...]]:
+        """The element counts of each op's outputs, for a graph of static sizes (every call's)."""
+        return [tuple(numel_of(meta.shape) for meta in op.metas) for op in self.ops]
+
     def op_scopes(self, table: ScopeTable, frame_scope: Scope) -> List[Scope]:
         """The scope of each op when the graph runs in `frame_scope` (memoised)."""
         scopes = self._scopes.get(frame_scope)
@@ -115,6 +121,15 @@ class GraphPlan:
             self.segments.clear()
         self.segments[key] = Segment(events, ordinal, scope, judged, outputs)
 
+
+def numel_of(shape) -> Optional[int]:
+    """Element count of a concrete shape (None when a size is only known symbolically)."""
+    count = 1
+    for size in shape:
+        if not isinstance(size, int):
+            return None
+        count *= size
+    return count
 
 
 def node_op_name(node: fx.Node, gm: fx.GraphModule) -> str:
