@@ -3,6 +3,7 @@
     python benchmarks/compiled_stats_bench.py                      # resnet18 b1 and b8, GPT-2 6 and 12 layers
     python benchmarks/compiled_stats_bench.py --stable-allocator   # the same, glibc keeping freed memory
     python benchmarks/compiled_stats_bench.py --cold               # also each mode's first call, empty cache
+    python benchmarks/compiled_stats_bench.py --cold --cold-rounds 5  # first calls in 5 interleaved rounds
     python benchmarks/compiled_stats_bench.py --quick              # small models, a few minutes
 
 For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
@@ -32,7 +33,10 @@ Beside them, the limit: the bytes the statistics must read in one call (each mea
 for a screened graph, those its after-call variant returns)
 and what reading them costs on this machine, timed here on tensors of the same sizes (one sum
 each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
-floor). Minor page faults per call are counted for every mode: on this kind of machine the
+floor). For exact statistics, whose digits must stay eager's, the floor is what eager's own recipe
+costs: the graph storing its outputs (`graph +`), then the recipe's reductions of tensors of the same
+sizes with nothing around them (`exact's recipe alone`); `floor x` is plain plus both, over plain.
+Minor page faults per call are counted for every mode: on this kind of machine the
 allocator's handling of memory freed between calls (glibc returning it to the system, then
 faulting it in again) can cost more than the statistics, and which modes it hits depends on the
 process's history. `--stable-allocator` runs each model with glibc told to keep freed memory
@@ -59,7 +63,7 @@ import torch
 import torchlens as tl
 from torchlens.fx_backend import compiled_pass, stats_pass
 from torchlens.fx_backend.graph import CompiledGraph
-from torchlens.measure import meter
+from torchlens.measure import meter, recipes
 
 MODELS = {  # name -> (what it is, batch)
     "resnet18-b1": ("torchvision resnet18, 224x224", 1),
@@ -206,7 +210,10 @@ def faults() -> int:
 
 def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
     """Bytes of `sizes` and the milliseconds reading them once takes here: one sum per tensor, and
-    one sum over a single buffer holding as many bytes."""
+    one sum over a single buffer holding as many bytes. Beside them, what exact statistics' own
+    recipe costs with nothing around it: the reductions eager's statistics are made of
+    (`recipes.sum_parts`: min and max, sum, sum of squares) of each float tensor, read to the host
+    in one transfer, as `summed_together` reads them."""
     tensors = [torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.zeros(numel, dtype=dtype)
                for numel, dtype in sizes]
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -222,7 +229,10 @@ def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
         return statistics.median(samples) * 1e3
 
     per_tensor = timed(lambda: [t.sum() for t in tensors]) if tensors else 0.0
-    return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum)}
+    floats = [t for t in tensors if t.dtype in (torch.float32, torch.float64) and t.numel()]  # (empty: n/a)
+    recipe = timed(lambda: torch.stack([part for t in floats for part in recipes.sum_parts(t)]).tolist()) \
+        if floats else 0.0
+    return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum), "recipe_each_ms": recipe}
 
 
 def run_model(name: str, rounds: int, calls: int) -> Dict:
@@ -280,6 +290,9 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
                        narrate_ms=statistics.median(a - m for a, m in zip(after[mode], measuring[mode])),
                        pass_ms=statistics.median(t - g - a for t, g, a in zip(times[mode], graph[mode], after[mode])),
                        limit=read_limit(sizes.get(mode) or sizes.get("compiled_track_after_call", [])))
+        if mode == "compiled_exact":  # storing the outputs, then eager's reductions of them, nothing else
+            plain = statistics.median(times["compiled"])
+            row["floor_x"] = (plain + max(row["graph_extra_ms"], 0.0) + row["limit"]["recipe_each_ms"]) / plain
         rows[mode] = row
     return {"model": name, "what": MODELS[name][0], "modes": rows}
 
@@ -307,6 +320,30 @@ def cold_first_call(name: str, mode: str) -> float:
     return time.perf_counter() - start
 
 
+COLD_MODES = ("compiled", "compiled_exact", "compiled_track")
+
+
+def cold_rounds(name: str, rounds: int, env: Dict[str, str]):
+    """Each mode's first call in a fresh process with an empty inductor cache, `rounds` times,
+    the modes interleaved (a cold compile moves by about 15% from one process to the next):
+    ({mode: median seconds or None}, {mode: median of per-round ratios against plain}). A mode
+    that fails in any round counts as failed."""
+    seconds: Dict[str, List[float]] = {mode: [] for mode in COLD_MODES}
+    failed = set()
+    for _ in range(rounds):
+        for mode in COLD_MODES:
+            with tempfile.TemporaryDirectory() as cache:
+                cold = child(["--models", name, "--child-cold", mode], dict(env, TORCHINDUCTOR_CACHE_DIR=cache))
+            if cold.get("seconds") is None:
+                failed.add(mode)
+            seconds[mode].append(cold.get("seconds") or 0.0)
+    plain = seconds["compiled"]
+    medians = {mode: None if mode in failed else statistics.median(s) for mode, s in seconds.items()}
+    ratios = {mode: None if mode in failed or "compiled" in failed else
+              statistics.median(a / b for a, b in zip(s, plain)) for mode, s in seconds.items()}
+    return medians, ratios
+
+
 def child(arguments: List[str], env: Dict[str, str]) -> Dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, os.path.abspath(__file__), *arguments, "--child-json", out.name]
@@ -318,8 +355,8 @@ def child(arguments: List[str], env: Dict[str, str]) -> Dict:
 
 def table(results: List[Dict]) -> str:
     lines = ["| model | mode | ms | x | faults/call | kernels, MiB allocated | graph + | measure (reduce) | narrate | "
-             "pass | bytes read | read once: sum each / one pass | limit x |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "pass | bytes read | read once: sum each / one pass | limit x | exact's recipe alone | floor x |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for result in results:
         if "error" in result:
             lines.append(f"| {result['model']} | failed: {result['error']} |")
@@ -335,8 +372,9 @@ def table(results: List[Dict]) -> str:
                           f"{row['narrate_ms']:.2f}", f"{row['pass_ms']:.2f}", f"{limit['bytes'] / 2 ** 20:.1f} MiB",
                           f"{limit['sum_each_ms']:.2f} / {limit['one_pass_ms']:.2f}",
                           f"{(plain + limit['sum_each_ms']) / plain:.2f}"]
+                cells += [f"{limit['recipe_each_ms']:.2f}", f"{row['floor_x']:.2f}"] if "floor_x" in row else ["", ""]
             else:
-                cells += [""] * 7
+                cells += [""] * 9
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -349,6 +387,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=5, help="calls per block")
     parser.add_argument("--stable-allocator", action="store_true", help="children keep freed memory (glibc)")
     parser.add_argument("--cold", action="store_true", help="also time each mode's first call, empty cache")
+    parser.add_argument("--cold-rounds", type=int, default=3, help="fresh processes per mode for --cold")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-cold", default=None, help=argparse.SUPPRESS)
@@ -370,18 +409,16 @@ def main(argv=None) -> int:
         result = child(["--models", name, *passed], env)
         result.setdefault("model", name)
         if args.cold and "error" not in result:
-            result["cold_s"] = {}
-            for mode in ("compiled", "compiled_exact", "compiled_track"):
-                with tempfile.TemporaryDirectory() as cache:
-                    cold = child(["--models", name, "--child-cold", mode], dict(env, TORCHINDUCTOR_CACHE_DIR=cache))
-                result["cold_s"][mode] = cold.get("seconds")
+            result["cold_s"], result["cold_x"] = cold_rounds(name, args.cold_rounds, env)
         results.append(result)
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(table(results))
     for result in results:
         if result.get("cold_s"):
-            print(f"{result['model']} cold first call (s): " +
-                  ", ".join(f"{mode} {s:.1f}" if s else f"{mode} failed" for mode, s in result["cold_s"].items()))
+            print(f"{result['model']} cold first call, median s (x plain): " + ", ".join(
+                f"{mode} {s:.1f}" + (f" ({result['cold_x'][mode]:.2f}x)" if result["cold_x"][mode] else "")
+                if s else f"{mode} failed"
+                for mode, s in result["cold_s"].items()))
     report = {"threads": int(os.environ.get("BENCH_THREADS", "2")), "stable_allocator": args.stable_allocator,
               "torch": torch.__version__, "results": results}
     if args.json:

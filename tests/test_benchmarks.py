@@ -83,6 +83,12 @@ def test_quick_compiled_statistics_benchmark_splits_each_mode_and_states_its_lim
         assert screened["allocated_bytes"] < returned["allocated_bytes"], (screened, returned)
         # tracking reads the floating-point outputs, exact statistics integers and booleans too
         assert rows["compiled_exact"]["limit"]["bytes"] >= rows["compiled_track"]["limit"]["bytes"]
+        # exact statistics' floor: eager's recipe alone (three reductions) costs more than one sum,
+        # and plain plus it is more than plain, and no more than the measured mode
+        exact = rows["compiled_exact"]
+        assert exact["limit"]["recipe_each_ms"] > exact["limit"]["sum_each_ms"] > 0, exact["limit"]
+        assert 1 < exact["floor_x"], exact
+        assert "floor_x" not in rows["compiled_track"]
         assert f"| {result['model']} | compiled_track |" in done.stdout
 
 
