@@ -107,7 +107,7 @@ class Parts:
     (from `CompiledGraph._prepare` returning to `_split_outputs` being handed their outputs), the
     whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`, or
     for a tracked call its one read: `all_finite` of the outputs returned, or a screened graph's
-    flags, all of it `reduce`), and the tensors measured."""
+    screens, all of it `reduce`), and the tensors measured."""
 
     def __init__(self):
         self.graph = self.after = self.measure = self.reduce = 0.0
@@ -164,7 +164,7 @@ class Parts:
         meter.summed_together = timed_reductions(meter.summed_together)
         meter.screened_together = timed_reductions(meter.screened_together)
         compiled_pass.all_finite = timed_finite(compiled_pass.all_finite)
-        compiled_pass._all_finite_flags = timed_finite(compiled_pass._all_finite_flags)  # (a screened graph's)
+        compiled_pass.screens_finite = timed_finite(compiled_pass.screens_finite)  # (a screened graph's)
         compiled_pass.CompiledPass.add_plan = add_plan
         compiled_pass.measure_returned = measure_returned
         CompiledGraph._prepare, CompiledGraph._split_outputs = timed_prepare, timed_split

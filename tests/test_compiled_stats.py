@@ -599,6 +599,33 @@ def test_sums_of_values_near_float32_s_largest_stay_finite_and_a_second_run_that
     assert "a compiled graph's screen found a non-finite value, but its second run held none" in rec.narrate()
 
 
+def test_a_float64_output_is_screened_by_whether_its_elements_are_finite(monkeypatch):
+    """A narrower float's screen is its sum in float64, which nothing finite overflows; a float64
+    output's sum could (its `finfo.min` mask, twice), so its screen is whether each element is
+    finite: such a call runs once, and a NaN in it is still found (the call counted again)."""
+    from torchlens.fx_backend.recount import Recount
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.where(x > 0, x * self.w, torch.finfo(torch.float64).min) + 1
+
+    runs, real = [], Recount.outputs
+    monkeypatch.setattr(Recount, "outputs", lambda self, args: runs.append(1) or real(self, args))
+    model, x = Masked(), torch.tensor([1.0, -1.0, -1.0, 2.0], dtype=torch.float64)
+    compiled = tl.compile(model, on_nonfinite="track", compiler="eager")
+    compiled(x)
+    assert runs == [] and compiled.torchlens.last_recording.verdict == "no non-finite values"
+    with torch.no_grad():
+        model.w[0] = float("nan")
+    compiled(x)
+    assert runs == [1] and compiled.torchlens.last_recording.verdict == tl.record(model, x,
+                                                                                   on_nonfinite="track").verdict
+
+
 def test_a_screened_graph_trains_bitwise_as_plain_torch_compile_through_a_nan_and_back():
     """With inductor, in training: the screened graph's outputs and gradients are plain
     `torch.compile`'s bit for bit; a NaN in a weight is found as eagerly (the graph counted

@@ -28,7 +28,7 @@ from .active import make_active, make_inactive
 from .failures import locate_while_tracing, place_python_failure
 from .gaps import GapCapture
 from .plan import GraphPlan, numel_of
-from .stats_pass import measure_returned, read_screened, read_stats
+from .stats_pass import measure_returned, read_screened, read_stats, screens_finite
 
 __all__ = ["CompiledPass"]
 
@@ -123,7 +123,7 @@ class CompiledPass(ForwardPass):
 
         With tracking alone, a call in the same situation as one whose every op was judged finite
         is that call again when its outputs are all finite: one read to the host tells it (a sum of
-        the returned outputs' sums, `recipes.all_finite`, or the screened graph's flags), and the
+        the returned outputs' sums, `recipes.all_finite`, or the screened graph's screens), and the
         events recorded then are replayed as narration's are.
         Each op's statistics say only "finite", its verdict is the same, and what it read is never
         asked for. A call not shown finite is measured and judged op by op.
@@ -134,7 +134,7 @@ class CompiledPass(ForwardPass):
             key = (*key, "finite")
             segment = plan.segments.get(key)  # (no segment: no read, the call is measured as it is)
             if segment is not None and (all_finite(stats_vector) if layout.after_call else
-                                        _all_finite_flags(stats_vector)) and tracker.finite_again(segment.judged):
+                                        screens_finite(stats_vector)) and tracker.finite_again(segment.judged):
                 session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
                 self.graph_outputs(plan, segment.outputs, out)
                 return
@@ -174,7 +174,7 @@ class CompiledPass(ForwardPass):
         if layout.recount is None:
             values = meter.read_along(vector)
             return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
-        if _all_finite_flags(vector):
+        if screens_finite(vector):
             return read_screened(layout.slots, numels)
         recount = layout.recount
         returned = recount.outputs(args)
@@ -380,7 +380,3 @@ def _reads(tracker, static, args, events, written_inputs=frozenset()) -> tuple:
                 tracker.provenance.met_after_writing((tensor,), known)
     return tuple(resolved), carried
 
-
-def _all_finite_flags(flags: tuple) -> bool:
-    """Whether a screened graph call's flags (one per measured output) all say finite: one read."""
-    return not flags or bool(torch.stack(flags).all())
