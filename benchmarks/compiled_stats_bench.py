@@ -35,7 +35,8 @@ and what reading them costs on this machine, timed here on tensors of the same s
 each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
 floor). For exact statistics, whose digits must stay eager's, the floor is what eager's own recipe
 costs: the graph storing its outputs (`graph +`), then the recipe's reductions of tensors of the same
-sizes with nothing around them (`exact's recipe alone`); `floor x` is plain plus both, over plain.
+sizes with nothing around them, read from memory as after a call (`exact's recipe alone`); `floor x`
+is plain plus both, over plain.
 Minor page faults per call are counted for every mode: on this kind of machine the
 allocator's handling of memory freed between calls (glibc returning it to the system, then
 faulting it in again) can cost more than the statistics, and which modes it hits depends on the
@@ -76,6 +77,7 @@ MODELS = {  # name -> (what it is, batch)
 QUICK = ["small-resnet-b1", "small-gpt2"]
 FULL = ["resnet18-b1", "resnet18-b8", "gpt2-6", "gpt2-12"]
 STATS = {"exact": dict(value_stats="exact"), "track": dict(on_nonfinite="track")}
+EVICTING_BYTES = 256 << 20  # written between timings of what must be read from memory: more than the caches hold
 STABLE_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
                     "MALLOC_TOP_PAD_": str(256 << 20)}
 
@@ -213,16 +215,19 @@ def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
     one sum over a single buffer holding as many bytes. Beside them, what exact statistics' own
     recipe costs with nothing around it: the reductions eager's statistics are made of
     (`recipes.sum_parts`: min and max, sum, sum of squares) of each float tensor, read to the host
-    in one transfer, as `summed_together` reads them."""
+    in one transfer, as `summed_together` reads them, each time from memory, as after a graph call
+    (whose weights and later outputs have pushed the first outputs out of the caches): a buffer
+    larger than this machine's caches is written before each timing, which is not counted."""
     tensors = [torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.zeros(numel, dtype=dtype)
                for numel, dtype in sizes]
     total = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.randn(max(1, total // 4))
 
-    def timed(fn: Callable[[], object]) -> float:
+    def timed(fn: Callable[[], object], evict: Callable[[], object] = lambda: None) -> float:
         fn()
         samples = []
         for _ in range(repeats):
+            evict()
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
@@ -230,8 +235,9 @@ def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
 
     per_tensor = timed(lambda: [t.sum() for t in tensors]) if tensors else 0.0
     floats = [t for t in tensors if t.dtype in (torch.float32, torch.float64) and t.numel()]  # (empty: n/a)
-    recipe = timed(lambda: torch.stack([part for t in floats for part in recipes.sum_parts(t)]).tolist()) \
-        if floats else 0.0
+    elsewhere = torch.zeros(EVICTING_BYTES, dtype=torch.uint8)
+    recipe = timed(lambda: torch.stack([part for t in floats for part in recipes.sum_parts(t)]).tolist(),
+                   lambda: elsewhere.add_(1)) if floats else 0.0
     return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum), "recipe_each_ms": recipe}
 
 
