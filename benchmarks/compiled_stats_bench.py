@@ -153,10 +153,10 @@ class Parts:
             return reductions
 
         def timed_finite(real):
-            def finite(tensors):
+            def finite(*args):
                 start = time.perf_counter()
                 try:
-                    return real(tensors)
+                    return real(*args)
                 finally:
                     elapsed = time.perf_counter() - start
                     self.measure += elapsed

@@ -133,8 +133,7 @@ class CompiledPass(ForwardPass):
         if tracker is not None:
             key = (*key, "finite")
             segment = plan.segments.get(key)  # (no segment: no read, the call is measured as it is)
-            if segment is not None and (all_finite(stats_vector) if layout.after_call else
-                                        screens_finite(stats_vector)) and tracker.finite_again(segment.judged):
+            if segment is not None and self._finite(stats_vector, layout) and tracker.finite_again(segment.judged):
                 session.append_segment(segment.events, segment.ordinal, segment.scope, segment.narration)
                 self.graph_outputs(plan, segment.outputs, out)
                 return
@@ -147,6 +146,11 @@ class CompiledPass(ForwardPass):
             outputs = {index: events[index] for index in plan.outputs if index in events}
             plan.remember(key, session.events[start:], session.ordinal, session.scope,
                           tuple(map(id, events.values())), outputs)
+
+    @staticmethod
+    def _finite(returned, layout) -> bool:
+        """Whether a tracked call's returned outputs, or its screens, show every output finite."""
+        return all_finite(returned) if layout.after_call else screens_finite(returned, layout.checked)
 
     def _replaying(self, plan: GraphPlan, layout) -> Optional[Tracker]:
         """The tracker, when a call of this graph may replay an earlier call's events (see
@@ -174,7 +178,7 @@ class CompiledPass(ForwardPass):
         if layout.recount is None:
             values = meter.read_along(vector)
             return read_stats(layout.slots, values, self.session.settings.on_nonfinite is not None, numels)
-        if screens_finite(vector):
+        if screens_finite(vector, layout.checked):
             return read_screened(layout.slots, numels)
         recount = layout.recount
         returned = recount.outputs(args)

@@ -1,8 +1,8 @@
 """Counting a screened graph call again, when its screen was not all finite.
 
-A graph screened for tracking (`stats_pass`) returns, per measured output, whether all its
-elements are finite: that tells a finite call, not how many NaN or infinities an op held, nor
-which kinds. Such a call is run again
+A graph screened for tracking (`stats_pass`) returns, per measured output, a value that is finite
+only if all its elements are: that tells a finite call, not how many NaN or infinities an op held,
+nor which kinds. A call it does not show finite is run again
 on the same inputs by the graph that returns its outputs to measure (the after-call way), compiled
 by the same compiler when it is first needed, and measured as that way measures. Only graphs that
 neither write into their inputs nor draw random numbers are screened, so the second run computes

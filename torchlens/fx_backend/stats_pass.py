@@ -78,13 +78,14 @@ Slots = List[Optional[Slot]]
 class StatsLayout(NamedTuple):
     """What a graph's extra statistics outputs are: one fused vector (the last output), or
     `returned` tensors measured after the call (the last `returned` outputs). A screened graph
-    returns `returned` screens, one per measured output (`_finite_screen`), and `recount` counts a
-    call again that they do not show finite."""
+    returns `returned` screens, one per measured output (`_finite_screen`): float64 sums, then
+    `checked` bools; `recount` counts a call again that they do not show finite."""
 
     slots: Slots
     after_call: bool
     returned: int = 0
     recount: Optional[Recount] = None
+    checked: int = 0
 
     def split(self, out):
         """(the graph's own outputs, what its statistics outputs hold)."""
@@ -126,8 +127,8 @@ def add_stats_output(gm: fx.GraphModule, plan: GraphPlan, rung: str, only=None,
             variant = untouched_copy(gm)
             slots, returned = _return_outputs(variant, plan, rung, chosen)
             recount = Recount(variant, StatsLayout(slots, True, returned), recompile)
-            slots, screens = _screen_outputs(gm, plan, rung, chosen)
-            return StatsLayout(slots, False, screens, recount)
+            slots, screens, checked = _screen_outputs(gm, plan, rung, chosen)
+            return StatsLayout(slots, False, screens, recount, checked)
         slots, returned = _return_outputs(gm, plan, rung, chosen)
         return StatsLayout(slots, True, returned)
     return StatsLayout(_fuse_stats(gm, plan, rung, chosen), False)
@@ -167,15 +168,17 @@ def _switches_state(node: fx.Node) -> bool:
     return node.is_impure() or getattr(node.target, "__module__", None) == "torch.autograd.grad_mode"
 
 
-def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int]:
+def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> Tuple[Slots, int, int]:
     """Append to `gm`'s outputs, for each of the chosen ops' float outputs, its screen
     (`_finite_screen`), taken right after its op, which inductor computes in the kernel that
     produces the tensor where it can: tracking's screen (`recipes.screened`) inside the graph.
-    Returned one by one, they are read together after the call: one vector made inside would be
-    one more kernel of hundreds of inputs to compile. Returns the slots and how many there are."""
+    Returned one by one, the sums first, then the bools, they are read together after the call:
+    one vector made inside would be one more kernel of hundreds of inputs to compile. Returns the
+    slots, how many screens there are and how many of them are bools."""
     graph = gm.graph
     slots: Slots = [None] * len(plan.ops)
     screens: List[fx.Node] = []
+    checks: List[fx.Node] = []  # (a float64 output's)
     measured: Measured = {}
     for op, node, holder, value in _ops_to_measure(gm, plan, rung, chosen, slots, measured):
         with graph.inserting_before(node.next):
@@ -186,11 +189,11 @@ def _screen_outputs(gm: fx.GraphModule, plan: GraphPlan, rung: str, chosen) -> T
             for output, fake in outputs:
                 recipes.append(_screen_recipe(fake, rung))
                 if recipes[-1].measures:
-                    screens.append(_finite_screen(graph, output, fake))
+                    (checks if fake.dtype == torch.float64 else screens).append(_finite_screen(graph, output, fake))
         slots[op.index] = Slot(tuple(recipes))
         _note_measured(measured, op.index, node, holder, value, [r.measures for r in recipes])
-    append_outputs(gm, screens)
-    return slots, len(screens)
+    append_outputs(gm, screens + checks)
+    return slots, len(screens) + len(checks), len(checks)
 
 
 def _finite_screen(graph: fx.Graph, output: fx.Node, fake: torch.Tensor) -> fx.Node:
@@ -207,16 +210,14 @@ def _finite_screen(graph: fx.Graph, output: fx.Node, fake: torch.Tensor) -> fx.N
     return graph.call_function(torch.sum, (output,), {"dtype": torch.float64})
 
 
-def screens_finite(screens: Sequence[torch.Tensor]) -> bool:
-    """Whether a screened graph call's screens (`_finite_screen`, one per measured output) show
-    every output finite, read to the host at once: their float64 sums added up (finite: none can
-    overflow that total) and their bools all true."""
-    if not screens:
-        return True
-    sums = [screen for screen in screens if screen.dtype is torch.float64]
-    if len(sums) < len(screens) and not bool(torch.stack([s for s in screens if s.dtype is torch.bool]).all()):
+def screens_finite(screens: tuple, checked: int) -> bool:
+    """Whether a screened graph call's screens (`_finite_screen`, one per measured output: float64
+    sums, then `checked` bools) show every output finite, read to the host at once: the sums added
+    up (finite: none can overflow that total) and the bools all true."""
+    sums = len(screens) - checked
+    if checked and not bool(torch.stack(screens[sums:]).all()):
         return False
-    return not sums or math.isfinite(torch.stack(sums).sum().item())
+    return not sums or math.isfinite(torch.stack(screens[:sums]).sum().item())
 
 
 def _screen_recipe(fake: torch.Tensor, rung: str) -> Recipe:

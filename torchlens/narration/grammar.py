@@ -349,7 +349,7 @@ def compiled_run_note(graph_calls: int, ops_between: int) -> str:
 
 
 UNFINISHED_NOTE = "the call ended without torchlens seeing it end"
-# A screened compiled graph's flags found a NaN or an infinity, and its second run held none: the
+# A screened compiled graph's screens found a NaN or an infinity, and its second run held none: the
 # first run held a value the second, compiled otherwise and rounding otherwise, did not.
 RECOUNTED_FINITE_NOTE = ("a compiled graph's screen found a non-finite value, but its second run held none "
                          "(the two runs rounding apart): nothing is claimed of what the first held")
