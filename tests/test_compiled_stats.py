@@ -367,6 +367,35 @@ def test_the_heads_of_a_split_projection_share_their_part_s_statistics_as_eager(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "bf16 autocast"])
+def test_transformers_gpt2_s_attention_heads_share_their_part_s_statistics(mode):
+    """transformers' GPT-2 splits one fused projection into query, key and value and views each as
+    heads: compiled by inductor, every view of a part shows that part's statistics, as eager's
+    meter shows them, and the verdict is eager's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    model, ids = transformers.GPT2Model(config).eval(), torch.randint(0, 64, (2, 8))
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "bf16 autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
+    torch._dynamo.reset()
+    try:
+        with context():
+            compiled = tl.compile(model, value_stats="exact", on_nonfinite="track")
+            compiled(ids, use_cache=False)
+            eager = tl.record(model, ids, use_cache=False, value_stats="exact", on_nonfinite="track")
+    finally:
+        torch._dynamo.reset()
+    events = compiled.torchlens.last_recording.ops
+    splits = [i for i, event in enumerate(events) if event.op == "split"]
+    assert len(splits) == 2, [event.op for event in events]
+    for i in splits:
+        heads = [event for event in events[i + 1:i + 7] if event.op in ("view", "transpose")]
+        assert len(heads) >= 3 and all(any(head.stats is part for part in events[i].stats.parts) for head in heads)
+    assert compiled.torchlens.last_recording.verdict == eager.verdict
+
+
+@pytest.mark.slow
 def test_a_split_part_written_in_place_before_its_heads_are_viewed_is_measured_again():
     """The query part scaled in place after the split: its heads hold the scaled values, not the
     ones the split's statistics saw, and read as eager's lines."""
