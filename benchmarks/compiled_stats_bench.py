@@ -5,6 +5,7 @@
     python benchmarks/compiled_stats_bench.py --cold               # also each mode's first call, empty cache
     python benchmarks/compiled_stats_bench.py --cold --cold-rounds 5  # first calls in 5 interleaved rounds
     python benchmarks/compiled_stats_bench.py --quick              # small models, a few minutes
+    python benchmarks/compiled_stats_bench.py --steady-calls 400   # longer runs in a row (0: none)
 
 For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
 `on_nonfinite="track"`, plain `torch.compile` (inductor) and `tl.compile` with the same two options
@@ -37,6 +38,12 @@ floor). For exact statistics, whose digits must stay eager's, the floor is what 
 costs: the graph storing its outputs (`graph +`), then the recipe's reductions of tensors of the same
 sizes with nothing around them, read from memory as after a call (`exact's recipe alone`); `floor x`
 is plain plus both, over plain.
+After the rounds, each mode runs once more as one long run of calls in a row (`--steady-calls`),
+after a collection: its mean call against its median, and what the garbage collector took of it,
+counted and timed by `gc.callbacks`. A round of a few calls seldom holds a full collection, which
+walks every object of the process, so the rounds' medians leave out what a long run pays for the
+objects each call leaves alive for a while (a recording's events and statistics, the outputs it
+measures); the long run's mean does not.
 Minor page faults per call are counted for every mode: on this kind of machine the
 allocator's handling of memory freed between calls (glibc returning it to the system, then
 faulting it in again) can cost more than the statistics, and which modes it hits depends on the
@@ -48,6 +55,7 @@ the measuring's own.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -241,7 +249,49 @@ def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
     return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum), "recipe_each_ms": recipe}
 
 
-def run_model(name: str, rounds: int, calls: int) -> Dict:
+class Collector:
+    """The garbage collector's young and full collections while it is installed in `gc.callbacks`
+    (`with Collector() as collector:`): how many, and their seconds."""
+
+    def __init__(self):
+        self.young = self.full = 0
+        self.young_s = self.full_s = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: Dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        elapsed = time.perf_counter() - self._started
+        if info["generation"] == 2:
+            self.full, self.full_s = self.full + 1, self.full_s + elapsed
+        else:
+            self.young, self.young_s = self.young + 1, self.young_s + elapsed
+
+    def __enter__(self) -> "Collector":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+def steady_run(run: Callable[[], object], calls: int) -> Dict:
+    """`calls` calls of one mode in a row, after a collection: the mean and median call, and the
+    collector's share of them (see the module docstring)."""
+    gc.collect()
+    seconds = []
+    with Collector() as collector:
+        for _ in range(calls):
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+    return {"calls": calls, "mean_ms": statistics.mean(seconds) * 1e3, "median_ms": statistics.median(seconds) * 1e3,
+            "young_per_call": collector.young / calls, "young_ms_per_call": collector.young_s / calls * 1e3,
+            "full": collector.full, "full_ms_per_call": collector.full_s / calls * 1e3}
+
+
+def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0) -> Dict:
     """All modes of one model, in this process: times, faults and the compiled modes' parts."""
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model, x = build(name)
@@ -280,6 +330,7 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
                 reducing[mode].append(parts.reduce / calls * 1e3)
                 if parts.sizes:
                     sizes[mode] = parts.sizes
+        steady = {mode: steady_run(run, steady_calls) for mode, run in modes.items()} if steady_calls else {}
     rows = {}
     for mode in modes:
         base = "compiled" if mode.startswith("compiled") else "eager"
@@ -288,6 +339,8 @@ def run_model(name: str, rounds: int, calls: int) -> Dict:
                "faults_per_call": statistics.median(fault_counts[mode])}
         if mode in code:
             row["code"] = code[mode]
+        if steady:
+            row["steady"] = dict(steady[mode], mean_x=steady[mode]["mean_ms"] / steady[base]["mean_ms"])
         if mode.startswith("compiled_"):
             row.update(graph_ms=statistics.median(graph[mode]),
                        graph_extra_ms=statistics.median(g - c for g, c in zip(graph[mode], times["compiled"])),
@@ -385,12 +438,28 @@ def table(results: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def steady_table(results: List[Dict]) -> str:
+    """The long runs (`steady_run`): mean against median, and the collector's part of the mean."""
+    lines = ["| model | mode | mean ms (x) | median ms | young collections a call, ms a call | "
+             "full collections, ms a call |", "|---|---|---:|---:|---:|---:|"]
+    for result in results:
+        for mode, row in result.get("modes", {}).items():
+            if "steady" in row:
+                run = row["steady"]
+                lines.append(f"| {result['model']} | {mode} | {run['mean_ms']:.1f} ({run['mean_x']:.2f}x) | "
+                             f"{run['median_ms']:.1f} | {run['young_per_call']:.1f}, {run['young_ms_per_call']:.2f} | "
+                             f"{run['full']}, {run['full_ms_per_call']:.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(MODELS)}")
     parser.add_argument("--quick", action="store_true", help="small models, fewer rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--calls", type=int, default=5, help="calls per block")
+    parser.add_argument("--steady-calls", type=int, default=None,
+                        help="calls of each mode in one long run after the rounds (default 200, --quick 60; 0: none)")
     parser.add_argument("--stable-allocator", action="store_true", help="children keep freed memory (glibc)")
     parser.add_argument("--cold", action="store_true", help="also time each mode's first call, empty cache")
     parser.add_argument("--cold-rounds", type=int, default=3, help="fresh processes per mode for --cold")
@@ -400,16 +469,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     names = args.models.split(",") if args.models else (QUICK if args.quick else FULL)
     rounds = args.rounds or (3 if args.quick else 9)
+    steady_calls = args.steady_calls if args.steady_calls is not None else (60 if args.quick else 200)
     if args.child_json:
         if args.child_cold:
             report: Dict = {"seconds": cold_first_call(names[0], args.child_cold)}
         else:
-            report = run_model(names[0], rounds, args.calls)
+            report = run_model(names[0], rounds, args.calls, steady_calls)
         with open(args.child_json, "w") as out:
             json.dump(report, out)
         return 0
     env = dict(os.environ, **(STABLE_ALLOCATOR if args.stable_allocator else {}))
-    passed = ["--rounds", str(rounds), "--calls", str(args.calls)]
+    passed = ["--rounds", str(rounds), "--calls", str(args.calls), "--steady-calls", str(steady_calls)]
     results = []
     for name in names:
         result = child(["--models", name, *passed], env)
@@ -419,6 +489,9 @@ def main(argv=None) -> int:
         results.append(result)
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(table(results))
+    if steady_calls:
+        print(f"\nOne run of {steady_calls} calls in a row per mode:")
+        print(steady_table(results))
     for result in results:
         if result.get("cold_s"):
             print(f"{result['model']} cold first call, median s (x plain): " + ", ".join(

@@ -3,6 +3,7 @@ mode gets a number, and the JSON report says what was measured. No timings are a
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -90,6 +91,34 @@ def test_quick_compiled_statistics_benchmark_splits_each_mode_and_states_its_lim
         assert 1 < exact["floor_x"], exact
         assert "floor_x" not in rows["compiled_track"]
         assert f"| {result['model']} | compiled_track |" in done.stdout
+        # the long run of each mode: its mean beside its median, and the collector's share counted
+        for mode, row in rows.items():
+            run = row["steady"]
+            assert run["calls"] == 60 and run["mean_ms"] > 0 and run["median_ms"] > 0, (mode, run)
+            assert run["full_ms_per_call"] < run["mean_ms"] and run["young_ms_per_call"] < run["mean_ms"], (mode, run)
+        assert f"| {result['model']} | compiled_exact | {rows['compiled_exact']['steady']['mean_ms']:.1f}" in done.stdout
+
+
+def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collector_as_it_was():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import compiled_stats_bench as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    callbacks = list(gc.callbacks)
+
+    def cycles():  # objects in reference cycles, as a recording's are until it is freed
+        for _ in range(2000):
+            pair: list = []
+            pair.append(pair)
+
+    run = bench.steady_run(cycles, 20)
+    assert run["calls"] == 20 and run["median_ms"] <= run["mean_ms"] * 20
+    assert run["young_per_call"] >= 1 and run["young_ms_per_call"] > 0, run
+    assert run["full"] == 0 or run["full_ms_per_call"] > 0, run
+    quiet = bench.steady_run(lambda: None, 20)
+    assert quiet["young_per_call"] < 1 and quiet["full"] == 0, quiet
+    assert gc.callbacks == callbacks  # (its counter is taken out again)
 
 
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
