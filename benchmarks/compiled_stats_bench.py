@@ -6,6 +6,7 @@
     python benchmarks/compiled_stats_bench.py --cold --cold-rounds 5  # first calls in 5 interleaved rounds
     python benchmarks/compiled_stats_bench.py --quick              # small models, a few minutes
     python benchmarks/compiled_stats_bench.py --steady-calls 400   # longer runs in a row (0: none)
+    python benchmarks/compiled_stats_bench.py --frozen             # and once more after gc.freeze()
 
 For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
 `on_nonfinite="track"`, plain `torch.compile` (inductor) and `tl.compile` with the same two options
@@ -43,7 +44,10 @@ after a collection: its mean call against its median, and what the garbage colle
 counted and timed by `gc.callbacks`. A round of a few calls seldom holds a full collection, which
 walks every object of the process, so the rounds' medians leave out what a long run pays for the
 objects each call leaves alive for a while (a recording's events and statistics, the outputs it
-measures); the long run's mean does not.
+measures); the long run's mean does not. With `--frozen` each long run is repeated after
+`gc.freeze()` (undone after it), which takes the objects the process holds by then (torch's,
+the model's, the compiler's) out of every later collection: what a user who freezes after the
+warm-up pays.
 Minor page faults per call are counted for every mode: on this kind of machine the
 allocator's handling of memory freed between calls (glibc returning it to the system, then
 faulting it in again) can cost more than the statistics, and which modes it hits depends on the
@@ -276,22 +280,29 @@ class Collector:
         gc.callbacks.remove(self)
 
 
-def steady_run(run: Callable[[], object], calls: int) -> Dict:
-    """`calls` calls of one mode in a row, after a collection: the mean and median call, and the
-    collector's share of them (see the module docstring)."""
+def steady_run(run: Callable[[], object], calls: int, frozen: bool = False) -> Dict:
+    """`calls` calls of one mode in a row, after a collection (and with `frozen`, after
+    `gc.freeze()`, undone after): the mean and median call, and the collector's share of them
+    (see the module docstring)."""
     gc.collect()
+    if frozen:
+        gc.freeze()
     seconds = []
-    with Collector() as collector:
-        for _ in range(calls):
-            start = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - start)
+    try:
+        with Collector() as collector:
+            for _ in range(calls):
+                start = time.perf_counter()
+                run()
+                seconds.append(time.perf_counter() - start)
+    finally:
+        if frozen:
+            gc.unfreeze()
     return {"calls": calls, "mean_ms": statistics.mean(seconds) * 1e3, "median_ms": statistics.median(seconds) * 1e3,
             "young_per_call": collector.young / calls, "young_ms_per_call": collector.young_s / calls * 1e3,
             "full": collector.full, "full_ms_per_call": collector.full_s / calls * 1e3}
 
 
-def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0) -> Dict:
+def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen: bool = False) -> Dict:
     """All modes of one model, in this process: times, faults and the compiled modes' parts."""
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model, x = build(name)
@@ -331,6 +342,8 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0) -> Dict
                 if parts.sizes:
                     sizes[mode] = parts.sizes
         steady = {mode: steady_run(run, steady_calls) for mode, run in modes.items()} if steady_calls else {}
+        frozen = frozen and bool(steady_calls)
+        thawed = {mode: steady_run(run, steady_calls, True) for mode, run in modes.items()} if frozen else {}
     rows = {}
     for mode in modes:
         base = "compiled" if mode.startswith("compiled") else "eager"
@@ -341,6 +354,8 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0) -> Dict
             row["code"] = code[mode]
         if steady:
             row["steady"] = dict(steady[mode], mean_x=steady[mode]["mean_ms"] / steady[base]["mean_ms"])
+        if thawed:
+            row["frozen"] = dict(thawed[mode], mean_x=thawed[mode]["mean_ms"] / thawed[base]["mean_ms"])
         if mode.startswith("compiled_"):
             row.update(graph_ms=statistics.median(graph[mode]),
                        graph_extra_ms=statistics.median(g - c for g, c in zip(graph[mode], times["compiled"])),
@@ -438,14 +453,15 @@ def table(results: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def steady_table(results: List[Dict]) -> str:
-    """The long runs (`steady_run`): mean against median, and the collector's part of the mean."""
+def steady_table(results: List[Dict], key: str = "steady") -> str:
+    """The long runs (`steady_run`, or with `key="frozen"` those after `gc.freeze()`): mean against
+    median, and the collector's part of the mean."""
     lines = ["| model | mode | mean ms (x) | median ms | young collections a call, ms a call | "
              "full collections, ms a call |", "|---|---|---:|---:|---:|---:|"]
     for result in results:
         for mode, row in result.get("modes", {}).items():
-            if "steady" in row:
-                run = row["steady"]
+            if key in row:
+                run = row[key]
                 lines.append(f"| {result['model']} | {mode} | {run['mean_ms']:.1f} ({run['mean_x']:.2f}x) | "
                              f"{run['median_ms']:.1f} | {run['young_per_call']:.1f}, {run['young_ms_per_call']:.2f} | "
                              f"{run['full']}, {run['full_ms_per_call']:.2f} |")
@@ -460,6 +476,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=5, help="calls per block")
     parser.add_argument("--steady-calls", type=int, default=None,
                         help="calls of each mode in one long run after the rounds (default 200, --quick 60; 0: none)")
+    parser.add_argument("--frozen", action="store_true", help="repeat each long run after gc.freeze()")
     parser.add_argument("--stable-allocator", action="store_true", help="children keep freed memory (glibc)")
     parser.add_argument("--cold", action="store_true", help="also time each mode's first call, empty cache")
     parser.add_argument("--cold-rounds", type=int, default=3, help="fresh processes per mode for --cold")
@@ -474,12 +491,13 @@ def main(argv=None) -> int:
         if args.child_cold:
             report: Dict = {"seconds": cold_first_call(names[0], args.child_cold)}
         else:
-            report = run_model(names[0], rounds, args.calls, steady_calls)
+            report = run_model(names[0], rounds, args.calls, steady_calls, args.frozen)
         with open(args.child_json, "w") as out:
             json.dump(report, out)
         return 0
     env = dict(os.environ, **(STABLE_ALLOCATOR if args.stable_allocator else {}))
     passed = ["--rounds", str(rounds), "--calls", str(args.calls), "--steady-calls", str(steady_calls)]
+    passed += ["--frozen"] if args.frozen and steady_calls else []
     results = []
     for name in names:
         result = child(["--models", name, *passed], env)
@@ -492,6 +510,9 @@ def main(argv=None) -> int:
     if steady_calls:
         print(f"\nOne run of {steady_calls} calls in a row per mode:")
         print(steady_table(results))
+        if args.frozen:
+            print("\nThe same after gc.freeze():")
+            print(steady_table(results, "frozen"))
     for result in results:
         if result.get("cold_s"):
             print(f"{result['model']} cold first call, median s (x plain): " + ", ".join(

@@ -119,6 +119,10 @@ def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collec
     quiet = bench.steady_run(lambda: None, 20)
     assert quiet["young_per_call"] < 1 and quiet["full"] == 0, quiet
     assert gc.callbacks == callbacks  # (its counter is taken out again)
+    frozen = gc.get_freeze_count()
+    seen = []
+    bench.steady_run(lambda: seen.append(gc.get_freeze_count()), 3, frozen=True)
+    assert min(seen) > frozen and gc.get_freeze_count() == frozen  # frozen while it ran, thawed after
 
 
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
