@@ -39,8 +39,9 @@ floor). For exact statistics, whose digits must stay eager's, the floor is what 
 costs: the graph storing its outputs (`graph +`), then the recipe's reductions of tensors of the same
 sizes with nothing around them, read from memory as after a call (`exact's recipe alone`); `floor x`
 is plain plus both, over plain.
-After the rounds, each mode runs once more as one long run of calls in a row (`--steady-calls`),
-after a collection: its mean call against its median, and what the garbage collector took of it,
+After the rounds, each mode runs once more in long blocks of calls (`--steady-calls` calls a mode,
+in 4 blocks, the modes interleaved), after one collection and none between blocks: its mean call
+against its median, and what the garbage collector took of it,
 counted and timed by `gc.callbacks`. A round of a few calls seldom holds a full collection, which
 walks every object of the process, so the rounds' medians leave out what a long run pays for the
 objects each call leaves alive for a while (a recording's events and statistics, the outputs it
@@ -280,26 +281,44 @@ class Collector:
         gc.callbacks.remove(self)
 
 
-def steady_run(run: Callable[[], object], calls: int, frozen: bool = False) -> Dict:
-    """`calls` calls of one mode in a row, after a collection (and with `frozen`, after
-    `gc.freeze()`, undone after): the mean and median call, and the collector's share of them
-    (see the module docstring)."""
+STEADY_ROUNDS = 4  # a long run is cut into this many blocks per mode, the modes interleaved
+
+
+def steady_runs(modes: Dict[str, Callable[[], object]], calls: int, frozen: bool = False) -> Dict[str, Dict]:
+    """`calls` calls of each mode, in `STEADY_ROUNDS` long blocks per mode, the modes interleaved
+    (this machine drifts over minutes), after one collection and none between blocks (and with
+    `frozen`, after `gc.freeze()`, undone after): each mode's mean and median call, the median of
+    its blocks' means over those of `base` (plain eager or plain `torch.compile`), and the
+    collector's share (see the module docstring)."""
+    each = max(calls // STEADY_ROUNDS, 1)
+    seconds: Dict[str, List[float]] = {mode: [] for mode in modes}
+    blocks: Dict[str, List[float]] = {mode: [] for mode in modes}
+    collectors = {mode: Collector() for mode in modes}
     gc.collect()
     if frozen:
         gc.freeze()
-    seconds = []
     try:
-        with Collector() as collector:
-            for _ in range(calls):
-                start = time.perf_counter()
-                run()
-                seconds.append(time.perf_counter() - start)
+        for _ in range(STEADY_ROUNDS):
+            for mode, run in modes.items():
+                with collectors[mode]:
+                    for _ in range(each):
+                        start = time.perf_counter()
+                        run()
+                        seconds[mode].append(time.perf_counter() - start)
+                blocks[mode].append(statistics.mean(seconds[mode][-each:]))
     finally:
         if frozen:
             gc.unfreeze()
-    return {"calls": calls, "mean_ms": statistics.mean(seconds) * 1e3, "median_ms": statistics.median(seconds) * 1e3,
-            "young_per_call": collector.young / calls, "young_ms_per_call": collector.young_s / calls * 1e3,
-            "full": collector.full, "full_ms_per_call": collector.full_s / calls * 1e3}
+    report = {}
+    for mode, collector in collectors.items():
+        base = "compiled" if mode.startswith("compiled") and "compiled" in modes else "eager"
+        done, against = len(seconds[mode]), blocks.get(base, blocks[mode])
+        report[mode] = {"calls": done, "mean_ms": statistics.mean(seconds[mode]) * 1e3,
+                        "median_ms": statistics.median(seconds[mode]) * 1e3,
+                        "mean_x": statistics.median(a / b for a, b in zip(blocks[mode], against)),
+                        "young_per_call": collector.young / done, "young_ms_per_call": collector.young_s / done * 1e3,
+                        "full": collector.full, "full_ms_per_call": collector.full_s / done * 1e3}
+    return report
 
 
 def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen: bool = False) -> Dict:
@@ -341,9 +360,8 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
                 reducing[mode].append(parts.reduce / calls * 1e3)
                 if parts.sizes:
                     sizes[mode] = parts.sizes
-        steady = {mode: steady_run(run, steady_calls) for mode, run in modes.items()} if steady_calls else {}
-        frozen = frozen and bool(steady_calls)
-        thawed = {mode: steady_run(run, steady_calls, True) for mode, run in modes.items()} if frozen else {}
+        steady = steady_runs(modes, steady_calls) if steady_calls else {}
+        thawed = steady_runs(modes, steady_calls, frozen=True) if frozen and steady_calls else {}
     rows = {}
     for mode in modes:
         base = "compiled" if mode.startswith("compiled") else "eager"
@@ -353,9 +371,9 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
         if mode in code:
             row["code"] = code[mode]
         if steady:
-            row["steady"] = dict(steady[mode], mean_x=steady[mode]["mean_ms"] / steady[base]["mean_ms"])
+            row["steady"] = steady[mode]
         if thawed:
-            row["frozen"] = dict(thawed[mode], mean_x=thawed[mode]["mean_ms"] / thawed[base]["mean_ms"])
+            row["frozen"] = thawed[mode]
         if mode.startswith("compiled_"):
             row.update(graph_ms=statistics.median(graph[mode]),
                        graph_extra_ms=statistics.median(g - c for g, c in zip(graph[mode], times["compiled"])),
@@ -454,9 +472,9 @@ def table(results: List[Dict]) -> str:
 
 
 def steady_table(results: List[Dict], key: str = "steady") -> str:
-    """The long runs (`steady_run`, or with `key="frozen"` those after `gc.freeze()`): mean against
+    """The long runs (`steady_runs`, or with `key="frozen"` those after `gc.freeze()`): mean against
     median, and the collector's part of the mean."""
-    lines = ["| model | mode | mean ms (x) | median ms | young collections a call, ms a call | "
+    lines = ["| model | mode | mean ms (x, median of blocks) | median ms | young collections a call, ms a call | "
              "full collections, ms a call |", "|---|---|---:|---:|---:|---:|"]
     for result in results:
         for mode, row in result.get("modes", {}).items():
@@ -508,7 +526,7 @@ def main(argv=None) -> int:
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(table(results))
     if steady_calls:
-        print(f"\nOne run of {steady_calls} calls in a row per mode:")
+        print(f"\nLong runs: {steady_calls} calls per mode in {STEADY_ROUNDS} interleaved blocks:")
         print(steady_table(results))
         if args.frozen:
             print("\nThe same after gc.freeze():")

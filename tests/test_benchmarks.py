@@ -94,7 +94,7 @@ def test_quick_compiled_statistics_benchmark_splits_each_mode_and_states_its_lim
         # the long run of each mode: its mean beside its median, and the collector's share counted
         for mode, row in rows.items():
             run = row["steady"]
-            assert run["calls"] == 60 and run["mean_ms"] > 0 and run["median_ms"] > 0, (mode, run)
+            assert run["calls"] == 60 and run["mean_ms"] > 0 and run["median_ms"] > 0 and run["mean_x"] > 0, (mode, run)
             assert run["full_ms_per_call"] < run["mean_ms"] and run["young_ms_per_call"] < run["mean_ms"], (mode, run)
         assert f"| {result['model']} | compiled_exact | {rows['compiled_exact']['steady']['mean_ms']:.1f}" in done.stdout
 
@@ -112,16 +112,16 @@ def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collec
             pair: list = []
             pair.append(pair)
 
-    run = bench.steady_run(cycles, 20)
-    assert run["calls"] == 20 and run["median_ms"] <= run["mean_ms"] * 20
+    runs = bench.steady_runs({"eager": lambda: None, "eager_cycles": cycles}, 20)
+    run, quiet = runs["eager_cycles"], runs["eager"]
+    assert run["calls"] == quiet["calls"] == 20 and run["mean_x"] > 0 and quiet["mean_x"] == 1, runs
     assert run["young_per_call"] >= 1 and run["young_ms_per_call"] > 0, run
     assert run["full"] == 0 or run["full_ms_per_call"] > 0, run
-    quiet = bench.steady_run(lambda: None, 20)
-    assert quiet["young_per_call"] < 1 and quiet["full"] == 0, quiet
-    assert gc.callbacks == callbacks  # (its counter is taken out again)
+    assert quiet["young_per_call"] < 1 and quiet["full"] == 0, quiet  # (the collections counted are its own)
+    assert gc.callbacks == callbacks  # (its counters are taken out again)
     frozen = gc.get_freeze_count()
-    seen = []
-    bench.steady_run(lambda: seen.append(gc.get_freeze_count()), 3, frozen=True)
+    seen: list = []
+    bench.steady_runs({"eager": lambda: seen.append(gc.get_freeze_count())}, 4, frozen=True)
     assert min(seen) > frozen and gc.get_freeze_count() == frozen  # frozen while it ran, thawed after
 
 
