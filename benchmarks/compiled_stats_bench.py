@@ -5,7 +5,7 @@
     python benchmarks/compiled_stats_bench.py --cold               # also each mode's first call, empty cache
     python benchmarks/compiled_stats_bench.py --cold --cold-rounds 5  # first calls in 5 interleaved rounds
     python benchmarks/compiled_stats_bench.py --quick              # small models, a few minutes
-    python benchmarks/compiled_stats_bench.py --steady-calls 400   # longer runs in a row (0: none)
+    python benchmarks/compiled_stats_bench.py --steady-calls 400   # longer runs after the rounds (0: none)
     python benchmarks/compiled_stats_bench.py --frozen             # and once more after gc.freeze()
 
 For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--calls", type=int, default=5, help="calls per block")
     parser.add_argument("--steady-calls", type=int, default=None,
-                        help="calls of each mode in one long run after the rounds (default 200, --quick 60; 0: none)")
+                        help="calls of each mode in long blocks after the rounds (default 200, --quick 60; 0: none)")
     parser.add_argument("--frozen", action="store_true", help="repeat each long run after gc.freeze()")
     parser.add_argument("--stable-allocator", action="store_true", help="children keep freed memory (glibc)")
     parser.add_argument("--cold", action="store_true", help="also time each mode's first call, empty cache")
