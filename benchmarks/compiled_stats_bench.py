@@ -79,6 +79,9 @@ from torchlens.fx_backend import compiled_pass, stats_pass
 from torchlens.fx_backend.graph import CompiledGraph
 from torchlens.measure import meter, recipes
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gc_bench import Collections  # noqa: E402  (a sibling script, not a package)
+
 MODELS = {  # name -> (what it is, batch)
     "resnet18-b1": ("torchvision resnet18, 224x224", 1),
     "resnet18-b8": ("torchvision resnet18, 224x224", 8),
@@ -99,7 +102,6 @@ def build(name: str):
     """(model in eval mode, input) for a name of MODELS, random weights."""
     torch.manual_seed(0)
     if name.startswith("small-resnet"):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from snoop_echo_bench import SmallResNet
 
         return SmallResNet().eval(), torch.randn(1, 3, 32, 32)
@@ -254,33 +256,6 @@ def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
     return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum), "recipe_each_ms": recipe}
 
 
-class Collector:
-    """The garbage collector's young and full collections while it is installed in `gc.callbacks`
-    (`with Collector() as collector:`): how many, and their seconds."""
-
-    def __init__(self):
-        self.young = self.full = 0
-        self.young_s = self.full_s = 0.0
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: Dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-            return
-        elapsed = time.perf_counter() - self._started
-        if info["generation"] == 2:
-            self.full, self.full_s = self.full + 1, self.full_s + elapsed
-        else:
-            self.young, self.young_s = self.young + 1, self.young_s + elapsed
-
-    def __enter__(self) -> "Collector":
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self)
-
-
 STEADY_ROUNDS = 4  # a long run is cut into this many blocks per mode, the modes interleaved
 
 
@@ -293,7 +268,7 @@ def steady_runs(modes: Dict[str, Callable[[], object]], calls: int, frozen: bool
     each = max(calls // STEADY_ROUNDS, 1)
     seconds: Dict[str, List[float]] = {mode: [] for mode in modes}
     blocks: Dict[str, List[float]] = {mode: [] for mode in modes}
-    collectors = {mode: Collector() for mode in modes}
+    collectors = {mode: Collections() for mode in modes}
     gc.collect()
     if frozen:
         gc.freeze()
