@@ -36,9 +36,12 @@ for a screened graph, those its after-call variant returns)
 and what reading them costs on this machine, timed here on tensors of the same sizes (one sum
 each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
 floor). For exact statistics, whose digits must stay eager's, the floor is what eager's own recipe
-costs: the graph storing its outputs (`graph +`), then the recipe's reductions of tensors of the same
-sizes with nothing around them, read from memory as after a call (`exact's recipe alone`); `floor x`
-is plain plus both, over plain.
+costs: the graph storing its outputs (`graph +`), then the recipe run on the values one call returned
+(cloned once, after the rounds) with nothing around them, read from memory as after a call
+(`exact's recipe alone`): the reductions, their one read, the sums read into statistics and the
+second pass some values need (an sd the sums cannot give, a non-finite value); `floor x` is plain
+plus both, over plain. Values drawn at random would leave out the second passes: GPT-2's GELU
+holds one output a layer whose mean is large against its spread.
 After the rounds, each mode runs once more in long blocks of calls (`--steady-calls` calls a mode,
 in 4 blocks, the modes interleaved), after one collection and none between blocks: its mean call
 against its median, and what the garbage collector took of it,
@@ -75,6 +78,7 @@ from typing import Callable, Dict, List
 import torch
 
 import torchlens as tl
+from torchlens.events import Stats
 from torchlens.fx_backend import compiled_pass, stats_pass
 from torchlens.fx_backend.graph import CompiledGraph
 from torchlens.measure import meter, recipes
@@ -124,11 +128,13 @@ class Parts:
     (from `CompiledGraph._prepare` returning to `_split_outputs` being handed their outputs), the
     whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`, or
     for a tracked call its one read: `all_finite` of the outputs returned, or a screened graph's
-    screens, all of it `reduce`), and the tensors measured."""
+    screens, all of it `reduce`), and the tensors measured; with `keep`, a copy of their values."""
 
     def __init__(self):
         self.graph = self.after = self.measure = self.reduce = 0.0
         self.sizes: List[tuple] = []  # (numel, dtype) of each tensor measured, the last call's
+        self.keep = False  # whether the next call's measured tensors are copied into `values`
+        self.values: List[torch.Tensor] = []
         self._called = 0.0
         plan, measured = compiled_pass.CompiledPass.add_plan, compiled_pass.measure_returned
         prepare, split = CompiledGraph._prepare, CompiledGraph._split_outputs
@@ -147,6 +153,8 @@ class Parts:
             finally:
                 self.measure += time.perf_counter() - start
                 self.sizes = [(t.numel(), t.dtype) for t in tensors]
+                if self.keep:
+                    self.values = [t.detach().clone() for t in tensors]
 
         def timed_prepare(graph, *args):
             try:
@@ -225,14 +233,15 @@ def faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
+def read_limit(sizes: List[tuple], values=(), repeats: int = 20) -> Dict[str, float]:
     """Bytes of `sizes` and the milliseconds reading them once takes here: one sum per tensor, and
-    one sum over a single buffer holding as many bytes. Beside them, what exact statistics' own
-    recipe costs with nothing around it: the reductions eager's statistics are made of
-    (`recipes.sum_parts`: min and max, sum, sum of squares) of each float tensor, read to the host
-    in one transfer, as `summed_together` reads them, each time from memory, as after a graph call
-    (whose weights and later outputs have pushed the first outputs out of the caches): a buffer
-    larger than this machine's caches is written before each timing, which is not counted."""
+    one sum over a single buffer holding as many bytes. Beside them, with `values` (a call's measured
+    outputs, copied), what exact statistics' own recipe costs with nothing around it: eager's recipe
+    of each float tensor as `summed_together` runs it (`recipes.sum_parts`: min and max, sum, sum of
+    squares; read to the host in one transfer; the sums read into statistics, with a second pass
+    where they cannot give them), each time from memory, as after a graph call (whose weights and
+    later outputs have pushed the first outputs out of the caches): a buffer larger than this
+    machine's caches is written before each timing, which is not counted."""
     tensors = [torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.zeros(numel, dtype=dtype)
                for numel, dtype in sizes]
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -249,11 +258,14 @@ def read_limit(sizes: List[tuple], repeats: int = 20) -> Dict[str, float]:
         return statistics.median(samples) * 1e3
 
     per_tensor = timed(lambda: [t.sum() for t in tensors]) if tensors else 0.0
-    floats = [t for t in tensors if t.dtype in (torch.float32, torch.float64) and t.numel()]  # (empty: n/a)
-    elsewhere = torch.zeros(EVICTING_BYTES, dtype=torch.uint8)
-    recipe = timed(lambda: torch.stack([part for t in floats for part in recipes.sum_parts(t)]).tolist(),
-                   lambda: elsewhere.add_(1)) if floats else 0.0
-    return {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum), "recipe_each_ms": recipe}
+    limit = {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum)}
+    floats = [t.contiguous() for t in values if t.dtype in (torch.float32, torch.float64) and t.numel()]
+    if floats:
+        elsewhere = torch.zeros(EVICTING_BYTES, dtype=torch.uint8)
+        limit["recipe_each_ms"] = timed(
+            lambda: recipes.summed_together([(Stats("exact", t.numel()), t) for t in floats], False),
+            lambda: elsewhere.add_(1))
+    return limit
 
 
 STEADY_ROUNDS = 4  # a long run is cut into this many blocks per mode, the modes interleaved
@@ -335,6 +347,9 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
                 reducing[mode].append(parts.reduce / calls * 1e3)
                 if parts.sizes:
                     sizes[mode] = parts.sizes
+        parts.keep = True  # (one more call, untimed: the values exact statistics measure, for their floor)
+        modes["compiled_exact"]()
+        parts.keep, values = False, parts.values
         steady = steady_runs(modes, steady_calls) if steady_calls else {}
         thawed = steady_runs(modes, steady_calls, frozen=True) if frozen and steady_calls else {}
     rows = {}
@@ -356,8 +371,9 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
                        reduce_ms=statistics.median(reducing[mode]),
                        narrate_ms=statistics.median(a - m for a, m in zip(after[mode], measuring[mode])),
                        pass_ms=statistics.median(t - g - a for t, g, a in zip(times[mode], graph[mode], after[mode])),
-                       limit=read_limit(sizes.get(mode) or sizes.get("compiled_track_after_call", [])))
-        if mode == "compiled_exact":  # storing the outputs, then eager's reductions of them, nothing else
+                       limit=read_limit(sizes.get(mode) or sizes.get("compiled_track_after_call", []),
+                                        values if mode == "compiled_exact" else ()))
+        if mode == "compiled_exact" and "recipe_each_ms" in row["limit"]:  # storing the outputs, then eager's recipe
             plain = statistics.median(times["compiled"])
             row["floor_x"] = (plain + max(row["graph_extra_ms"], 0.0) + row["limit"]["recipe_each_ms"]) / plain
         rows[mode] = row

@@ -99,12 +99,36 @@ def test_quick_compiled_statistics_benchmark_splits_each_mode_and_states_its_lim
         assert f"| {result['model']} | compiled_exact | {rows['compiled_exact']['steady']['mean_ms']:.1f}" in done.stdout
 
 
-def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collector_as_it_was():
+def _compiled_stats_bench():
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        import compiled_stats_bench as bench
+        import compiled_stats_bench
     finally:
         sys.path.remove(str(BENCHMARKS))
+    return compiled_stats_bench
+
+
+def test_exact_statistics_floor_is_eager_recipe_on_the_values_a_call_measured_second_passes_included(monkeypatch):
+    """The floor times the recipe on a call's own values: a value whose sums cannot give its sd
+    (a large mean against a small spread, as GPT-2's GELU makes) costs a second pass there too."""
+    import torch
+
+    from torchlens.measure import recipes
+
+    bench = _compiled_stats_bench()
+    passes: list = []
+    about_the_mean = recipes.about_the_mean
+    monkeypatch.setattr(recipes, "about_the_mean", lambda *args: passes.append(args[0].numel()) or about_the_mean(*args))
+    values = [torch.randn(4096), 1000 + 1e-3 * torch.randn(4096), torch.arange(10)]
+    sizes = [(t.numel(), t.dtype) for t in values]
+    limit = bench.read_limit(sizes, values, repeats=2)
+    assert limit["recipe_each_ms"] > 0 and limit["bytes"] == 2 * 4096 * 4 + 10 * 8, limit
+    assert passes and set(passes) == {4096}, passes  # the large-mean value, measured again about its mean
+    assert "recipe_each_ms" not in bench.read_limit(sizes), "no values, no floor: sizes alone leave out second passes"
+
+
+def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collector_as_it_was():
+    bench = _compiled_stats_bench()
     callbacks = list(gc.callbacks)
 
     def cycles():  # objects in reference cycles, as a recording's are until it is freed
