@@ -465,6 +465,36 @@ def test_a_tracked_call_all_finite_replays_the_call_before_and_reads_as_eager(mo
     assert call()[0] == 0 and not call()[1].findings
 
 
+def test_a_measured_call_again_restates_the_call_before_with_its_own_statistics(monkeypatch):
+    """With statistics alone, a graph called again in the same situation records no op anew: the
+    earlier call's events come again with this call's statistics. Every call's lines are eager's
+    for its own input, and a recording kept from an earlier call keeps its own statistics."""
+    from torchlens.fx_backend.compiled_pass import CompiledPass
+
+    recorded = []
+    real = CompiledPass.add_plan_ops
+    monkeypatch.setattr(CompiledPass, "add_plan_ops", lambda *args, **kwargs: recorded.append(1) or real(*args, **kwargs))
+    model, lines = conv_net().eval(), []
+    compiled = tl.compile(model, value_stats="exact", narrate=lines.append, compiler="eager")
+
+    def call(x):
+        recorded.clear()
+        lines.clear()
+        with torch.no_grad():
+            compiled(x)
+            eager = tl.record(model, x, value_stats="exact").narrate()
+        assert body("\n".join(lines)) == body(eager)
+        return len(recorded), compiled.torchlens.last_recording
+
+    x = images(2)
+    first, second, third = call(x), call(3 * x), call(x)
+    assert first[0] >= 1 and (second[0], third[0]) == (0, 0), "a call in the same situation is restated"
+    assert body(first[1].narrate()) == body(third[1].narrate()) != body(second[1].narrate())
+    maxima = [[event.stats.max for event in rec.ops if event.op == "relu"] for _, rec in (first, second)]
+    assert maxima[0] and all(b > a for a, b in zip(*maxima)), maxima
+    assert not {id(e) for e in first[1].ops} & {id(e) for e in second[1].ops}  # (each call's events are its own)
+
+
 def test_a_tracked_call_with_an_absorbed_infinity_is_recorded_afresh_each_time(monkeypatch):
     """A call whose judging found more than finite values (the causal mask's -inf, absorbed by the
     softmax) is not replayed: its verdict names where the infinity came from, each call."""

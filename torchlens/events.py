@@ -242,6 +242,14 @@ class Event:
         self.finding = None  # with non-finite tracking: the tracker's verdict at this op, if any
         self.engine = None  # the distributed engine that ran the op for itself (`torchlens.core.engines`), if any
 
+    def with_stats(self, stats) -> "Event":
+        """This op's event again, with other statistics: a compiled graph called again in the same
+        situation records the same ops, with its own values' statistics (and no verdict: there is
+        no tracking where events are restated)."""
+        event = Event(self.kind, self.ordinal, self.op, self.scope, self.outputs, self.site, stats, self.label)
+        event.engine = self.engine
+        return event
+
     @property
     def module(self) -> str:
         """Dotted path of the module the event belongs to ("" for the root)."""

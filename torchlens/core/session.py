@@ -212,6 +212,22 @@ class Session(EventLog):
         if self.narrator is not None:
             self.narrator.feed_block(events, narration_cache)
 
+    def append_restated(self, events, stats_of, stats, ordinal: int, scope: Scope) -> None:
+        """`append_segment` for a run whose ops' statistics differ from call to call: each op's
+        event again with this call's statistics (`stats[stats_of[i]]` for event i; None in
+        `stats_of` marks a module's enter or exit, appended as it is), narrated one by one (their
+        lines show the statistics)."""
+        if self._unwound:
+            self._recover()
+        fresh = [event if index is None else event.with_stats(stats[index]) for event, index in zip(events, stats_of)]
+        self.events.extend(fresh)
+        self.ordinal = ordinal
+        self.scope = scope
+        self.failed_call = None
+        if self.narrator is not None:
+            for event in fresh:
+                self.narrator.feed(event)
+
     def replace_events(self, events, attempt: Attempt) -> None:
         """Take another capture's record of this same forward, up to its attempted op, as this
         pass's own (a compiled forward dynamo failed to trace, located by running it eagerly)."""

@@ -127,6 +127,8 @@ class CompiledPass(ForwardPass):
         events recorded then are replayed as narration's are.
         Each op's statistics say only "finite", its verdict is the same, and what it read is never
         asked for. A call not shown finite is measured and judged op by op.
+        With statistics alone, a call in the same situation as an earlier one records that call's
+        events again with its own statistics (`_restates`).
         """
         session = self.session
         tracker = self._replaying(plan, layout) if kept is None else None
@@ -139,13 +141,33 @@ class CompiledPass(ForwardPass):
                 return
             mark, start = tracker.mark(), len(session.events)
         stats = self._read_stats(plan, concrete, stats_vector, layout, args) if stats_vector is not None else None
+        restating = stats is not None and kept is None and self._restates(plan)
+        if restating:
+            key = (*key, "measured")
+            segment = plan.segments.get(key)
+            if segment is not None:
+                session.append_restated(segment.events, segment.restated, stats, segment.ordinal, segment.scope)
+                return
+            start = len(session.events)
         events: Dict[int, Event] = {}
         self.add_plan_ops(plan, scope, concrete, 0, len(plan.ops), stats=stats, kept=kept, args=args, events=events)
         self.graph_outputs(plan, events, out)
-        if tracker is not None and tracker.finite_since(mark, list(events.values())):
+        if restating:
+            recorded, index_of = session.events[start:], {id(event): index for index, event in events.items()}
+            plan.remember(key, recorded, session.ordinal, session.scope,
+                          restated=tuple(index_of.get(id(event)) for event in recorded))
+        elif tracker is not None and tracker.finite_since(mark, list(events.values())):
             outputs = {index: events[index] for index in plan.outputs if index in events}
             plan.remember(key, session.events[start:], session.ordinal, session.scope,
                           tuple(map(id, events.values())), outputs)
+
+    def _restates(self, plan: GraphPlan) -> bool:
+        """Whether a measured call of this graph may be recorded as an earlier call in the same
+        situation with its own statistics (`Session.append_restated`): statistics alone, with
+        nothing else a call records per op (no tracking, whose verdicts and provenance are the
+        call's own; no values kept; no backward to narrate; no collective, whose values land at its wait)."""
+        pipeline = self.pipeline
+        return pipeline.tracker is None and pipeline.keeper is None and pipeline.roots is None and not plan.exchanges
 
     @staticmethod
     def _finite(returned, layout) -> bool:

@@ -63,17 +63,20 @@ class PlanOp:
 class Segment:
     """The events one call of a graph produced, starting at a given ordinal and module. With
     tracking, a call whose ops were all judged finite: the ids of those ops' events (`judged`),
-    and the events of the ops whose outputs the graph returns, by op index (`outputs`)."""
+    and the events of the ops whose outputs the graph returns, by op index (`outputs`). With
+    statistics alone, per event the index of the op whose statistics it carries, None for a
+    module's enter or exit (`restated`: a later call's events are these with its own statistics)."""
 
-    __slots__ = ("events", "ordinal", "scope", "narration", "judged", "outputs")
+    __slots__ = ("events", "ordinal", "scope", "narration", "judged", "outputs", "restated")
 
-    def __init__(self, events, ordinal, scope, judged=(), outputs=None):
+    def __init__(self, events, ordinal, scope, judged=(), outputs=None, restated=()):
         self.events = events
         self.ordinal = ordinal      # the session's ordinal after these events
         self.scope = scope          # the open module after these events
         self.narration = {}         # narrator state before -> (lines, state after)
         self.judged = judged
         self.outputs = outputs
+        self.restated = restated
 
 
 class GraphPlan:
@@ -116,10 +119,10 @@ class GraphPlan:
             scopes = self._scopes[frame_scope] = [table.resolve(frame_scope, op.modules) for op in self.ops]
         return scopes
 
-    def remember(self, key, events, ordinal, scope, judged=(), outputs=None) -> None:
+    def remember(self, key, events, ordinal, scope, judged=(), outputs=None, restated=()) -> None:
         if len(self.segments) >= self.MAX_SEGMENTS:
             self.segments.clear()
-        self.segments[key] = Segment(events, ordinal, scope, judged, outputs)
+        self.segments[key] = Segment(events, ordinal, scope, judged, outputs, restated)
 
 
 def numel_of(shape) -> Optional[int]:
