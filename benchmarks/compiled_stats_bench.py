@@ -36,11 +36,12 @@ for a screened graph, those its after-call variant returns)
 and what reading them costs on this machine, timed here on tensors of the same sizes (one sum
 each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
 floor). For exact statistics, whose digits must stay eager's, the floor is what eager's own recipe
-costs: the graph storing its outputs (`graph +`), then the recipe run on the values one call returned
-(cloned once, after the rounds) with nothing around them, read from memory as after a call
-(`exact's recipe alone`): the reductions, their one read, the sums read into statistics and the
-second pass some values need (an sd the sums cannot give, a non-finite value); `floor x` is plain
-plus both, over plain. Values drawn at random would leave out the second passes: GPT-2's GELU
+costs: the graph storing its outputs (`graph +`), then the recipe run on the values one call measured
+(its input and the outputs its graphs returned, cloned once after the rounds) with nothing around
+them, read from memory as after a call (`exact's recipe alone`): a contiguous copy of an output
+that is not, the reductions, their one read, the sums read into statistics and the second pass
+some values need (an sd the sums cannot give, a non-finite value); `floor x` is plain plus both,
+over plain. Values drawn at random would leave out the second passes: GPT-2's GELU
 holds one output a layer whose mean is large against its spread.
 After the rounds, each mode runs once more in long blocks of calls (`--steady-calls` calls a mode,
 in 4 blocks, the modes interleaved), after one collection and none between blocks: its mean call
@@ -235,11 +236,12 @@ def faults() -> int:
 
 def read_limit(sizes: List[tuple], values=(), repeats: int = 20) -> Dict[str, float]:
     """Bytes of `sizes` and the milliseconds reading them once takes here: one sum per tensor, and
-    one sum over a single buffer holding as many bytes. Beside them, with `values` (a call's measured
-    outputs, copied), what exact statistics' own recipe costs with nothing around it: eager's recipe
-    of each float tensor as `summed_together` runs it (`recipes.sum_parts`: min and max, sum, sum of
-    squares; read to the host in one transfer; the sums read into statistics, with a second pass
-    where they cannot give them), each time from memory, as after a graph call (whose weights and
+    one sum over a single buffer holding as many bytes. Beside them, with `values` (what a call
+    measured, copied: its input and its graphs' returned outputs, in their own layouts), what exact
+    statistics' own recipe costs with nothing around it: eager's recipe of each float tensor as
+    `summed_together` runs it (a contiguous copy of one that is not; `recipes.sum_parts`: min and
+    max, sum, sum of squares; read to the host in one transfer; the sums read into statistics, with
+    a second pass where they cannot give them), each time from memory, as after a graph call (whose weights and
     later outputs have pushed the first outputs out of the caches): a buffer larger than this
     machine's caches is written before each timing, which is not counted."""
     tensors = [torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.zeros(numel, dtype=dtype)
@@ -259,7 +261,7 @@ def read_limit(sizes: List[tuple], values=(), repeats: int = 20) -> Dict[str, fl
 
     per_tensor = timed(lambda: [t.sum() for t in tensors]) if tensors else 0.0
     limit = {"bytes": total, "sum_each_ms": per_tensor, "one_pass_ms": timed(flat.sum)}
-    floats = [t.contiguous() for t in values if t.dtype in (torch.float32, torch.float64) and t.numel()]
+    floats = [t for t in values if t.dtype in (torch.float32, torch.float64) and t.numel()]
     if floats:
         elsewhere = torch.zeros(EVICTING_BYTES, dtype=torch.uint8)
         limit["recipe_each_ms"] = timed(
@@ -349,7 +351,7 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
                     sizes[mode] = parts.sizes
         parts.keep = True  # (one more call, untimed: the values exact statistics measure, for their floor)
         modes["compiled_exact"]()
-        parts.keep, values = False, parts.values
+        parts.keep, values = False, [x, *parts.values]  # (the input is measured too)
         steady = steady_runs(modes, steady_calls) if steady_calls else {}
         thawed = steady_runs(modes, steady_calls, frozen=True) if frozen and steady_calls else {}
     rows = {}

@@ -119,11 +119,17 @@ def test_exact_statistics_floor_is_eager_recipe_on_the_values_a_call_measured_se
     passes: list = []
     about_the_mean = recipes.about_the_mean
     monkeypatch.setattr(recipes, "about_the_mean", lambda *args: passes.append(args[0].numel()) or about_the_mean(*args))
-    values = [torch.randn(4096), 1000 + 1e-3 * torch.randn(4096), torch.arange(10)]
+    layouts: list = []
+    summed_together = recipes.summed_together
+    monkeypatch.setattr(recipes, "summed_together",
+                        lambda pairs, *args: layouts.append([t.is_contiguous() for _, t in pairs]) or
+                        summed_together(pairs, *args))
+    values = [torch.randn(4096), 1000 + 1e-3 * torch.randn(4096), torch.arange(10), torch.randn(64, 64).t()]
     sizes = [(t.numel(), t.dtype) for t in values]
     limit = bench.read_limit(sizes, values, repeats=2)
-    assert limit["recipe_each_ms"] > 0 and limit["bytes"] == 2 * 4096 * 4 + 10 * 8, limit
+    assert limit["recipe_each_ms"] > 0 and limit["bytes"] == 3 * 4096 * 4 + 10 * 8, limit
     assert passes and set(passes) == {4096}, passes  # the large-mean value, measured again about its mean
+    assert layouts and all(seen == [True, True, False] for seen in layouts), layouts  # (its copy is timed too)
     assert "recipe_each_ms" not in bench.read_limit(sizes), "no values, no floor: sizes alone leave out second passes"
 
 
