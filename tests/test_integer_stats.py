@@ -11,10 +11,13 @@ from fractions import Fraction
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import torchlens as tl
 from torchlens.fx_backend import stats_pass
+from torchlens.measure.stats import FEW_INTEGERS, few_int_values, small_int_vector
 from torchlens.narration.stats_text import fmt
 
 INTEGER_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64] + [
@@ -200,3 +203,48 @@ def test_integer_statistics_of_a_large_tensor_stay_exact():
     trace, text = narrated_trace(Offsets(), x)
     values = trace.values[trace.ops[1].ordinal][0]
     assert stats_of_lines(text)[trace.ops[1].ordinal] == expected_text(values.tolist())
+
+
+_BOUNDS = {dtype: (int(torch.iinfo(dtype).min), int(torch.iinfo(dtype).max)) for dtype in INTEGER_DTYPES
+           if dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), dtype=st.sampled_from(sorted(_BOUNDS, key=str)), numel=st.integers(1, FEW_INTEGERS),
+       scale=st.sampled_from([8, 2**20, 2**31, 2**46, 2**53, 2**62]))
+def test_few_integers_summed_in_python_give_the_reductions_floats_bit_for_bit_or_step_aside(data, dtype, numel,
+                                                                                            scale):
+    """A small integer tensor's statistics vector summed in Python is the float64 reductions' own,
+    down to the bit, whenever those could not round; past that (sums near 2**53 and beyond) it
+    steps aside and the reductions run."""
+    low, high = _BOUNDS[dtype]
+    values = data.draw(st.lists(st.integers(max(low, -scale), min(high, scale)), min_size=numel, max_size=numel))
+    tensor = torch.tensor(values, dtype=dtype)
+    few = few_int_values(tensor)
+    if few is None:
+        assert max(map(abs, values)) * numel >= 2**25, values  # (only sums that could round step aside)
+        return
+    reduced = small_int_vector(tensor.to(torch.float64)).tolist()
+    assert list(map(repr, few)) == list(map(repr, reduced)), (few, reduced)
+
+
+def test_a_transformers_forward_s_token_ids_and_positions_are_summed_in_python(monkeypatch):
+    """Token ids, positions and masks are small integer tensors: their exact statistics cost a read
+    each, no reductions, and read as the reductions would make them."""
+    transformers = pytest.importorskip("transformers")
+    from torchlens.measure import recipes
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    model, ids = transformers.GPT2Model(config).eval(), torch.tensor([[5, 17, 3, 99, 42, 0, 7]])
+    with torch.no_grad():
+        fast = tl.record(model, ids, value_stats="exact")
+        reduced: list = []
+        monkeypatch.setattr(recipes, "few_int_values", lambda tensor: reduced.append(tensor.numel()))
+        slow = tl.record(model, ids, value_stats="exact")
+    integers = [event for event in fast.events if getattr(event.stats, "kind", None) == "exact"
+                and isinstance(event.stats.min, int)]
+    measured = {id(event.stats) for event in integers}  # (a view shares what it views)
+    assert len(measured) >= 2 and len(reduced) == len(measured), (integers, reduced)  # the ids, the positions
+    assert fast.narrate() == slow.narrate()

@@ -42,11 +42,13 @@ import torch
 
 from ..events import Stats
 from .stats import (
+    FEW_INTEGERS,
     INT_COUNT,
     INT_VECTOR_SIZE,
     cheap_vector,
     count_vector,
     exact_below,
+    few_int_values,
     fill,
     finite_vector,
     int_vector,
@@ -243,8 +245,13 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def integers(stats: Stats, tensor: torch.Tensor, dtype: torch.dtype, tracking: bool) -> Stats:
     """Exact statistics of integers, read now: from their float copy while that is exact (the
-    common case: token ids, positions, counts), else from the integers themselves."""
-    values = small_int_vector(tensor.detach().to(dtype)).tolist()
+    common case: token ids, positions, counts), else from the integers themselves. A few on the
+    CPU are summed in Python (`few_int_values`: the same floats)."""
+    values = None
+    if dtype == torch.float64 and tensor.numel() <= FEW_INTEGERS and tensor.device.type == "cpu":
+        values = few_int_values(tensor)
+    if values is None:
+        values = small_int_vector(tensor.detach().to(dtype)).tolist()
     bound = exact_below(dtype)
     if -bound < values[0] and values[1] < bound:
         fill(stats, values, "small-int", tracking)

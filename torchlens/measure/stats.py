@@ -26,10 +26,10 @@ import torch
 
 from ..events import Stats
 
-__all__ = ["INT_COUNT", "INT_VECTOR_SIZE", "SAMPLE_SIZE", "applicable", "as_float", "cheap_vector", "count_vector",
-           "exact_below", "fill", "finite_vector", "int_vector", "is_dtensor", "is_wrapped", "lean_count_vector",
-           "measures", "plain_values", "sample_indices", "shareable", "small_int_vector", "unmeasured", "unwrapped",
-           "value_kind", "vector_dtype"]
+__all__ = ["FEW_INTEGERS", "INT_COUNT", "INT_VECTOR_SIZE", "SAMPLE_SIZE", "applicable", "as_float", "cheap_vector",
+           "count_vector", "exact_below", "few_int_values", "fill", "finite_vector", "int_vector", "is_dtensor",
+           "is_wrapped", "lean_count_vector", "measures", "plain_values", "sample_indices", "shareable",
+           "small_int_vector", "unmeasured", "unwrapped", "value_kind", "vector_dtype"]
 
 SAMPLE_SIZE = 4096
 _SAMPLE_SEED = 0
@@ -261,6 +261,26 @@ def _deviation(ordered, shift, wide: bool, vector: torch.dtype):
     high = (ordered >> 32) - (shift >> 32)
     low = (ordered & 0xFFFFFFFF) - (shift & 0xFFFFFFFF)
     return high.to(vector) * float(1 << 32) + low.to(vector)
+
+
+FEW_INTEGERS = 256  # an integer tensor this small is summed in Python, faster than a reduction's calls
+_EXACT_FLOAT64 = 1 << 53  # integers below this magnitude, and sums of them, are exact in float64
+
+
+def few_int_values(tensor: torch.Tensor) -> Optional[list]:
+    """`small_int_vector(tensor.to(torch.float64)).tolist()` of a CPU integer tensor of at most
+    `FEW_INTEGERS` elements, in Python's integers: a token id's or a position's tensor costs a read
+    instead of eight torch calls. The same floats, bit for bit, whenever the float64 reductions
+    could not round (every value, every partial sum of the deviations or of their squares below
+    2**53, whatever the order of summation); None when they could (then the vector is computed)."""
+    items = tensor.reshape(-1).tolist()
+    shift = items[0]
+    deviations = [item - shift for item in items]
+    squares = sum(deviation * deviation for deviation in deviations)
+    if (squares >= _EXACT_FLOAT64 or sum(map(abs, deviations)) >= _EXACT_FLOAT64
+            or max(map(abs, items)) >= _EXACT_FLOAT64):
+        return None
+    return [float(min(items)), float(max(items)), float(shift), float(sum(deviations)), float(squares)]
 
 
 def small_int_vector(f):
