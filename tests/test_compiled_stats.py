@@ -465,12 +465,16 @@ def test_a_tracked_call_all_finite_replays_the_call_before_and_reads_as_eager(mo
     assert call()[0] == 0 and not call()[1].findings
 
 
-def test_a_measured_call_again_restates_the_call_before_with_its_own_statistics(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_measured_call_again_restates_the_call_before_with_its_own_statistics(monkeypatch, strategy, fused):
     """With statistics alone, a graph called again in the same situation records no op anew: the
     earlier call's events come again with this call's statistics. Every call's lines are eager's
-    for its own input, and a recording kept from an earlier call keeps its own statistics."""
+    for its own input (measured after the call; fused, the graph's own), and a recording kept from
+    an earlier call keeps its own statistics."""
     from torchlens.fx_backend.compiled_pass import CompiledPass
 
+    if fused:
+        monkeypatch.setattr(stats_pass, "AFTER_CALL_BYTES", 100)  # less than the model's outputs hold
     recorded = []
     real = CompiledPass.add_plan_ops
     monkeypatch.setattr(CompiledPass, "add_plan_ops", lambda *args, **kwargs: recorded.append(1) or real(*args, **kwargs))
@@ -483,7 +487,8 @@ def test_a_measured_call_again_restates_the_call_before_with_its_own_statistics(
         with torch.no_grad():
             compiled(x)
             eager = tl.record(model, x, value_stats="exact").narrate()
-        assert body("\n".join(lines)) == body(eager)
+        assert fused or body("\n".join(lines)) == body(eager)
+        assert body("\n".join(lines)) == body(compiled.torchlens.last_recording.narrate())
         return len(recorded), compiled.torchlens.last_recording
 
     x = images(2)
@@ -493,6 +498,7 @@ def test_a_measured_call_again_restates_the_call_before_with_its_own_statistics(
     maxima = [[event.stats.max for event in rec.ops if event.op == "relu"] for _, rec in (first, second)]
     assert maxima[0] and all(b > a for a, b in zip(*maxima)), maxima
     assert not {id(e) for e in first[1].ops} & {id(e) for e in second[1].ops}  # (each call's events are its own)
+    assert set(strategy) == {"fused" if fused else "after_call"}
 
 
 def test_a_tracked_call_with_an_absorbed_infinity_is_recorded_afresh_each_time(monkeypatch):
