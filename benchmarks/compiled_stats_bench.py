@@ -129,12 +129,13 @@ class Parts:
     (from `CompiledGraph._prepare` returning to `_split_outputs` being handed their outputs), the
     whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`, or
     for a tracked call its one read: `all_finite` of the outputs returned, or a screened graph's
-    screens, all of it `reduce`), and the tensors measured; with `keep`, a copy of their values."""
+    screens, all of it `reduce`), and the tensors measured (each graph call's); with `keep`, a copy
+    of their values, every graph's of the forward."""
 
     def __init__(self):
         self.graph = self.after = self.measure = self.reduce = 0.0
-        self.sizes: List[tuple] = []  # (numel, dtype) of each tensor measured, the last call's
-        self.keep = False  # whether the next call's measured tensors are copied into `values`
+        self.measured: List[List[tuple]] = []  # per graph call of the block: (numel, dtype) of each tensor measured
+        self.keep = False  # whether the measured tensors are copied into `values`
         self.values: List[torch.Tensor] = []
         self._called = 0.0
         plan, measured = compiled_pass.CompiledPass.add_plan, compiled_pass.measure_returned
@@ -153,9 +154,9 @@ class Parts:
                 return measured(slots, tensors, measurer, numels)
             finally:
                 self.measure += time.perf_counter() - start
-                self.sizes = [(t.numel(), t.dtype) for t in tensors]
+                self.measured.append([(t.numel(), t.dtype) for t in tensors])
                 if self.keep:
-                    self.values = [t.detach().clone() for t in tensors]
+                    self.values.extend(copied(t) for t in tensors)
 
         def timed_prepare(graph, *args):
             try:
@@ -197,6 +198,21 @@ class Parts:
 
     def reset(self) -> None:
         self.graph = self.after = self.measure = self.reduce = 0.0
+        self.measured = []
+
+    def call_sizes(self, calls: int) -> List[tuple]:
+        """The sizes the last of a block's `calls` forwards measured, over all its graphs."""
+        per_call = len(self.measured) // calls
+        return [size for graph in self.measured[len(self.measured) - per_call:] for size in graph] if per_call else []
+
+
+def copied(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in its own layout: its storage copied, with the same offset, sizes and
+    strides (`clone` makes a view that is not dense contiguous, which the meter would copy first)."""
+    storage = tensor.detach().untyped_storage()
+    copy = torch.empty(0, dtype=tensor.dtype).set_(storage.clone(), tensor.storage_offset(), tensor.size(),
+                                                   tensor.stride())
+    return copy
 
 
 _KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", re.M)
@@ -347,11 +363,13 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
                 after[mode].append(parts.after / calls * 1e3)
                 measuring[mode].append(parts.measure / calls * 1e3)
                 reducing[mode].append(parts.reduce / calls * 1e3)
-                if parts.sizes:
-                    sizes[mode] = parts.sizes
-        parts.keep = True  # (one more call, untimed: the values exact statistics measure, for their floor)
+                if parts.measured:
+                    sizes[mode] = parts.call_sizes(calls)
+        parts.keep, parts.values = True, []  # (one more call, untimed: what exact statistics measure, for their floor)
         modes["compiled_exact"]()
-        parts.keep, values = False, [x, *parts.values]  # (the input is measured too)
+        parts.keep = False
+        # the input is measured too; no outputs returned (a graph that fuses its statistics): no floor
+        values = [x, *parts.values] if parts.values else []
         steady = steady_runs(modes, steady_calls) if steady_calls else {}
         thawed = steady_runs(modes, steady_calls, frozen=True) if frozen and steady_calls else {}
     rows = {}

@@ -131,6 +131,20 @@ def test_exact_statistics_floor_is_eager_recipe_on_the_values_a_call_measured_se
     assert passes and set(passes) == {4096}, passes  # the large-mean value, measured again about its mean
     assert layouts and all(seen == [True, True, False] for seen in layouts), layouts  # (its copy is timed too)
     assert "recipe_each_ms" not in bench.read_limit(sizes), "no values, no floor: sizes alone leave out second passes"
+    narrow = torch.randn(4, 6)[:, :3]  # (a view `clone` would make contiguous: the meter copies it first)
+    copy = bench.copied(narrow)
+    assert torch.equal(copy, narrow) and copy.stride() == narrow.stride() and not copy.is_contiguous()
+    assert copy.untyped_storage().data_ptr() != narrow.untyped_storage().data_ptr()
+
+
+def test_the_sizes_a_forward_measured_are_every_graph_s_of_its_last_call():
+    from types import SimpleNamespace
+
+    bench = _compiled_stats_bench()
+    first, second = [(8, "f32")], [(4, "f32"), (2, "i64")]
+    block = SimpleNamespace(measured=[first, second] * 3)  # three forwards of two graphs each
+    assert bench.Parts.call_sizes(block, 3) == first + second
+    assert bench.Parts.call_sizes(SimpleNamespace(measured=[]), 3) == []
 
 
 def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collector_as_it_was():
