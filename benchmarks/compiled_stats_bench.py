@@ -129,17 +129,23 @@ class Parts:
     (from `CompiledGraph._prepare` returning to `_split_outputs` being handed their outputs), the
     whole of `CompiledPass.add_plan` after each, the measuring within it (`measure_returned`, or
     for a tracked call its one read: `all_finite` of the outputs returned, or a screened graph's
-    screens, all of it `reduce`), and the tensors measured (each graph call's); with `keep`, a copy
-    of their values, every graph's of the forward."""
+    screens, all of it `reduce`), and the tensors measured by the last forward that measured any
+    (every graph's of it); with `keep`, a copy of their values."""
 
     def __init__(self):
         self.graph = self.after = self.measure = self.reduce = 0.0
-        self.measured: List[List[tuple]] = []  # per graph call of the block: (numel, dtype) of each tensor measured
+        self.sizes: List[tuple] = []  # (numel, dtype) of each tensor measured, by every graph of one forward
+        self._forward: List[tuple] = []  # the same, of the forward running now
         self.keep = False  # whether the measured tensors are copied into `values`
         self.values: List[torch.Tensor] = []
         self._called = 0.0
         plan, measured = compiled_pass.CompiledPass.add_plan, compiled_pass.measure_returned
         prepare, split = CompiledGraph._prepare, CompiledGraph._split_outputs
+        begin = compiled_pass.CompiledPass.begin
+
+        def begin_forward(*args, **kwargs):
+            self._forward = []
+            return begin(*args, **kwargs)
 
         def add_plan(*args, **kwargs):
             start = time.perf_counter()
@@ -154,7 +160,8 @@ class Parts:
                 return measured(slots, tensors, measurer, numels)
             finally:
                 self.measure += time.perf_counter() - start
-                self.measured.append([(t.numel(), t.dtype) for t in tensors])
+                self._forward.extend((t.numel(), t.dtype) for t in tensors)
+                self.sizes = self._forward
                 if self.keep:
                     self.values.extend(copied(t) for t in tensors)
 
@@ -193,17 +200,12 @@ class Parts:
         compiled_pass.all_finite = timed_finite(compiled_pass.all_finite)
         compiled_pass.screens_finite = timed_finite(compiled_pass.screens_finite)  # (a screened graph's)
         compiled_pass.CompiledPass.add_plan = add_plan
+        compiled_pass.CompiledPass.begin = begin_forward  # type: ignore[method-assign]
         compiled_pass.measure_returned = measure_returned
         CompiledGraph._prepare, CompiledGraph._split_outputs = timed_prepare, timed_split
 
     def reset(self) -> None:
         self.graph = self.after = self.measure = self.reduce = 0.0
-        self.measured = []
-
-    def call_sizes(self, calls: int) -> List[tuple]:
-        """The sizes the last of a block's `calls` forwards measured, over all its graphs."""
-        per_call = len(self.measured) // calls
-        return [size for graph in self.measured[len(self.measured) - per_call:] for size in graph] if per_call else []
 
 
 def copied(tensor: torch.Tensor) -> torch.Tensor:
@@ -363,8 +365,8 @@ def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen:
                 after[mode].append(parts.after / calls * 1e3)
                 measuring[mode].append(parts.measure / calls * 1e3)
                 reducing[mode].append(parts.reduce / calls * 1e3)
-                if parts.measured:
-                    sizes[mode] = parts.call_sizes(calls)
+                if parts.sizes:
+                    sizes[mode] = parts.sizes
         parts.keep, parts.values = True, []  # (one more call, untimed: what exact statistics measure, for their floor)
         modes["compiled_exact"]()
         parts.keep = False

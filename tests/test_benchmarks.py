@@ -137,14 +137,36 @@ def test_exact_statistics_floor_is_eager_recipe_on_the_values_a_call_measured_se
     assert copy.untyped_storage().data_ptr() != narrow.untyped_storage().data_ptr()
 
 
-def test_the_sizes_a_forward_measured_are_every_graph_s_of_its_last_call():
-    from types import SimpleNamespace
+def test_the_sizes_and_values_a_forward_measured_are_every_graph_s(tmp_path):
+    """A forward split by a graph break measures in two graph calls; the limit's sizes and the
+    floor's values are both graphs' (a process of its own: `Parts` wraps torchlens's classes)."""
+    script = tmp_path / "two_graphs.py"
+    script.write_text(f"""
+import sys, torch
+sys.path.insert(0, {str(BENCHMARKS)!r})
+import torchlens as tl
+from compiled_stats_bench import Parts
 
-    bench = _compiled_stats_bench()
-    first, second = [(8, "f32")], [(4, "f32"), (2, "i64")]
-    block = SimpleNamespace(measured=[first, second] * 3)  # three forwards of two graphs each
-    assert bench.Parts.call_sizes(block, 3) == first + second
-    assert bench.Parts.call_sizes(SimpleNamespace(measured=[]), 3) == []
+class TwoGraphs(torch.nn.Module):
+    def forward(self, x):
+        y = torch.relu(x * 2)
+        torch._dynamo.graph_break()
+        return torch.tanh(y + 1).sum(0)
+
+parts = Parts()
+compiled = tl.compile(TwoGraphs(), value_stats="exact", compiler="eager")
+x = torch.randn(3, 4)
+with torch.no_grad():
+    compiled(x)
+    parts.keep = True
+    compiled(x)
+print(len(parts.sizes), len(parts.values))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent)))
+    assert done.returncode == 0, done.stderr
+    sizes, values = map(int, done.stdout.split())
+    assert sizes == values >= 4, done.stdout  # (mul and relu, then add, tanh and sum: not the last graph's 3)
 
 
 def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collector_as_it_was():
