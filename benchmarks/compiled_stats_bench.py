@@ -37,12 +37,12 @@ and what reading them costs on this machine, timed here on tensors of the same s
 each, the screen's own kernel; and one pass over a single buffer of all those bytes, the bandwidth
 floor). For exact statistics, whose digits must stay eager's, the floor is what eager's own recipe
 costs: the graph storing its outputs (`graph +`), then the recipe run on the values one call measured
-(its input and the outputs its graphs returned, cloned once after the rounds) with nothing around
-them, read from memory as after a call (`exact's recipe alone`): a contiguous copy of an output
-that is not, the reductions, their one read, the sums read into statistics and the second pass
-some values need (an sd the sums cannot give, a non-finite value); `floor x` is plain plus both,
-over plain. Values drawn at random would leave out the second passes: GPT-2's GELU
-holds one output a layer whose mean is large against its spread.
+(its input and the outputs its graphs returned, copied once after the rounds, each in its own
+layout) with nothing around them, read from memory as after a call (`exact's recipe alone`): a
+contiguous copy of an output that is not, the reductions, their one read, the sums read into
+statistics and the second pass some values need (an sd the sums cannot give, a non-finite value);
+`floor x` is plain plus both, over plain. Values drawn at random would leave out the second
+passes (GPT-2's GELU holds one output a layer whose mean is large against its spread) and copies.
 After the rounds, each mode runs once more in long blocks of calls (`--steady-calls` calls a mode,
 in 4 blocks, the modes interleaved), after one collection and none between blocks: its mean call
 against its median, and what the garbage collector took of it,
@@ -211,10 +211,8 @@ class Parts:
 def copied(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor` in its own layout: its storage copied, with the same offset, sizes and
     strides (`clone` makes a view that is not dense contiguous, which the meter would copy first)."""
-    storage = tensor.detach().untyped_storage()
-    copy = torch.empty(0, dtype=tensor.dtype).set_(storage.clone(), tensor.storage_offset(), tensor.size(),
-                                                   tensor.stride())
-    return copy
+    storage = tensor.detach().untyped_storage().clone()
+    return torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 _KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", re.M)
@@ -259,9 +257,9 @@ def read_limit(sizes: List[tuple], values=(), repeats: int = 20) -> Dict[str, fl
     statistics' own recipe costs with nothing around it: eager's recipe of each float tensor as
     `summed_together` runs it (a contiguous copy of one that is not; `recipes.sum_parts`: min and
     max, sum, sum of squares; read to the host in one transfer; the sums read into statistics, with
-    a second pass where they cannot give them), each time from memory, as after a graph call (whose weights and
-    later outputs have pushed the first outputs out of the caches): a buffer larger than this
-    machine's caches is written before each timing, which is not counted."""
+    a second pass where they cannot give them), each time from memory, as after a graph call
+    (whose weights and later outputs have pushed the first outputs out of the caches): a buffer
+    larger than this machine's caches is written before each timing, which is not counted."""
     tensors = [torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.zeros(numel, dtype=dtype)
                for numel, dtype in sizes]
     total = sum(t.numel() * t.element_size() for t in tensors)
