@@ -228,6 +228,15 @@ def test_few_integers_summed_in_python_give_the_reductions_floats_bit_for_bit_or
     assert list(map(repr, few)) == list(map(repr, reduced)), (few, reduced)
 
 
+def test_few_integers_past_float64_s_exact_ones_step_aside_even_when_close_together():
+    """Values past 2**53 round when converted to float64, so their deviations there are not the
+    integers': however small their spread, the Python sums step aside."""
+    close = torch.tensor([2**53 + 1, 2**53, 2**53 + 3])
+    assert few_int_values(close) is None
+    assert few_int_values(-close) is None
+    assert few_int_values(close - 4) is not None  # (all below 2**53: exact either way)
+
+
 def test_a_transformers_forward_s_token_ids_and_positions_are_summed_in_python(monkeypatch):
     """Token ids, positions and masks are small integer tensors: their exact statistics cost a read
     each, no reductions, and read as the reductions would make them."""

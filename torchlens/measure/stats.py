@@ -274,13 +274,13 @@ def few_int_values(tensor: torch.Tensor) -> Optional[list]:
     could not round (every value, every partial sum of the deviations or of their squares below
     2**53, whatever the order of summation); None when they could (then the vector is computed)."""
     items = tensor.reshape(-1).tolist()
-    shift = items[0]
+    shift, low, high = items[0], min(items), max(items)
     deviations = [item - shift for item in items]
     squares = sum(deviation * deviation for deviation in deviations)
-    if (squares >= _EXACT_FLOAT64 or sum(map(abs, deviations)) >= _EXACT_FLOAT64
-            or max(map(abs, items)) >= _EXACT_FLOAT64):
+    # (|d| <= d*d for an integer d: squares below 2**53 bound every partial sum of the deviations too)
+    if squares >= _EXACT_FLOAT64 or max(-low, high) >= _EXACT_FLOAT64:
         return None
-    return [float(min(items)), float(max(items)), float(shift), float(sum(deviations)), float(squares)]
+    return [float(low), float(high), float(shift), float(sum(deviations)), float(squares)]
 
 
 def small_int_vector(f):
