@@ -764,3 +764,40 @@ def test_screened_graphs_read_as_graphs_measured_after_the_call_on_real_models(m
     finally:
         torch._dynamo.reset()
     assert screened[1][2], screened[1][1]  # (the NaN is found)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "bf16", "fp16"])
+def test_a_transformers_model_s_measured_calls_restated_read_as_recorded_afresh(monkeypatch, context):
+    """A transformers BERT compiled with exact statistics, under no_grad, inference_mode and bf16 or
+    fp16 autocast: its calls after the first are restated, and read exactly as calls recorded afresh."""
+    transformers = pytest.importorskip("transformers")
+    from torchlens.fx_backend.compiled_pass import CompiledPass
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100)
+    scopes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+              "bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+              "fp16": lambda: torch.autocast("cpu", dtype=torch.float16)}
+    ids = [torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(seed)) for seed in (0, 1, 0)]
+
+    recorded: list = []
+    real = CompiledPass.add_plan_ops
+    monkeypatch.setattr(CompiledPass, "add_plan_ops", lambda *args, **kwargs: recorded.append(1) or real(*args, **kwargs))
+
+    def transcripts() -> list:
+        torch.manual_seed(0)
+        compiled = tl.compile(transformers.BertModel(config).eval(), value_stats="exact", compiler="eager")
+        texts = []
+        for x in ids:
+            recorded.clear()
+            with torch.no_grad(), scopes[context]():
+                compiled(x)
+            texts.append((body(compiled.torchlens.last_recording.narrate()), len(recorded)))
+        return texts
+
+    again = transcripts()
+    assert again[0][1] >= 1 and again[1][1] == again[2][1] == 0, again  # (calls after the first: restated)
+    monkeypatch.setattr(CompiledPass, "_restates", lambda self, plan: False)
+    fresh = transcripts()
+    assert [text for text, _ in again] == [text for text, _ in fresh] and again[0][0] == again[2][0] != again[1][0]

@@ -339,3 +339,49 @@ def test_the_rank_fsdp2_poisoned_through_its_reduce_scatter_is_told_so(two_ranks
     assert text.startswith("NaN in the gradients of 6 parameters (0.weight, 0.bias, 2.weight, ...) after the "
                            "backward: this backward's own gradients were finite, then something outside the graph"), text
     assert rank0["first_rank"] == rank1["first_rank"] == 1
+
+
+def _restated_scenario(rank: int, workdir: str) -> dict:
+    """Compiled FSDP2 blocks with exact statistics alone, three steps (inputs 0, 1, 0): each
+    block's transcript per step, with later calls restated and with restating turned off."""
+    from torch.distributed.fsdp import fully_shard
+
+    from torchlens.fx_backend.compiled_pass import CompiledPass
+
+    def steps() -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Block(8), _Block(8))
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        for index, block in enumerate(model):
+            model[index] = tl.compile(block, compiler="aot_eager", value_stats="exact")
+        seen = []
+        with torch.no_grad():
+            for seed in (0, 1, 0):
+                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + 10 * rank)))
+                seen.append([block.torchlens.last_recording.narrate(engine_ops=True) for block in model])
+        return seen
+
+    restated = steps()
+    original = CompiledPass._restates
+    CompiledPass._restates = lambda self, plan: False  # type: ignore[method-assign]
+    try:
+        fresh = steps()
+    finally:
+        CompiledPass._restates = original  # type: ignore[method-assign]
+    return {"restated": restated, "fresh": fresh}
+
+
+def test_compiled_fsdp2_blocks_restated_read_as_recorded_afresh_on_two_ranks(tmp_path):
+    """On 2 gloo ranks, FSDP2 blocks compiled with exact statistics: the calls restated from the
+    one before (their all-gathers narrated as FSDP2's) read exactly as calls recorded afresh, and
+    each step's statistics are its own."""
+    for result in run_ranks(_restated_scenario, 2, tmp_path):
+        restated, fresh = result["restated"], result["fresh"]
+        assert restated == fresh
+        # the model's own lines, numbers aside (FSDP2's own ops differ between a first unshard and the next)
+        bodies = [[[line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#") and "[FSDP2]" not in line]
+                   for text in step] for step in restated]
+        assert bodies[0] == bodies[2] != bodies[1]
+        assert "[FSDP2]" in restated[1][0] and "min=" in restated[1][0]
