@@ -7,6 +7,8 @@
     python benchmarks/compiled_stats_bench.py --quick              # small models, a few minutes
     python benchmarks/compiled_stats_bench.py --steady-calls 400   # longer runs after the rounds (0: none)
     python benchmarks/compiled_stats_bench.py --frozen             # and once more after gc.freeze()
+    python benchmarks/compiled_stats_bench.py --alone              # instead: each mode alone in fresh processes
+    python benchmarks/compiled_stats_bench.py --alone --preload /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 For each model, in a process of its own: plain eager, eager with `value_stats="exact"` and with
 `on_nonfinite="track"`, plain `torch.compile` (inductor) and `tl.compile` with the same two options
@@ -58,7 +60,10 @@ allocator's handling of memory freed between calls (glibc returning it to the sy
 faulting it in again) can cost more than the statistics, and which modes it hits depends on the
 process's history. `--stable-allocator` runs each model with glibc told to keep freed memory
 (`MALLOC_TRIM_THRESHOLD_` and friends, for the child processes only), which separates that cost from
-the measuring's own.
+the measuring's own. `--alone` asks what a process running one mode pays instead, the
+allocator's state its own: each mode alone in a fresh process (`--alone-rounds` times, the modes
+interleaved), its calls' median, faults per call, and per-round ratios against plain and against
+eager with the same statistics; `--preload` runs the children with another malloc (`LD_PRELOAD`).
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -326,17 +331,23 @@ def steady_runs(modes: Dict[str, Callable[[], object]], calls: int, frozen: bool
     return report
 
 
-def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen: bool = False) -> Dict:
-    """All modes of one model, in this process: times, faults and the compiled modes' parts."""
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    model, x = build(name)
-    parts = Parts()
+def calls_of(model, x) -> Dict[str, Callable[[], object]]:
+    """One call of `model` on `x` in each mode (nothing compiles until its first call)."""
     plain = torch.compile(model)
     modes: Dict[str, Callable[[], object]] = {"eager": lambda: model(x), "compiled": lambda: plain(x)}
     for stat, keywords in STATS.items():
         modes[f"eager_{stat}"] = (lambda kw: lambda: tl.record(model, x, **kw))(keywords)
         modes[f"compiled_{stat}"] = (lambda c: lambda: c(x))(tl.compile(model, **keywords))
     modes["compiled_track_after_call"] = unscreened(tl.compile(model, **STATS["track"]), x)
+    return modes
+
+
+def run_model(name: str, rounds: int, calls: int, steady_calls: int = 0, frozen: bool = False) -> Dict:
+    """All modes of one model, in this process: times, faults and the compiled modes' parts."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model, x = build(name)
+    parts = Parts()
+    modes = calls_of(model, x)
     times: Dict[str, List[float]] = {mode: [] for mode in modes}
     fault_counts: Dict[str, List[float]] = {mode: [] for mode in modes}
     graph: Dict[str, List[float]] = {mode: [] for mode in modes}
@@ -447,6 +458,80 @@ def cold_rounds(name: str, rounds: int, env: Dict[str, str]):
     return medians, ratios
 
 
+ALONE_MODES = ("eager", "compiled", "eager_exact", "compiled_exact", "eager_track", "compiled_track")
+
+
+def alone_calls(name: str, mode: str, blocks: int, calls: int) -> Dict[str, float]:
+    """One mode alone in this process, as a user's process runs it: after a warm-up, `blocks`
+    blocks of `calls` calls; the median block's ms per call and minor page faults per call."""
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model, x = build(name)
+    run = calls_of(model, x)[mode]
+    times, counts = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            run()
+        for _ in range(blocks):
+            before, start = faults(), time.perf_counter()
+            for _ in range(calls):
+                run()
+            times.append((time.perf_counter() - start) / calls * 1e3)
+            counts.append((faults() - before) / calls)
+    return {"ms": statistics.median(times), "faults_per_call": statistics.median(counts)}
+
+
+def alone_rounds(name: str, rounds: int, blocks: int, calls: int, env: Dict[str, str]) -> Dict:
+    """Each mode alone in a fresh process, `rounds` times, the modes interleaved. In one process
+    the modes share the allocator's state: under glibc's defaults, memory one mode holds at its
+    peak is given back to the system and faulted in again by the modes beside it, so the
+    side-by-side rounds cannot tell what a process running one mode pays. Per mode: median ms and
+    faults per call, the median of per-round ratios against plain eager or plain `torch.compile`
+    (`x`), and for a compiled statistics mode against eager with the same statistics
+    (`x_eager`). A mode that fails in any round counts as failed."""
+    ms: Dict[str, List[float]] = {mode: [] for mode in ALONE_MODES}
+    counts: Dict[str, List[float]] = {mode: [] for mode in ALONE_MODES}
+    failed = set()
+    for _ in range(rounds):
+        for mode in ALONE_MODES:
+            result = child(["--models", name, "--child-alone", mode, "--rounds", str(blocks), "--calls", str(calls)],
+                           env)
+            if "error" in result:
+                failed.add(mode)
+            ms[mode].append(result.get("ms", 0.0))
+            counts[mode].append(result.get("faults_per_call", 0.0))
+
+    def ratio(mode: str, base: str) -> Optional[float]:
+        if mode in failed or base in failed:
+            return None
+        return statistics.median(a / b for a, b in zip(ms[mode], ms[base]))
+
+    report = {}
+    for mode in ALONE_MODES:
+        if mode in failed:
+            report[mode] = {"error": "failed"}
+            continue
+        row = {"ms": statistics.median(ms[mode]), "faults_per_call": statistics.median(counts[mode]),
+               "x": ratio(mode, "compiled" if mode.startswith("compiled") else "eager")}
+        if mode.startswith("compiled_"):
+            row["x_eager"] = ratio(mode, mode.replace("compiled", "eager"))
+        report[mode] = row
+    return report
+
+
+def alone_table(results: List[Dict]) -> str:
+    lines = ["| model | mode | ms | x plain | x eager, same statistics | faults/call |",
+             "|---|---|---:|---:|---:|---:|"]
+    for result in results:
+        for mode, row in result.get("alone", {}).items():
+            if "error" in row:
+                lines.append(f"| {result['model']} | {mode} | failed | | | |")
+                continue
+            against = f"{row['x_eager']:.2f}" if row.get("x_eager") else ""
+            lines.append(f"| {result['model']} | {mode} | {row['ms']:.1f} | {row['x']:.2f} | {against} | "
+                         f"{row['faults_per_call']:.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def child(arguments: List[str], env: Dict[str, str]) -> Dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, os.path.abspath(__file__), *arguments, "--child-json", out.name]
@@ -509,9 +594,14 @@ def main(argv=None) -> int:
     parser.add_argument("--stable-allocator", action="store_true", help="children keep freed memory (glibc)")
     parser.add_argument("--cold", action="store_true", help="also time each mode's first call, empty cache")
     parser.add_argument("--cold-rounds", type=int, default=3, help="fresh processes per mode for --cold")
+    parser.add_argument("--alone", action="store_true",
+                        help="instead of side by side, each mode alone in fresh processes (its allocator to itself)")
+    parser.add_argument("--alone-rounds", type=int, default=3, help="fresh processes per mode for --alone")
+    parser.add_argument("--preload", default=None, help="a malloc library the children preload (LD_PRELOAD)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-cold", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-alone", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     names = args.models.split(",") if args.models else (QUICK if args.quick else FULL)
     rounds = args.rounds or (3 if args.quick else 9)
@@ -519,24 +609,37 @@ def main(argv=None) -> int:
     if args.child_json:
         if args.child_cold:
             report: Dict = {"seconds": cold_first_call(names[0], args.child_cold)}
+        elif args.child_alone:
+            report = alone_calls(names[0], args.child_alone, rounds, args.calls)
         else:
             report = run_model(names[0], rounds, args.calls, steady_calls, args.frozen)
         with open(args.child_json, "w") as out:
             json.dump(report, out)
         return 0
     env = dict(os.environ, **(STABLE_ALLOCATOR if args.stable_allocator else {}))
+    if args.preload:
+        env["LD_PRELOAD"] = os.path.abspath(args.preload)
+    allocator = "glibc, kept" if args.stable_allocator else args.preload or "glibc"
     passed = ["--rounds", str(rounds), "--calls", str(args.calls), "--steady-calls", str(steady_calls)]
     passed += ["--frozen"] if args.frozen and steady_calls else []
     results = []
     for name in names:
+        if args.alone:
+            results.append({"model": name, "alone": alone_rounds(name, args.alone_rounds, rounds, args.calls, env)})
+            print(f"{name}: done", file=sys.stderr, flush=True)
+            continue
         result = child(["--models", name, *passed], env)
         result.setdefault("model", name)
         if args.cold and "error" not in result:
             result["cold_s"], result["cold_x"] = cold_rounds(name, args.cold_rounds, env)
         results.append(result)
         print(f"{name}: done", file=sys.stderr, flush=True)
-    print(table(results))
-    if steady_calls:
+    if args.alone:
+        print(f"Each mode alone in a fresh process ({allocator}), medians of {args.alone_rounds} rounds:")
+        print(alone_table(results))
+    else:
+        print(table(results))
+    if steady_calls and not args.alone:
         print(f"\nLong runs: {steady_calls} calls per mode in {STEADY_ROUNDS} interleaved blocks:")
         print(steady_table(results))
         if args.frozen:
@@ -549,11 +652,14 @@ def main(argv=None) -> int:
                 if s else f"{mode} failed"
                 for mode, s in result["cold_s"].items()))
     report = {"threads": int(os.environ.get("BENCH_THREADS", "2")), "stable_allocator": args.stable_allocator,
+              "allocator": allocator,
               "torch": torch.__version__, "results": results}
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1)
-    return 0 if all("error" not in result for result in results) else 1
+    failed = [result for result in results
+              if "error" in result or any("error" in row for row in result.get("alone", {}).values())]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

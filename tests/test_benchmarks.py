@@ -191,6 +191,46 @@ def test_a_long_run_counts_the_collections_its_calls_cause_and_leaves_the_collec
     assert min(seen) > frozen and gc.get_freeze_count() == frozen  # frozen while it ran, thawed after
 
 
+def test_each_mode_alone_is_timed_in_processes_of_its_own_against_plain_and_eager_per_round(monkeypatch, tmp_path):
+    """`--alone`: one fresh process per mode and round, each with its own allocator state; the
+    ratios are per round (this machine drifts between processes), against plain and against eager
+    with the same statistics; a failed mode says so and fails the run; `--preload` reaches the children."""
+    bench = _compiled_stats_bench()
+    speed = {"eager": 10.0, "compiled": 8.0, "eager_exact": 14.0, "compiled_exact": 11.0, "eager_track": 12.0,
+             "compiled_track": 9.0}
+    calls: list = []
+
+    def child(arguments, env):  # round 2 on a machine twice as slow (plain eager's process 3x), round 3 3x
+        mode = arguments[arguments.index("--child-alone") + 1]
+        calls.append((mode, env.get("LD_PRELOAD")))
+        slow = 1 + (len(calls) - 1) // len(bench.ALONE_MODES)
+        return {"ms": speed[mode] * slow * (1.5 if slow == 2 and mode == "eager" else 1.0), "faults_per_call": 3.0}
+
+    monkeypatch.setattr(bench, "child", child)
+    report = bench.alone_rounds("small-gpt2", 3, 2, 1, {})
+    assert [mode for mode, _ in calls] == list(bench.ALONE_MODES) * 3  # the modes interleaved, round by round
+    assert report["compiled_exact"]["x"] == 11 / 8 and report["compiled_exact"]["x_eager"] == 11 / 14
+    assert report["compiled_track"]["x_eager"] == 9 / 12 and report["compiled"]["x"] == 1.0
+    assert report["eager_exact"]["x"] == 14 / 10  # (the median round's ratio, not the medians' 28 / 30)
+    assert "x_eager" not in report["eager_track"] and report["eager"]["faults_per_call"] == 3.0
+
+    monkeypatch.setattr(bench, "child", lambda arguments, env: (
+        {"error": "boom"} if "compiled_track" in arguments else {"ms": 1.0, "faults_per_call": 0.0}))
+    failed = bench.alone_rounds("small-gpt2", 1, 2, 1, {})
+    assert failed["compiled_track"] == {"error": "failed"} and failed["compiled_exact"]["x"] == 1.0
+    assert "| small-gpt2 | compiled_track | failed |" in bench.alone_table([{"model": "small-gpt2", "alone": failed}])
+
+    calls.clear()
+    monkeypatch.setattr(bench, "child", child)
+    assert bench.main(["--alone", "--alone-rounds", "1", "--models", "small-gpt2", "--preload", "libfast.so",
+                       "--json", str(tmp_path / "alone.json")]) == 0
+    assert {preload for _, preload in calls} == {os.path.abspath("libfast.so")}
+    saved = json.loads((tmp_path / "alone.json").read_text())
+    assert saved["allocator"] == "libfast.so" and saved["results"][0]["alone"]["compiled_exact"]["x"] == 11 / 8
+    monkeypatch.setattr(bench, "child", lambda arguments, env: {"error": "boom"})
+    assert bench.main(["--alone", "--alone-rounds", "1", "--models", "small-gpt2"]) == 1
+
+
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
     report, _ = quick_run("backward_bench.py", tmp_path, 600)
     assert [r["model"] for r in report] == ["small-convnet", "small-gpt2"]
