@@ -603,6 +603,9 @@ def main(argv=None) -> int:
     parser.add_argument("--child-cold", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-alone", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.alone and (args.cold or args.frozen or args.steady_calls is not None):
+        parser.error("--alone times each mode alone in fresh processes; --cold, --frozen and --steady-calls "
+                     "belong to the side-by-side run: run them without --alone")
     names = args.models.split(",") if args.models else (QUICK if args.quick else FULL)
     rounds = args.rounds or (3 if args.quick else 9)
     steady_calls = args.steady_calls if args.steady_calls is not None else (60 if args.quick else 200)

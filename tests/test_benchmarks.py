@@ -229,6 +229,9 @@ def test_each_mode_alone_is_timed_in_processes_of_its_own_against_plain_and_eage
     assert saved["allocator"] == "libfast.so" and saved["results"][0]["alone"]["compiled_exact"]["x"] == 11 / 8
     monkeypatch.setattr(bench, "child", lambda arguments, env: {"error": "boom"})
     assert bench.main(["--alone", "--alone-rounds", "1", "--models", "small-gpt2"]) == 1
+    for ignored in (["--cold"], ["--frozen"], ["--steady-calls", "50"]):  # refused, not swallowed
+        with pytest.raises(SystemExit):
+            bench.main(["--alone", "--models", "small-gpt2", *ignored])
 
 
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
