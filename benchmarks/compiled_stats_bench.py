@@ -490,13 +490,13 @@ def alone_rounds(name: str, rounds: int, blocks: int, calls: int, env: Dict[str,
     (`x_eager`). A mode that fails in any round counts as failed."""
     ms: Dict[str, List[float]] = {mode: [] for mode in ALONE_MODES}
     counts: Dict[str, List[float]] = {mode: [] for mode in ALONE_MODES}
-    failed = set()
+    failed: Dict[str, str] = {}  # mode -> the first failure's last line
     for _ in range(rounds):
         for mode in ALONE_MODES:
             result = child(["--models", name, "--child-alone", mode, "--rounds", str(blocks), "--calls", str(calls)],
                            env)
             if "error" in result:
-                failed.add(mode)
+                failed.setdefault(mode, result["error"])
             ms[mode].append(result.get("ms", 0.0))
             counts[mode].append(result.get("faults_per_call", 0.0))
 
@@ -508,7 +508,7 @@ def alone_rounds(name: str, rounds: int, blocks: int, calls: int, env: Dict[str,
     report = {}
     for mode in ALONE_MODES:
         if mode in failed:
-            report[mode] = {"error": "failed"}
+            report[mode] = {"error": failed[mode]}
             continue
         row = {"ms": statistics.median(ms[mode]), "faults_per_call": statistics.median(counts[mode]),
                "x": ratio(mode, "compiled" if mode.startswith("compiled") else "eager")}
@@ -524,10 +524,10 @@ def alone_table(results: List[Dict]) -> str:
     for result in results:
         for mode, row in result.get("alone", {}).items():
             if "error" in row:
-                lines.append(f"| {result['model']} | {mode} | failed | | | |")
+                lines.append(f"| {result['model']} | {mode} | failed: {row['error']} | | | |")
                 continue
-            against = f"{row['x_eager']:.2f}" if row.get("x_eager") else ""
-            lines.append(f"| {result['model']} | {mode} | {row['ms']:.1f} | {row['x']:.2f} | {against} | "
+            plain, eager = (f"{row[key]:.2f}" if row.get(key) is not None else "" for key in ("x", "x_eager"))
+            lines.append(f"| {result['model']} | {mode} | {row['ms']:.1f} | {plain} | {eager} | "
                          f"{row['faults_per_call']:.0f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -586,7 +586,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(MODELS)}")
     parser.add_argument("--quick", action="store_true", help="small models, fewer rounds")
-    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="rounds side by side; with --alone, blocks a process")
     parser.add_argument("--calls", type=int, default=5, help="calls per block")
     parser.add_argument("--steady-calls", type=int, default=None,
                         help="calls of each mode in long blocks after the rounds (default 200, --quick 60; 0: none)")
@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cold-rounds", type=int, default=3, help="fresh processes per mode for --cold")
     parser.add_argument("--alone", action="store_true",
                         help="instead of side by side, each mode alone in fresh processes (its allocator to itself)")
-    parser.add_argument("--alone-rounds", type=int, default=3, help="fresh processes per mode for --alone")
+    parser.add_argument("--alone-rounds", type=int, default=None, help="fresh processes per mode for --alone (3)")
     parser.add_argument("--preload", default=None, help="a malloc library the children preload (LD_PRELOAD)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
@@ -606,6 +606,12 @@ def main(argv=None) -> int:
     if args.alone and (args.cold or args.frozen or args.steady_calls is not None):
         parser.error("--alone times each mode alone in fresh processes; --cold, --frozen and --steady-calls "
                      "belong to the side-by-side run: run them without --alone")
+    if args.alone_rounds is not None and (args.alone_rounds < 1 or not args.alone):
+        parser.error("--alone-rounds is a count of 1 or more, for --alone")
+    rounds_alone = args.alone_rounds or 3
+    if args.preload and (args.stable_allocator or not os.path.isfile(args.preload)):
+        parser.error(f"--preload {args.preload}: give a malloc library that exists, and not with --stable-allocator "
+                     "(whose settings are glibc's)")
     names = args.models.split(",") if args.models else (QUICK if args.quick else FULL)
     rounds = args.rounds or (3 if args.quick else 9)
     steady_calls = args.steady_calls if args.steady_calls is not None else (60 if args.quick else 200)
@@ -621,14 +627,14 @@ def main(argv=None) -> int:
         return 0
     env = dict(os.environ, **(STABLE_ALLOCATOR if args.stable_allocator else {}))
     if args.preload:
-        env["LD_PRELOAD"] = os.path.abspath(args.preload)
+        env["LD_PRELOAD"] = " ".join(filter(None, [os.path.abspath(args.preload), env.get("LD_PRELOAD")]))
     allocator = "glibc, kept" if args.stable_allocator else args.preload or "glibc"
     passed = ["--rounds", str(rounds), "--calls", str(args.calls), "--steady-calls", str(steady_calls)]
     passed += ["--frozen"] if args.frozen and steady_calls else []
     results = []
     for name in names:
         if args.alone:
-            results.append({"model": name, "alone": alone_rounds(name, args.alone_rounds, rounds, args.calls, env)})
+            results.append({"model": name, "alone": alone_rounds(name, rounds_alone, rounds, args.calls, env)})
             print(f"{name}: done", file=sys.stderr, flush=True)
             continue
         result = child(["--models", name, *passed], env)
@@ -638,7 +644,7 @@ def main(argv=None) -> int:
         results.append(result)
         print(f"{name}: done", file=sys.stderr, flush=True)
     if args.alone:
-        print(f"Each mode alone in a fresh process ({allocator}), medians of {args.alone_rounds} rounds:")
+        print(f"Each mode alone in a fresh process ({allocator}), medians of {rounds_alone} rounds:")
         print(alone_table(results))
     else:
         print(table(results))

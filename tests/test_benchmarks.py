@@ -203,6 +203,8 @@ def test_each_mode_alone_is_timed_in_processes_of_its_own_against_plain_and_eage
     def child(arguments, env):  # round 2 on a machine twice as slow (plain eager's process 3x), round 3 3x
         mode = arguments[arguments.index("--child-alone") + 1]
         calls.append((mode, env.get("LD_PRELOAD")))
+        blocks = arguments[arguments.index("--rounds") + 1], arguments[arguments.index("--calls") + 1]
+        assert blocks == ("2", "1"), arguments  # (blocks a process, calls a block: alone_rounds' own)
         slow = 1 + (len(calls) - 1) // len(bench.ALONE_MODES)
         return {"ms": speed[mode] * slow * (1.5 if slow == 2 and mode == "eager" else 1.0), "faults_per_call": 3.0}
 
@@ -214,24 +216,50 @@ def test_each_mode_alone_is_timed_in_processes_of_its_own_against_plain_and_eage
     assert report["eager_exact"]["x"] == 14 / 10  # (the median round's ratio, not the medians' 28 / 30)
     assert "x_eager" not in report["eager_track"] and report["eager"]["faults_per_call"] == 3.0
 
-    monkeypatch.setattr(bench, "child", lambda arguments, env: (
-        {"error": "boom"} if "compiled_track" in arguments else {"ms": 1.0, "faults_per_call": 0.0}))
-    failed = bench.alone_rounds("small-gpt2", 1, 2, 1, {})
-    assert failed["compiled_track"] == {"error": "failed"} and failed["compiled_exact"]["x"] == 1.0
-    assert "| small-gpt2 | compiled_track | failed |" in bench.alone_table([{"model": "small-gpt2", "alone": failed}])
+    for broken in ("compiled_track", "compiled"):  # a mode that fails, and a base that does
+        monkeypatch.setattr(bench, "child", lambda arguments, env, broken=broken: (
+            {"error": "OSError: boom"} if arguments[3] == broken else {"ms": 1.0, "faults_per_call": 0.0}))
+        failed = bench.alone_rounds("small-gpt2", 1, 2, 1, {})
+        assert failed[broken] == {"error": "OSError: boom"}, failed
+        shown = bench.alone_table([{"model": "small-gpt2", "alone": failed}])
+        assert f"| small-gpt2 | {broken} | failed: OSError: boom |" in shown
+    assert failed["compiled_exact"]["x"] is None and failed["compiled_exact"]["x_eager"] == 1.0
+    assert "| small-gpt2 | compiled_exact | 1.0 |  | 1.00 | 0 |" in shown  # (no ratio against a failed base)
 
     calls.clear()
     monkeypatch.setattr(bench, "child", child)
-    assert bench.main(["--alone", "--alone-rounds", "1", "--models", "small-gpt2", "--preload", "libfast.so",
-                       "--json", str(tmp_path / "alone.json")]) == 0
-    assert {preload for _, preload in calls} == {os.path.abspath("libfast.so")}
+    library = tmp_path / "libfast.so"
+    library.write_bytes(b"")
+    monkeypatch.setenv("LD_PRELOAD", "libearlier.so")
+    assert bench.main(["--alone", "--alone-rounds", "1", "--models", "small-gpt2", "--preload", str(library),
+                       "--rounds", "2", "--calls", "1", "--json", str(tmp_path / "alone.json")]) == 0
+    assert {preload for _, preload in calls} == {f"{library} libearlier.so"}  # (first, the user's kept after it)
     saved = json.loads((tmp_path / "alone.json").read_text())
-    assert saved["allocator"] == "libfast.so" and saved["results"][0]["alone"]["compiled_exact"]["x"] == 11 / 8
+    assert saved["allocator"] == str(library) and saved["results"][0]["alone"]["compiled_exact"]["x"] == 11 / 8
     monkeypatch.setattr(bench, "child", lambda arguments, env: {"error": "boom"})
     assert bench.main(["--alone", "--alone-rounds", "1", "--models", "small-gpt2"]) == 1
-    for ignored in (["--cold"], ["--frozen"], ["--steady-calls", "50"]):  # refused, not swallowed
+    refused = (["--alone", "--cold"], ["--alone", "--frozen"], ["--alone", "--steady-calls", "50"],
+               ["--alone", "--alone-rounds", "0"], ["--alone-rounds", "2"], ["--preload", str(tmp_path / "nowhere.so")],
+               ["--preload", str(library), "--stable-allocator"])
+    for arguments in refused:  # refused with a usage error, not swallowed
         with pytest.raises(SystemExit):
-            bench.main(["--alone", "--models", "small-gpt2", *ignored])
+            bench.main(["--models", "small-gpt2", *arguments])
+
+
+def test_a_mode_alone_runs_its_warm_up_then_the_blocks_it_is_given(monkeypatch, tmp_path):
+    """The child's side of `--alone`: `--rounds` blocks of `--calls` calls after a warm-up of 3, the
+    faults counted per call, the report written where the parent reads it."""
+    bench = _compiled_stats_bench()
+    ran: list = []
+    monkeypatch.setattr(bench, "build", lambda name: (None, None))
+    monkeypatch.setattr(bench, "calls_of", lambda model, x: {"eager_exact": lambda: ran.append(1)})
+    out = tmp_path / "child.json"
+    assert bench.main(["--models", "small-gpt2", "--child-alone", "eager_exact", "--rounds", "4", "--calls", "2",
+                       "--child-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(ran) == 3 + 4 * 2 and report["ms"] > 0 and report["faults_per_call"] >= 0, (len(ran), report)
+
+
 
 
 def test_quick_backward_benchmark_measures_every_mode_and_counts_forward_and_backward_lines(tmp_path):
